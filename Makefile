@@ -1,0 +1,33 @@
+# The two front-door commands: `make demo` and `make test`. Both create .venv on first use.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Keep DeepSpeed's compiled ops and caches inside the project so a fresh machine builds them once.
+export DS_ACCELERATOR ?= cpu
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+# torch goes in first, pinned: torch==2.13.0 is the CPU wheel here; left to the resolver, another
+# package's torch requirement could pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m recipes.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_losses.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
