@@ -71,7 +71,7 @@ class NumericVocab:
         index[ids] = torch.arange(ids.numel())
         # index_of[id] is the numeric column of vocab id `id`, or -1 for a non-numeric token.
         self.index_of = index
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self._cache: dict = {}
 
     @property
     def size(self) -> int:
@@ -86,17 +86,18 @@ class NumericVocab:
         return f"NumericVocab({self.name}, N={self.size}, values in [{lo:g}, {hi:g}], V={self.vocab_size})"
 
     # ---- cached device tables -------------------------------------------------------------------
+    def memo(self, key: Hashable, build: Callable[[], object]):
+        """`build()`, computed once per key for the life of this vocabulary."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     def cached(
         self, key: Hashable, device: torch.device | str, dtype: torch.dtype, build: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
         """`build()` (a CPU tensor) moved to `device`/`dtype`, computed once per (key, device, dtype)."""
         device = torch.device(device)
-        full_key = (key, device, dtype)
-        table = self._cache.get(full_key)
-        if table is None:
-            table = build().to(device=device, dtype=dtype)
-            self._cache[full_key] = table
-        return table
+        return self.memo((key, device, dtype), lambda: build().to(device=device, dtype=dtype))
 
     def ids_on(self, device) -> torch.Tensor:
         return self.cached("token_ids", device, torch.long, lambda: self.token_ids)

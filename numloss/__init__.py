@@ -1,0 +1,26 @@
+"""numloss: numeric-aware token losses (SMMD, NTIL, NTL, DIST2, GCE), dense or vocab-parallel.
+
+    vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits")
+    objective = Objective(vocab, {"terms": {"smmd": {}}})      # CE + 3.0 · SMMD
+    out = objective(logits, labels)                            # out.loss, out.ce, out.terms
+"""
+
+from . import functional
+from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
+from .objective import DEFAULT_WEIGHTS, Objective, ObjectiveConfig, ObjectiveOutput, TermConfig
+from .parallel import count_comm
+from .vocab import NumericVocab
+
+__all__ = [
+    "functional",
+    "NumericVocab",
+    "Objective",
+    "ObjectiveConfig",
+    "ObjectiveOutput",
+    "TermConfig",
+    "DEFAULT_WEIGHTS",
+    "LogitStats",
+    "compute_logit_stats",
+    "count_comm",
+    "IGNORE_INDEX",
+]

@@ -1,0 +1,139 @@
+"""The training objective: cross-entropy plus any weighted set of numeric terms, from a typed config.
+
+    total = CE + Σ_k w_k · term_k                       (ntl_was, ntl_mse, dist2, ntil, smmd)
+    total = (1 - w) · CE + w · GCE  + Σ_k w_k · term_k  (GCE replaces CE; w = 1 by default)
+
+All terms share one pass over the logits (`compute_logit_stats`), so adding a term costs only its
+[M, N] math at the M numeric positions. A term listed with weight 0 is still computed and reported but
+adds exactly nothing: every weight 0 gives plain CE, value and gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
+from .losses import TERMS, cross_entropy_term
+from .vocab import NumericVocab
+
+# LOSSES.md's default weights (GCE's 1.0 means it fully replaces CE).
+DEFAULT_WEIGHTS = {"ntl_was": 0.3, "ntl_mse": 0.3, "gce": 1.0, "dist2": 0.1, "ntil": 0.3, "smmd": 3.0}
+
+
+@dataclass
+class TermConfig:
+    """One numeric term: its weight (None: the default weight) and its options (the term's kwargs).
+
+    `rescale_to_ce` is the NTIL release's normalisation, available for any term: the term enters as
+    `stopgrad(CE / term) · w · term`, so the total's value stays `(1 + w) · CE` while the gradient
+    direction still comes from the term.
+    """
+
+    weight: float | None = None
+    options: dict = field(default_factory=dict)
+    rescale_to_ce: bool = False
+
+
+@dataclass
+class ObjectiveConfig:
+    terms: dict[str, TermConfig] = field(default_factory=dict)
+    z_loss: float = 0.0
+    ignore_index: int = IGNORE_INDEX
+
+    def __post_init__(self):
+        for name, term in list(self.terms.items()):
+            if name not in TERMS:
+                raise ValueError(f"objective: unknown term {name!r}; known terms: {sorted(TERMS)}")
+            if term is None:
+                term = TermConfig()
+            elif isinstance(term, (int, float)):
+                term = TermConfig(weight=float(term))
+            elif isinstance(term, dict):
+                term = _term_from_dict(name, term)
+            if term.weight is None:
+                term.weight = DEFAULT_WEIGHTS[name]
+            _check_options(name, term.options)
+            self.terms[name] = term
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "ObjectiveConfig":
+        """From a plain mapping, e.g. a recipe's YAML: `{"z_loss": 0, "terms": {"smmd": {"weight": 3,
+        "sigmas": [2.0]}, "ntl_was": 0.3, "gce": {}}}`. Unknown keys are errors that name the key."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(config) - known
+        if unknown:
+            raise ValueError(f"objective: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
+        return cls(**{**config, "terms": dict(config.get("terms") or {})})
+
+
+def _term_from_dict(name: str, spec: dict) -> TermConfig:
+    spec = dict(spec)
+    weight = spec.pop("weight", None)
+    rescale = spec.pop("rescale_to_ce", False)
+    options = spec.pop("options", {})
+    options = {**options, **spec}  # options may be given flat or under "options"
+    return TermConfig(weight=None if weight is None else float(weight), options=options, rescale_to_ce=bool(rescale))
+
+
+def _check_options(name: str, options: dict) -> None:
+    allowed = set(inspect.signature(TERMS[name]).parameters) - {"stats", "vocab"}
+    unknown = set(options) - allowed
+    if unknown:
+        raise ValueError(f"objective: term {name!r} has no option(s) {sorted(unknown)}; options: {sorted(allowed)}")
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # the total to backpropagate
+    ce: torch.Tensor  # plain CE (with z-loss if configured)
+    terms: dict[str, torch.Tensor]  # each term's unweighted value
+    numeric_positions: int
+
+    def log_dict(self) -> dict[str, float]:
+        """Plain floats for logging: loss, ce, and each term as `term/<name>`."""
+        out = {"loss": float(self.loss.detach()), "ce": float(self.ce.detach()), "numeric_positions": self.numeric_positions}
+        out.update({f"term/{k}": float(v.detach()) for k, v in self.terms.items()})
+        return out
+
+
+def _rescaled(value: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
+    """`stopgrad(CE / value) · value`: the value of CE, the gradient direction of `value`."""
+    return value * (ce.detach() / value.detach().clamp_min(torch.finfo(value.dtype).tiny))
+
+
+class Objective:
+    """`Objective(vocab, config)(logits, labels, group=None, vocab_start=0) -> ObjectiveOutput`.
+
+    Parallel contract: as `numloss.functional` (with a TP group the logits are the local vocab shard
+    and the output is identical on every rank). `from_stats` takes a precomputed `LogitStats`, which is
+    how the chunked head drives the same math.
+    """
+
+    def __init__(self, vocab: NumericVocab, config: ObjectiveConfig | dict | None = None):
+        if config is None:
+            config = ObjectiveConfig()
+        elif isinstance(config, dict):
+            config = ObjectiveConfig.from_dict(config)
+        self.vocab = vocab
+        self.config = config
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0) -> ObjectiveOutput:
+        stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index)
+        return self.from_stats(stats)
+
+    def from_stats(self, stats: LogitStats) -> ObjectiveOutput:
+        ce = cross_entropy_term(stats, self.vocab, z_loss=self.config.z_loss)
+        terms = self.config.terms
+        values = {name: TERMS[name](stats, self.vocab, **term.options) for name, term in terms.items()}
+        scaled = {name: _rescaled(values[name], ce) if term.rescale_to_ce else values[name]
+                  for name, term in terms.items()}
+        # GCE replaces CE: (1 - w)·CE + w·GCE, exactly CE at w = 0 and exactly GCE at w = 1.
+        gce = terms.get("gce")
+        total = ce if gce is None else (1 - gce.weight) * ce + gce.weight * scaled["gce"]
+        for name, term in terms.items():
+            if name != "gce":
+                total = total + term.weight * scaled[name]
+        return ObjectiveOutput(loss=total, ce=ce, terms=values, numeric_positions=stats.numeric.count)
