@@ -1,0 +1,323 @@
+"""The build: sources -> worker processes (tokenize + annotate) -> parts -> shards + manifest.
+
+Decisions:
+- Streaming: the main process reads records lazily and hands them out in chunks of `chunk_size`;
+  at most `2 * workers + 2` chunks are in flight, so memory is bounded by the chunks in flight plus
+  one part (about `shard_bytes`), whatever the corpus size.
+- Order: results are taken back in submission order (a deque of async results), so the output is
+  the same for any number of workers and any timing; `workers=0` encodes in the main process.
+- Records are numbered 0, 1, ... across the sources in order; rejects and shards cover contiguous
+  ranges of these numbers, and records read = examples kept + rejected is checked before the
+  manifest is written.
+- Resume: a rerun with the same config finds `_progress.json`, verifies the finished parts by
+  checksum, skips their records (they are still read, not encoded) and continues. A different
+  config, tokenizer or input is refused rather than mixed in (use `overwrite=True`).
+- `max_reject_fraction` guards against a misconfigured build (a wrong field name rejects every
+  record): above it the build fails after writing the rejects, naming the top reasons, and writes
+  no manifest.
+- Worker processes start with "fork" where available (cheap: the tokenizer is loaded once per
+  worker, after the fork); they encode single-threaded (TOKENIZERS_PARALLELISM=false) so that
+  `workers` processes use `workers` cores. With workers=0 the tokenizer's own threads are used.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from . import shards as S
+from .pack import pack_table
+from .sources import BadRecord, SourceConfig, make_source
+from .tokenize import Encoder, Item, TokenizeConfig, load_tokenizer, tokenizer_fingerprint
+
+
+@dataclass
+class BuildConfig:
+    """Everything that decides the bytes of the output (workers and paths of the output do not)."""
+
+    sources: list[SourceConfig]
+    tokenize: TokenizeConfig
+    shards: S.ShardConfig = field(default_factory=S.ShardConfig)
+    max_reject_fraction: float = 0.5
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BuildConfig":
+        return cls(sources=[SourceConfig(**s) for s in d["sources"]],
+                   tokenize=TokenizeConfig(**d["tokenize"]),
+                   shards=S.ShardConfig(**d.get("shards", {})),
+                   max_reject_fraction=d.get("max_reject_fraction", 0.5))
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ---- worker side -------------------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(cfg: BuildConfig, single_threaded: bool) -> None:
+    if single_threaded:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER["sources"] = [make_source(s) for s in cfg.sources]
+    _WORKER["encoder"] = Encoder(cfg.tokenize)
+
+
+def _encode_chunk(chunk: list[tuple[int, int, str, Any]]):
+    """chunk: (record, source index, ref, raw) -> (rows RecordBatch, rejects)."""
+    try:
+        sources, encoder = _WORKER["sources"], _WORKER["encoder"]
+        items, rejects = [], []
+        for record, si, ref, raw in chunk:
+            src = sources[si]
+            example_id = f"{src.kind}/{ref}"
+            try:
+                items.append(Item(record, example_id, src.to_example(raw, ref)))
+            except BadRecord as e:
+                rejects.append({"record": record, "example_id": example_id, "reason": e.reason,
+                                "detail": e.detail})
+        batch, too_long = encoder.encode(items)
+        rejects = sorted(rejects + too_long, key=lambda r: r["record"])
+        return batch, rejects
+    except Exception as e:  # name the records, keep the traceback: pool errors are otherwise opaque
+        first = chunk[0][2] if chunk else "?"
+        raise RuntimeError(f"encoding records from {first} failed: {e}\n{traceback.format_exc()}") from None
+
+
+# ---- main side ---------------------------------------------------------------------------------
+class _Part:
+    """Rows and rejects of the part being filled."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.pieces: list[pa.RecordBatch] = []
+        self.rejects: list[dict] = []
+        self.bytes = 0
+
+
+def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Estimated uncompressed bytes per row: what the shard size target counts."""
+    n_tok = batch.column("num_tokens").to_numpy().astype(np.int64)
+    image = batch.column("image")
+    img = np.asarray(pa.compute.binary_length(image).fill_null(0).to_numpy(), dtype=np.int64)
+    return 9 * n_tok + img + 64
+
+
+class Builder:
+    def __init__(self, cfg: BuildConfig, out_dir: str, workers: int = 2, chunk_size: int = 256,
+                 progress: bool = True, overwrite: bool = False, start_method: str | None = None):
+        self.cfg, self.out_dir = cfg, out_dir
+        self.workers, self.chunk_size = workers, chunk_size
+        self.progress, self.overwrite = progress, overwrite
+        self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        sc = cfg.shards
+        if sc.pack_length is not None and cfg.tokenize.max_length > sc.pack_length:
+            raise ValueError(f"max_length {cfg.tokenize.max_length} > pack_length {sc.pack_length}: "
+                             "an example must fit in a packed row")
+        self.sources = [make_source(s) for s in cfg.sources]
+        if sc.pack_length is not None and any(s.has_images for s in self.sources):
+            raise ValueError("packing is for text: a source with images cannot be packed")
+
+    # The identity of a build: what a resume must match.
+    def header(self) -> dict:
+        tok = load_tokenizer(self.cfg.tokenize)
+        enc = Encoder(self.cfg.tokenize, tokenizer=tok)
+        cfg = self.cfg.to_dict()
+        return {
+            "format": "numloss.data_prep",
+            "config": cfg,
+            "config_fingerprint": _digest(cfg),
+            "packed": self.cfg.shards.pack_length is not None,
+            "tokenizer": {
+                "name": self.cfg.tokenize.tokenizer,
+                "fingerprint": tokenizer_fingerprint(tok),
+                "length": len(tok),
+                "pad_token_id": tok.pad_token_id,
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "template": enc.template.kind,
+            },
+            "numeric_vocab": {
+                "policy": self.cfg.tokenize.numeric_policy,
+                "size": enc.vocab.size,
+                "token_ids": enc.vocab.token_ids.tolist(),
+                "values": enc.vocab.values.tolist(),
+            },
+            "sources": [s.fingerprint() for s in self.sources],
+        }
+
+    def _records(self, start: int) -> Iterator[tuple[int, int, str, Any]]:
+        record = 0
+        for si, src in enumerate(self.sources):
+            for ref, raw in src.iter_raw():
+                if record >= start:
+                    yield record, si, ref, raw
+                record += 1
+
+    def _chunks(self, start: int) -> Iterator[list]:
+        chunk = []
+        for item in self._records(start):
+            chunk.append(item)
+            if len(chunk) == self.chunk_size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    def _results(self, start: int):
+        """Encoded chunks in input order, from `workers` processes with bounded look-ahead."""
+        if self.workers <= 0:
+            _init_worker(self.cfg, single_threaded=False)
+            for chunk in self._chunks(start):
+                yield len(chunk), _encode_chunk(chunk)
+            return
+        ctx = mp.get_context(self.start_method)
+        with ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.cfg, True)) as pool:
+            pending: collections.deque = collections.deque()
+            for chunk in self._chunks(start):
+                pending.append((len(chunk), pool.apply_async(_encode_chunk, (chunk,))))
+                while len(pending) > 2 * self.workers + 2:
+                    n, res = pending.popleft()
+                    yield n, res.get()
+            while pending:
+                n, res = pending.popleft()
+                yield n, res.get()
+
+    def run(self) -> dict:
+        os.makedirs(self.out_dir, exist_ok=True)
+        header = self.header()
+        manifest_path = os.path.join(self.out_dir, S.MANIFEST)
+        if self.overwrite:
+            for name in os.listdir(self.out_dir):
+                if name.startswith("shard-") or name in (S.MANIFEST, S.PROGRESS, S.REJECTS, S.REJECT_PARTS) \
+                        or name.endswith(".tmp"):
+                    p = os.path.join(self.out_dir, name)
+                    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        if os.path.exists(manifest_path):
+            done = S.read_manifest(self.out_dir)
+            if _identity(done) == _identity(header):
+                return done  # already built: nothing to do
+            raise FileExistsError(f"{self.out_dir} holds a finished build of a different config/input; "
+                                  "pass overwrite=True (--overwrite) to replace it")
+
+        parts: list[dict] = []
+        progress = S.load_progress(self.out_dir)
+        if progress is not None:
+            if _identity(progress["header"]) != _identity(header):
+                raise FileExistsError(f"{self.out_dir} holds an unfinished build of a different "
+                                      "config/input; pass overwrite=True (--overwrite) to replace it")
+            parts = S.verified_parts(self.out_dir, progress["parts"])
+        keep = {p["rejects_file"] for p in parts} | {p["shard"]["file"] for p in parts if p["shard"]}
+        S.remove_stale(self.out_dir, keep)
+        self._save_progress(header, parts)
+
+        start = parts[-1]["end_record"] if parts else 0
+        part = _Part(len(parts))
+        next_record = start
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(unit="rec", desc="data_prep build", initial=start, dynamic_ncols=True)
+        target = self.cfg.shards.shard_bytes
+        for n, (batch, rejects) in self._results(start):
+            kept_records = batch.column("record").to_numpy()
+            sizes = _row_bytes(batch)
+            ri, lo = 0, 0
+            for i in range(batch.num_rows):
+                part.bytes += int(sizes[i])
+                if part.bytes >= target:
+                    end = int(kept_records[i]) + 1
+                    while ri < len(rejects) and rejects[ri]["record"] < end:
+                        part.rejects.append(rejects[ri])
+                        ri += 1
+                    part.pieces.append(batch.slice(lo, i + 1 - lo))
+                    lo = i + 1
+                    parts.append(self._close(part, end))
+                    self._save_progress(header, parts)
+                    part = _Part(len(parts))
+            part.pieces.append(batch.slice(lo))
+            part.rejects.extend(rejects[ri:])
+            next_record += n
+            if bar is not None:
+                bar.update(n)
+        if part.pieces and sum(p.num_rows for p in part.pieces) or part.rejects:
+            parts.append(self._close(part, next_record))
+            self._save_progress(header, parts)
+        if bar is not None:
+            bar.close()
+        self._check_rejects(parts)
+        return S.finish(self.out_dir, parts, header)
+
+    def _close(self, part: _Part, end_record: int) -> dict:
+        """Write the part's shard and rejects; return its progress entry."""
+        rows = [p for p in part.pieces if p.num_rows]
+        by_reason: dict[str, int] = {}
+        for r in part.rejects:
+            by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+        rej_file = S.reject_part_name(part.index)
+        S.write_rejects(part.rejects, os.path.join(self.out_dir, rej_file))
+        entry = {"index": part.index, "end_record": end_record, "rejects_file": rej_file,
+                 "rejects_sha256": S.sha256_file(os.path.join(self.out_dir, rej_file)),
+                 "rejects_by_reason": dict(sorted(by_reason.items())), "shard": None}
+        if rows:
+            table = pa.Table.from_batches(rows)
+            examples = table.num_rows
+            if self.cfg.shards.pack_length is not None:
+                table = pack_table(table, self.cfg.shards.pack_length, self.cfg.shards.max_open_rows)
+            name = S.shard_name(part.index)
+            path = os.path.join(self.out_dir, name)
+            S.write_shard(table, path, self.cfg.shards)
+            labels = pa.compute.list_flatten(table.column("labels"))
+            numeric = pa.compute.list_flatten(table.column("numeric_mask"))
+            entry["shard"] = {
+                "file": name, "rows": table.num_rows, "examples": examples,
+                "tokens": int(pa.compute.sum(table.column("num_tokens")).as_py()),
+                "label_tokens": int(pa.compute.sum(pa.compute.not_equal(labels, -100)).as_py() or 0),
+                "numeric_tokens": int(pa.compute.sum(numeric).as_py() or 0),
+                "bytes": os.path.getsize(path), "sha256": S.sha256_file(path),
+            }
+        return entry
+
+    def _save_progress(self, header: dict, parts: list[dict]) -> None:
+        S.atomic_write_json(os.path.join(self.out_dir, S.PROGRESS), {"header": header, "parts": parts})
+
+    def _check_rejects(self, parts: list[dict]) -> None:
+        read = parts[-1]["end_record"] if parts else 0
+        if read == 0:
+            raise ValueError("no records were read: the sources are empty")
+        by_reason: dict[str, int] = collections.Counter()
+        for p in parts:
+            by_reason.update(p["rejects_by_reason"])
+        rejected = sum(by_reason.values())
+        if rejected / read > self.cfg.max_reject_fraction:
+            top = ", ".join(f"{k}: {v}" for k, v in by_reason.most_common(3))
+            raise ValueError(
+                f"{rejected} of {read} records rejected (> max_reject_fraction "
+                f"{self.cfg.max_reject_fraction}); top reasons {top}; see the parts under "
+                f"{os.path.join(self.out_dir, S.REJECT_PARTS)}")
+
+
+def _identity(header: dict) -> tuple:
+    return (header["config_fingerprint"], header["tokenizer"]["fingerprint"],
+            _digest(header["sources"]))
+
+
+def build(cfg: BuildConfig, out_dir: str, **kwargs) -> dict:
+    """Build (or resume, or confirm) the shards of `cfg` in `out_dir`; returns the manifest."""
+    return Builder(cfg, out_dir, **kwargs).run()

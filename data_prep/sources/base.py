@@ -1,0 +1,372 @@
+"""What every source adapter turns its records into, and the helpers adapters share.
+
+A source is split in two halves on purpose:
+
+- `iter_raw()` runs in the main process and only *reads*: it yields `(ref, raw)` pairs in a fixed
+  order, where `ref` names the record for errors and rejects ("train.jsonl:12") and `raw` is whatever
+  is cheap to produce and pickle (a JSONL line, a CSV row, generator parameters). It must stream:
+  a corpus larger than RAM is never held in memory.
+- `to_example(raw, ref)` runs in a worker process and does the real work (JSON parsing, answer
+  parsing, image decoding or rendering). It returns an `Example`, or raises `BadRecord(reason)`;
+  the builder turns that into a line of the rejects file. Nothing is dropped silently.
+
+Decisions:
+- A record's identity is `ref`, built from the path *relative to the source root* plus a line or row
+  number, so the same files give the same ids wherever they are checked out.
+- Answers are parsed by `parse_number`: thousands separators ("1,234"), a leading currency sign,
+  a trailing "%" or ".", fractions ("-3/4") and decimals are accepted; anything else is no answer.
+- `require_answer` (default True): a record with no parsable numeric answer is rejected
+  ("no_answer"). Sources with non-numeric answers (ChartQA) can switch it off per build.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, ClassVar, Iterator
+
+# Reasons a record can be rejected; the rejects summary counts by these names.
+NO_ANSWER = "no_answer"
+EMPTY_TARGET = "empty_target"
+EMPTY_PROMPT = "empty_prompt"
+TOO_LONG = "too_long"
+BROKEN_IMAGE = "broken_image"
+INVALID_JSON = "invalid_json"
+MISSING_FIELD = "missing_field"
+BAD_VALUE = "bad_value"
+
+
+class BadRecord(Exception):
+    """A record that cannot be used. `reason` is one of the names above; `detail` says why."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Example:
+    """One training example, whatever the source: prompt, target text, final number, optional image."""
+
+    prompt: str
+    target: str
+    answer: float | None
+    answer_text: str | None = None
+    image: bytes | None = None  # encoded image (PNG/JPEG bytes), carried as is
+
+
+@dataclass
+class SourceConfig:
+    """Where a source reads from and how.
+
+    kind: the adapter ("gsm8k", "svamp", "deepmind_math", "arithmetic", "clock", "clock_text",
+        "chartqa", "generic").
+    path: local file, directory or glob (JSONL, JSON, Parquet, CSV; .txt for DeepMind-Math).
+    hub: a Hugging Face hub dataset name, read with `datasets` in streaming mode (needs network).
+    hub_config, split, revision: passed to `datasets.load_dataset`.
+    options: adapter-specific knobs (field names, generator sizes, require_answer, ...).
+    limit: read at most this many records (None: all).
+    """
+
+    kind: str
+    path: str | None = None
+    hub: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    limit: int | None = None
+
+
+class Source:
+    """Base class of the adapters; see the module docstring for the contract."""
+
+    kind: ClassVar[str] = ""
+    # Options an adapter accepts, with their defaults; unknown options are an error (typos fail fast).
+    defaults: ClassVar[dict[str, Any]] = {}
+    has_images: ClassVar[bool] = False
+
+    def __init__(self, cfg: SourceConfig):
+        unknown = set(cfg.options) - set(self.defaults) - {"require_answer"}
+        if unknown:
+            raise ValueError(
+                f"source {self.kind!r}: unknown option(s) {sorted(unknown)}; "
+                f"known: {sorted(set(self.defaults) | {'require_answer'})}"
+            )
+        self.cfg = cfg
+        self.opts = {"require_answer": True, **self.defaults, **cfg.options}
+
+    # -- main process ----------------------------------------------------------------------------
+    def iter_raw(self) -> Iterator[tuple[str, Any]]:
+        """(ref, raw) for every record, in a fixed order, streaming. Applies `cfg.limit`."""
+        it = self._iter_raw()
+        if self.cfg.limit is None:
+            yield from it
+            return
+        for i, item in enumerate(it):
+            if i >= self.cfg.limit:
+                return
+            yield item
+
+    def _iter_raw(self) -> Iterator[tuple[str, Any]]:
+        if self.cfg.hub:
+            yield from iter_hub(self.cfg)
+        elif self.cfg.path:
+            yield from iter_files(self.cfg.path)
+        else:
+            raise ValueError(f"source {self.kind!r} needs a path or a hub name")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this source's input: file hashes, or the hub name and revision."""
+        base = {"kind": self.kind, "options": self.opts, "limit": self.cfg.limit}
+        if self.cfg.hub:
+            base.update(hub=self.cfg.hub, hub_config=self.cfg.hub_config, split=self.cfg.split,
+                        revision=self.cfg.revision)
+        elif self.cfg.path:
+            root, files = resolve_files(self.cfg.path)
+            base["files"] = {os.path.relpath(f, root): sha256_file(f) for f in files}
+        return base
+
+    # -- worker process --------------------------------------------------------------------------
+    def to_example(self, raw: Any, ref: str) -> Example:
+        row = decode_row(raw)
+        return self.finish(self.row_to_example(row, raw_base_dir(raw)))
+
+    def row_to_example(self, row: dict, base_dir: str | None) -> Example:
+        raise NotImplementedError
+
+    def finish(self, ex: Example) -> Example:
+        """Checks common to every source."""
+        if not ex.target or not ex.target.strip():
+            raise BadRecord(EMPTY_TARGET, "the target text is empty")
+        if self.opts["require_answer"] and ex.answer is None:
+            raise BadRecord(NO_ANSWER, f"no numeric answer in {short(ex.answer_text or ex.target)!r}")
+        if ex.image is not None:
+            check_image(ex.image)
+        return ex
+
+
+# ---- reading files ------------------------------------------------------------------------------
+TABLE_EXTS = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+
+
+def resolve_files(path: str, exts: tuple[str, ...] = TABLE_EXTS) -> tuple[str, list[str]]:
+    """(root, sorted files) for a file, a directory (its data files, recursively) or a glob."""
+    if os.path.isdir(path):
+        files = [
+            os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(exts)
+        ]
+        root = path
+    elif any(c in path for c in "*?["):
+        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
+        root = os.path.dirname(path.split("*")[0].split("?")[0].split("[")[0]) or "."
+    elif os.path.isfile(path):
+        files = [path]
+        root = os.path.dirname(path) or "."
+    else:
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    if not files:
+        raise FileNotFoundError(f"{path}: no data files ({', '.join(exts)}) found")
+    return root, sorted(files)
+
+
+class RawRow:
+    """A record as read from a file, still undecoded (JSON parsing happens in the workers)."""
+
+    __slots__ = ("data", "base_dir")
+
+    def __init__(self, data: Any, base_dir: str | None):
+        self.data = data
+        self.base_dir = base_dir
+
+
+def iter_files(path: str) -> Iterator[tuple[str, RawRow]]:
+    """Stream the records of every file under `path`; refs are "relative/path:line" (1-based)."""
+    root, files = resolve_files(path)
+    for f in files:
+        rel = os.path.relpath(f, root)
+        base = os.path.dirname(os.path.abspath(f))
+        if f.endswith(".jsonl"):
+            with open(f, encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield f"{rel}:{lineno}", RawRow(line, base)
+        elif f.endswith(".json"):
+            # A JSON array (SVAMP ships one): small by nature, read whole.
+            with open(f, encoding="utf-8") as fh:
+                try:
+                    data = json.load(fh)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{f}: not valid JSON (line {e.lineno}): {e.msg}") from None
+            if isinstance(data, dict):
+                data = [data]
+            if not isinstance(data, list):
+                raise ValueError(f"{f}: expected a JSON array of records, got {type(data).__name__}")
+            for i, row in enumerate(data):
+                yield f"{rel}#{i}", RawRow(row, base)
+        elif f.endswith(".csv"):
+            import csv
+
+            with open(f, encoding="utf-8", newline="") as fh:
+                reader = csv.DictReader(fh)
+                try:
+                    for row in reader:
+                        yield f"{rel}:{reader.line_num}", RawRow(row, base)
+                except csv.Error as e:
+                    raise ValueError(f"{f}:{reader.line_num}: bad CSV: {e}") from None
+        elif f.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            i = 0
+            for batch in pq.ParquetFile(f).iter_batches(batch_size=256):
+                for row in batch.to_pylist():
+                    yield f"{rel}#{i}", RawRow(row, base)
+                    i += 1
+        elif f.endswith(".txt"):
+            yield from iter_question_answer_lines(f, rel)
+        else:
+            raise ValueError(f"{f}: unsupported file type (expected one of {TABLE_EXTS})")
+
+
+def iter_question_answer_lines(f: str, rel: str) -> Iterator[tuple[str, RawRow]]:
+    """DeepMind-Math text files: a question line followed by its answer line."""
+    with open(f, encoding="utf-8") as fh:
+        question, qline = None, 0
+        for lineno, line in enumerate(fh, 1):
+            line = line.rstrip("\n")
+            if question is None:
+                question, qline = line, lineno
+            else:
+                yield f"{rel}:{qline}", RawRow({"question": question, "answer": line}, None)
+                question = None
+        if question is not None:
+            raise ValueError(f"{f}:{qline}: question without an answer line (odd number of lines)")
+
+
+def iter_hub(cfg: SourceConfig) -> Iterator[tuple[str, RawRow]]:
+    """Stream a Hugging Face hub dataset (network needed; nothing is downloaded whole)."""
+    import datasets
+
+    ds = datasets.load_dataset(
+        cfg.hub, cfg.hub_config, split=cfg.split, revision=cfg.revision, streaming=True
+    )
+    for i, row in enumerate(ds):
+        yield f"{cfg.hub}/{cfg.split}#{i}", RawRow(row, None)
+
+
+def decode_row(raw: Any) -> dict:
+    """The record as a dict; a JSONL line is parsed here (in the worker)."""
+    data = raw.data if isinstance(raw, RawRow) else raw
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError as e:
+            raise BadRecord(INVALID_JSON, f"{e.msg} at column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise BadRecord(INVALID_JSON, f"expected an object, got {type(data).__name__}")
+    return data
+
+
+def raw_base_dir(raw: Any) -> str | None:
+    return raw.base_dir if isinstance(raw, RawRow) else None
+
+
+def get_field(row: dict, name: str, kind: str = "str") -> Any:
+    """row[name], or a `missing_field` reject naming the field and the fields the record has."""
+    if name not in row or row[name] is None:
+        raise BadRecord(MISSING_FIELD, f"no field {name!r} (fields: {sorted(row)[:12]})")
+    value = row[name]
+    if kind == "str":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = format_number(value)
+        if not isinstance(value, str):
+            raise BadRecord(BAD_VALUE, f"field {name!r} is a {type(value).__name__}, expected text")
+    return value
+
+
+# ---- numbers -----------------------------------------------------------------------------------
+_NUMBER_TEXT = re.compile(
+    r"^(?P<s1>[-+])?\s*[$€£]?\s*(?P<s2>[-+])?(?P<int>\d{1,3}(?:,\d{3})+|\d+)?(?P<frac>\.\d+)?\s*%?\.?$"
+)
+_FRACTION_TEXT = re.compile(r"^\s*([-+]?\d+)\s*/\s*([-+]?\d+)\s*$")
+
+
+def parse_number(text: Any) -> float | None:
+    """The number a final-answer string stands for, or None. See the module docstring."""
+    if text is None or isinstance(text, bool):
+        return None
+    if isinstance(text, (int, float)):
+        return float(text) if text == text and abs(text) != float("inf") else None
+    s = str(text).strip()
+    m = _FRACTION_TEXT.match(s)
+    if m:
+        den = int(m.group(2))
+        return float(Fraction(int(m.group(1)), den)) if den != 0 else None
+    m = _NUMBER_TEXT.match(s)
+    if not m or (m["int"] is None and m["frac"] is None):
+        return None
+    value = float((m["int"] or "0").replace(",", "") + (m["frac"] or ""))
+    return -value if "-" in (m["s1"] or "", m["s2"] or "") else value
+
+
+def format_number(x: float | int) -> str:
+    """Shortest text for a number: 27.0 -> "27", 0.5 -> "0.5"."""
+    if isinstance(x, int):
+        return str(x)
+    if x == int(x) and abs(x) < 1e16:
+        return str(int(x))
+    return repr(float(x))
+
+
+# ---- images ------------------------------------------------------------------------------------
+def load_image(value: Any, base_dir: str | None) -> bytes:
+    """Image bytes from what a record holds: bytes, {"bytes": ...} (HF Image feature) or a path."""
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if hasattr(value, "save"):  # a PIL image (datasets decodes images by default)
+        buf = io.BytesIO()
+        value.save(buf, format="PNG")
+        return buf.getvalue()
+    if isinstance(value, str) and value:
+        path = value if os.path.isabs(value) or base_dir is None else os.path.join(base_dir, value)
+        try:
+            with open(path, "rb") as fh:
+                return fh.read()
+        except OSError as e:
+            raise BadRecord(BROKEN_IMAGE, f"cannot read image {value!r}: {e.strerror}") from None
+    raise BadRecord(BROKEN_IMAGE, f"no image data ({type(value).__name__})")
+
+
+def check_image(data: bytes) -> None:
+    """Decode the image fully: a truncated or corrupt file is a `broken_image` reject."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
+        raise BadRecord(BROKEN_IMAGE, f"{type(e).__name__}: {e}") from None
+
+
+# ---- misc --------------------------------------------------------------------------------------
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def short(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
