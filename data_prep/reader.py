@@ -1,0 +1,265 @@
+"""The dataset training reads: shards split across data-parallel ranks, shuffled per epoch, resumable.
+
+Order of an epoch (the same on every rank, computed, never communicated):
+1. The Parquet row groups of all shards (the unit of I/O) are permuted with `rng(seed, epoch)`.
+2. Their rows, concatenated in that order, are cut into windows of `shuffle_window` positions and each
+   window is permuted with `rng(seed, epoch, window)`. The result is a permutation of all N rows with
+   locality: a window touches about shuffle_window / row_group_rows row groups.
+3. Rank r takes a contiguous slice of that order, so each rank reads only its own row groups:
+   - drop_last=True (training): every rank gets L = floor(N / (world * batch)) * batch rows, the same
+     number of full batches (ranks must run the same number of steps); fewer than world * batch rows
+     are left out, a different set each epoch.
+   - drop_last=False (evaluation): the N rows are split as evenly as possible (sizes differ by at most
+     one) and the last batch may be short; every row is read exactly once over all ranks.
+4. Batches are consecutive `batch_size` rows of the slice.
+
+State: `state_dict()` is {epoch, batch (batches consumed in this epoch), and what must match to resume:
+seed, world size, rank, batch size, drop_last, shuffle settings, the shards' checksums}. After
+`load_state_dict` the next batch is exactly the one an uninterrupted run would have produced. A changed
+world size or batch size is refused rather than silently reshuffled. The state lives in this object:
+use it directly or in `DataLoader(ds, batch_size=None, num_workers=0)` (the Parquet decoding runs in
+C++ threads already); with DataLoader workers the state would live in the workers.
+
+Batches are dicts of tensors. Unpacked shards: input_ids, labels, attention_mask, position_ids,
+numeric_mask [B, T] (T = longest row, rounded up to `pad_to_multiple_of`, or `seq_len` when given),
+answer [B] (NaN where absent), record [B], and the number spans flat: span_batch, span_start, span_end,
+span_value [K]. Packed shards: input_ids, labels, position_ids, segment_ids (0 on padding),
+attention_mask (segment_ids > 0), numeric_mask [B, T]; answers and records flat [K] with
+segment_batch [K]. Image sources add `images`: a list of PNG/JPEG bytes (not a tensor; the
+vision-language processor decodes them).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+import os
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from .shards import read_manifest
+from .tokenize import IGNORE_INDEX
+
+_LIST_COLS = ("input_ids", "labels", "numeric_mask", "span_start", "span_end", "span_value")
+_PACKED_LIST_COLS = _LIST_COLS + ("position_ids", "segment_ids", "records", "answers")
+
+
+class ShardDataset(torch.utils.data.IterableDataset):
+    """Batches from a data_prep output directory for one data-parallel rank. See the module docstring."""
+
+    def __init__(self, path: str, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = True, shuffle_window: int = 8192,
+                 seq_len: int | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
+                 cache_row_groups: int | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        if batch_size < 1 or shuffle_window < 1:
+            raise ValueError("batch_size and shuffle_window must be >= 1")
+        self.path = path
+        self.manifest = read_manifest(path)
+        self.packed = bool(self.manifest["packed"])
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.shuffle_window = shuffle_window
+        self.seq_len, self.pad_to_multiple_of = seq_len, pad_to_multiple_of
+        tok = self.manifest["tokenizer"]
+        self.pad_id = pad_id if pad_id is not None else (
+            tok["pad_token_id"] if tok["pad_token_id"] is not None else tok["eos_token_id"] or 0)
+
+        # Row groups of all shards, in (shard, row group) order: (file, row group, global start, rows).
+        self.units: list[tuple[str, int, int, int]] = []
+        start = 0
+        for shard in self.manifest["shards"]:
+            meta = pq.ParquetFile(os.path.join(path, shard["file"])).metadata
+            for g in range(meta.num_row_groups):
+                n = meta.row_group(g).num_rows
+                self.units.append((shard["file"], g, start, n))
+                start += n
+        self.num_rows = start
+        self._unit_starts = np.array([u[2] for u in self.units] + [start], dtype=np.int64)
+        self._has_images = not self.packed
+        self.fingerprint = hashlib.sha256(
+            "".join(s["sha256"] for s in self.manifest["shards"]).encode()).hexdigest()
+
+        lo, hi = self._rank_range()
+        self._lo, self._hi = lo, hi
+        if cache_row_groups is None:
+            rg = max(1, min((u[3] for u in self.units), default=1))
+            cache_row_groups = 2 * math.ceil(shuffle_window / rg) + 4
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache_size = cache_row_groups
+        self.epoch, self.batch = 0, 0
+
+    # ---- order ----------------------------------------------------------------------------------
+    def _rank_range(self) -> tuple[int, int]:
+        n, w, b = self.num_rows, self.world_size, self.batch_size
+        if self.drop_last:
+            per = (n // (w * b)) * b
+            return self.rank * per, (self.rank + 1) * per
+        base, extra = divmod(n, w)
+        lo = self.rank * base + min(self.rank, extra)
+        return lo, lo + base + (1 if self.rank < extra else 0)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        n = self._hi - self._lo
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def _epoch_layout(self, epoch: int):
+        """(unit order, start position of each unit in the epoch sequence)."""
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self.units))
+        else:
+            order = np.arange(len(self.units))
+        sizes = np.array([self.units[u][3] for u in order], dtype=np.int64)
+        starts = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        return order, starts
+
+    def _rows(self, epoch: int, first: int) -> Iterator[int]:
+        """Global row ids of this rank's slice, from position `first` of the slice on."""
+        order, starts = self._epoch_layout(epoch)
+        w = self.shuffle_window
+        pos = self._lo + first
+        while pos < self._hi:
+            win = pos // w
+            a, b = win * w, min((win + 1) * w, self.num_rows)
+            positions = np.arange(a, b, dtype=np.int64)
+            if self.shuffle:
+                positions = np.random.default_rng([self.seed, epoch, win]).permutation(positions)
+            # position in the epoch sequence -> (unit, offset) -> global row id
+            k = np.searchsorted(starts, positions, side="right") - 1
+            unit_ids = order[k]
+            rows = self._unit_starts[unit_ids] + (positions - starts[k])
+            stop = min(b, self._hi)
+            for row in rows[pos - a: stop - a]:
+                yield int(row)
+            pos = stop
+
+    # ---- I/O ------------------------------------------------------------------------------------
+    def _row_group(self, unit: int) -> dict[str, Any]:
+        cached = self._cache.get(unit)
+        if cached is not None:
+            self._cache.move_to_end(unit)
+            return cached
+        file, g, _, _ = self.units[unit]
+        table = pq.ParquetFile(os.path.join(self.path, file)).read_row_group(g)
+        cols: dict[str, Any] = {}
+        for name in table.column_names:
+            col = table.column(name).combine_chunks()
+            if name in _PACKED_LIST_COLS or name in _LIST_COLS:
+                cols[name] = (col.values.to_numpy(zero_copy_only=False), col.offsets.to_numpy())
+            else:
+                cols[name] = col.to_pylist()
+        self._cache[unit] = cols
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return cols
+
+    def _fetch(self, row: int) -> dict[str, Any]:
+        unit = int(np.searchsorted(self._unit_starts, row, side="right") - 1)
+        cols = self._row_group(unit)
+        i = row - self.units[unit][2]
+        out = {}
+        for name, col in cols.items():
+            if isinstance(col, tuple):
+                values, offs = col
+                out[name] = values[offs[i]:offs[i + 1]]
+            else:
+                out[name] = col[i]
+        return out
+
+    # ---- batches --------------------------------------------------------------------------------
+    def _collate(self, rows: list[dict]) -> dict[str, Any]:
+        lengths = [len(r["input_ids"]) for r in rows]
+        t = max(lengths)
+        if self.seq_len is not None:
+            if t > self.seq_len:
+                raise ValueError(f"a row of {t} tokens does not fit seq_len {self.seq_len}")
+            t = self.seq_len
+        m = self.pad_to_multiple_of
+        t = -(-t // m) * m
+        b = len(rows)
+        ids = torch.full((b, t), self.pad_id, dtype=torch.long)
+        labels = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
+        numeric = torch.zeros((b, t), dtype=torch.bool)
+        position = torch.zeros((b, t), dtype=torch.long)
+        segment = torch.zeros((b, t), dtype=torch.long)
+        for j, (r, n) in enumerate(zip(rows, lengths)):
+            ids[j, :n] = torch.from_numpy(r["input_ids"].astype(np.int64))
+            labels[j, :n] = torch.from_numpy(r["labels"].astype(np.int64))
+            numeric[j, :n] = torch.from_numpy(r["numeric_mask"].astype(bool))
+            if self.packed:
+                position[j, :n] = torch.from_numpy(r["position_ids"].astype(np.int64))
+                segment[j, :n] = torch.from_numpy(r["segment_ids"].astype(np.int64))
+            else:
+                position[j, :n] = torch.arange(n)
+                segment[j, :n] = 1
+        span_batch = np.concatenate([np.full(len(r["span_start"]), j) for j, r in enumerate(rows)])
+        out: dict[str, Any] = {
+            "input_ids": ids, "labels": labels, "attention_mask": segment > 0,
+            "position_ids": position, "numeric_mask": numeric,
+            "span_batch": torch.from_numpy(span_batch.astype(np.int64)),
+            "span_start": torch.from_numpy(np.concatenate([r["span_start"] for r in rows]).astype(np.int64)),
+            "span_end": torch.from_numpy(np.concatenate([r["span_end"] for r in rows]).astype(np.int64)),
+            "span_value": torch.from_numpy(np.concatenate([r["span_value"] for r in rows]).astype(np.float64)),
+        }
+        if self.packed:
+            out["segment_ids"] = segment
+            out["records"] = torch.from_numpy(np.concatenate([r["records"] for r in rows]).astype(np.int64))
+            out["answers"] = torch.tensor([np.nan if a is None else a for r in rows for a in r["answers"]],
+                                          dtype=torch.float64)
+            out["segment_batch"] = torch.tensor([j for j, r in enumerate(rows) for _ in r["records"]],
+                                                dtype=torch.long)
+        else:
+            out["record"] = torch.tensor([r["record"] for r in rows], dtype=torch.long)
+            out["answer"] = torch.tensor([np.nan if r["answer"] is None else r["answer"] for r in rows],
+                                         dtype=torch.float64)
+            if any(r["image"] is not None for r in rows):
+                out["images"] = [r["image"] for r in rows]
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """The rest of the current epoch, from the saved position; then the epoch counter advances."""
+        epoch, start = self.epoch, self.batch
+        n_batches = len(self)
+        rows: list[dict] = []
+        k = start
+        for row in self._rows(epoch, start * self.batch_size):
+            rows.append(self._fetch(row))
+            if len(rows) == self.batch_size:
+                if k >= n_batches:
+                    break
+                batch = self._collate(rows)
+                rows = []
+                k += 1
+                self.batch = k  # consumed once yielded: a state saved now resumes after this batch
+                yield batch
+        if rows and not self.drop_last and k < n_batches:
+            k += 1
+            self.batch = k
+            yield self._collate(rows)
+        self.epoch, self.batch = epoch + 1, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.batch = epoch, 0
+
+    # ---- resume ---------------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {"seed": self.seed, "world_size": self.world_size, "rank": self.rank,
+                "batch_size": self.batch_size, "drop_last": self.drop_last, "shuffle": self.shuffle,
+                "shuffle_window": self.shuffle_window, "fingerprint": self.fingerprint}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batch": self.batch, **self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self._identity()
+        diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if diff:
+            raise ValueError(f"cannot resume this reader from that state; differences (saved, now): {diff}")
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
