@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
 
 from numloss import NumericVocab, functional
 from numloss.vocab import parse_numeric_token, squash_distances
-from tokenizers_fixture import (
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tokenizers_fixture import (  # noqa: E402
     UNK,
     as_fast,
     byte_level_tokenizer,
