@@ -136,7 +136,10 @@ class ChatTemplate:
         if cfg.template_fast_path:
             self.fast = self._split_template()
             probes = [("What is 2+3?", "5"), ("  padded prompt \n", " 7 \n"), ("", "x")]
-            if self.fast and any(self._render_fast(p, t) != self._render_slow(p, t) for p, t in probes):
+            try:
+                if self.fast and any(self._render_fast(p, t) != self._render_slow(p, t) for p, t in probes):
+                    self.fast = None
+            except ValueError:
                 self.fast = None
 
     def _messages(self, prompt: str, target: str | None):
@@ -157,9 +160,14 @@ class ChatTemplate:
             )
         rest = full[len(prefix):]
         at = rest.find(target)
-        if at < 0:
-            raise ValueError(f"chat template of {self.tok.name_or_path!r} alters the assistant text; "
-                             "use template='plain'")
+        if at < 0 and target.strip():
+            # Templates that trim content (`| trim`): locate the stripped text. `at` stays relative to
+            # the unstripped target (it may be negative) so char positions of numbers still line up.
+            found = rest.find(target.strip())
+            if found < 0:
+                raise ValueError(f"chat template of {self.tok.name_or_path!r} alters the assistant text; "
+                                 "use template='plain'")
+            at = found - (len(target) - len(target.lstrip()))
         return prefix, rest, at
 
     def _split_template(self):

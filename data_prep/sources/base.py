@@ -217,8 +217,10 @@ def iter_files(path: str) -> Iterator[tuple[str, RawRow]]:
             with open(f, encoding="utf-8", newline="") as fh:
                 reader = csv.DictReader(fh)
                 try:
+                    first = 2  # a record's ref is the line it starts on (quoted fields may span lines)
                     for row in reader:
-                        yield f"{rel}:{reader.line_num}", RawRow(row, base)
+                        yield f"{rel}:{first}", RawRow(row, base)
+                        first = reader.line_num + 1
                 except csv.Error as e:
                     raise ValueError(f"{f}:{reader.line_num}: bad CSV: {e}") from None
         elif f.endswith(".parquet"):
