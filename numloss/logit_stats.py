@@ -130,6 +130,7 @@ def compute_logit_stats(
     group=None,
     vocab_start: int = 0,
     ignore_index: int = IGNORE_INDEX,
+    numeric: bool = True,
 ) -> LogitStats:
     """One pass over `logits` [..., V_local] with `labels` [...] (aligned; the caller shifts).
 
@@ -137,6 +138,7 @@ def compute_logit_stats(
     [vocab_start, vocab_start + V_local), `labels` are identical on every rank, and the global vocab
     size is `vocab.vocab_size`. The returned stats are identical on every rank (up to which rank's
     gradient flows into which shard). Without a group the logits are the full vocabulary.
+    `numeric=False` skips the numeric columns (M = 0, no gather): what plain CE needs.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not align:"
@@ -163,7 +165,7 @@ def compute_logit_stats(
     index_of = vocab.index_on(device)
     in_table = valid & (flat_labels < index_of.numel())
     column = torch.where(in_table, index_of[torch.where(in_table, flat_labels, 0)], -1)
-    is_numeric = column >= 0
+    is_numeric = (column >= 0) if numeric else torch.zeros_like(valid)
     num_rows = is_numeric.nonzero().flatten()
 
     layout = vocab.memo(

@@ -121,7 +121,8 @@ class Objective:
         self.config = config
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0) -> ObjectiveOutput:
-        stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index)
+        stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
+                                    numeric=bool(self.config.terms))
         return self.from_stats(stats)
 
     def from_stats(self, stats: LogitStats) -> ObjectiveOutput:

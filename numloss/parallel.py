@@ -177,6 +177,10 @@ def gather_numeric_columns(local: torch.Tensor, layout: ShardLayout, group) -> t
     """[M, N] numeric logits on every rank from each rank's [M, n_local] owned columns."""
     if group is None or dist.get_world_size(group) == 1:
         return local  # one rank owns every column, already in numeric-column order
+    if local.shape[0] == 0:
+        # No numeric row anywhere (labels are replicated, so every rank agrees): nothing to send, but
+        # keep an [0, N] result attached to the graph so the terms reduce to an exact, trainable 0.
+        return local.sum() + local.new_zeros((0, layout.slot_of_column.numel()))
     return _GatherColumns.apply(
         local, layout.width, layout.slot_of_column.to(local.device), layout.owned.to(local.device), group
     )

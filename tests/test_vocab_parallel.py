@@ -1,0 +1,170 @@
+"""Every loss on tensor-parallel logit shards equals the dense computation: real gloo processes.
+
+Each rank builds the same full logits, keeps its vocab slice, and runs the objective with the TP group;
+the loss and the gradient of its slice must match the dense single-process run (fp32: 1e-6). Layouts
+cover a vocab not divisible by TP, numeric columns spread over ranks, all in rank 0, and none in some
+ranks. The collectives of one step are counted and their bytes asserted exactly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from numloss import NumericVocab, Objective, count_comm, functional
+from tests.distributed import run_ranks
+
+V = 37  # not divisible by 2 or 4
+
+# name -> (numeric token ids, values)
+VOCABS = {
+    "spread": ([1, 5, 12, 19, 22, 25, 30, 33, 35, 36], [3, 0, 9, 1, 4, 7, 2, 8, 6, 5]),  # digits, every rank
+    "rank0": (list(range(2, 12)), list(range(10))),  # digits, all inside rank 0's slice
+    "first_half": ([0, 3, 4, 8, 14, 17], [0.5, 2.0, 10.0, 12.0, 407.0, 2.0]),  # none in the last ranks
+}
+
+# name -> objective config; ntil only runs on the digit vocabularies
+CASES = {
+    "ce": {"terms": {}},
+    "ce_zloss": {"terms": {}, "z_loss": 1e-3},
+    "ntl_was": {"terms": {"ntl_was": {}}},
+    "ntl_was_squash_reweigh": {"terms": {"ntl_was": {"squash_factor": 3.0, "reweigh": True}}},
+    "ntl_mse": {"terms": {"ntl_mse": {}}},
+    "ntl_mae_reweigh": {"terms": {"ntl_mse": {"loss": "mae", "reweigh": True}}},
+    "ntl_huber": {"terms": {"ntl_mse": {"loss": "huber"}}},
+    "gce": {"terms": {"gce": {}}},
+    "gce_sigma0": {"terms": {"gce": {"sigma": 0.0}}},
+    "gce_renorm_half": {"terms": {"gce": {"weight": 0.5, "renormalize": True, "sigma": 2.0}}},
+    "dist2_paper": {"terms": {"dist2": {}}},
+    "dist2_code": {"terms": {"dist2": {"tau": 2.0, "normalize": "numeric", "weighting": "place_value", "weight": 1.0}}},
+    "ntil": {"terms": {"ntil": {"noise_scale": 0.0}}},
+    "ntil_rescaled": {"terms": {"ntil": {"noise_scale": 0.0, "rescale_to_ce": True}}},
+    "smmd": {"terms": {"smmd": {}}},
+    "smmd_mmd_laplace": {"terms": {"smmd": {"mode": "mmd", "kernel": "laplace", "sigmas": [1.0, 4.0]}}},
+    "smmd_smooth_fixed": {"terms": {"smmd": {"mode": "smooth", "alpha": 0.3, "squash_factor": None}}},
+    "all": {"terms": {"ntl_was": {}, "ntl_mse": {}, "gce": {}, "dist2": {}, "smmd": {}}, "z_loss": 1e-4},
+}
+
+
+def shard_bounds(vocab_size: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous shards of ceil(V / world) columns, the last one shorter (Megatron's split)."""
+    per = -(-vocab_size // world)
+    return [(r * per, min((r + 1) * per, vocab_size)) for r in range(world)]
+
+
+def make_labels(vocab: NumericVocab, generator: torch.Generator) -> torch.Tensor:
+    """[3, 9] labels: numbers in runs, text tokens, ignored prompt positions, a sequence of text only."""
+    ids = vocab.token_ids
+    text = torch.tensor([t for t in range(V) if t not in set(ids.tolist())])
+    labels = text[torch.randint(len(text), (3, 9), generator=generator)]
+    pick = lambda n: ids[torch.randint(len(ids), (n,), generator=generator)]
+    labels[0, :2] = -100
+    labels[0, 2:5] = pick(3)  # a three-token number
+    labels[0, 6:8] = pick(2)
+    labels[1, 0:4] = -100
+    labels[1, 5] = pick(1)[0]
+    labels[1, 7:9] = pick(2)  # a number that runs to the end of the sequence
+    return labels  # row 2: no numeric label at all
+
+
+def _check_layouts(rank, world, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for vocab_name, (ids, values) in VOCABS.items():
+        vocab = NumericVocab(ids, values, vocab_size=V)
+        g = torch.Generator().manual_seed(1234)
+        logits = (3 * torch.randn(3, 9, V, generator=g)).to(dtype)
+        labels = make_labels(vocab, g)
+        for case, config in CASES.items():
+            if "ntil" in config["terms"] and not vocab.is_digits():
+                continue
+            objective = Objective(vocab, config)
+            dense_in = logits.clone().requires_grad_(True)
+            dense = objective(dense_in, labels)
+            dense.loss.backward()
+            local_in = logits[..., start:end].clone().requires_grad_(True)
+            tp = objective(local_in, labels, group=group, vocab_start=start)
+            tp.loss.backward()
+            where = f"{vocab_name}/{case} TP={world} rank {rank} {dtype_name}"
+            torch.testing.assert_close(tp.loss, dense.loss, **tol, msg=lambda m: f"{where} loss: {m}")
+            for name in dense.terms:
+                torch.testing.assert_close(tp.terms[name], dense.terms[name], **tol, msg=lambda m: f"{where} {name}: {m}")
+            torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], **tol,
+                                       msg=lambda m: f"{where} grad: {m}")
+            assert local_in.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_loss_matches_dense_fp32(world):
+    run_ranks(world, _check_layouts, "float32")
+
+
+def test_bf16_logits_match_dense():
+    run_ranks(2, _check_layouts, "bfloat16")
+
+
+def _check_single_rank_group(rank, world):
+    # A TP group of one rank is the dense path (no collective issued).
+    vocab = NumericVocab(*VOCABS["spread"], vocab_size=V)
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(3, 9, V, generator=g), make_labels(vocab, g)
+    with count_comm() as comm:
+        out = functional.smmd(logits, labels, vocab, group=dist.new_group([0]) if rank == 0 else None)
+    assert comm.calls == 0
+    torch.testing.assert_close(out, functional.smmd(logits, labels, vocab), rtol=0, atol=0)
+
+
+def test_tp1_group_is_dense():
+    run_ranks(1, _check_single_rank_group)
+
+
+def _check_comm(rank, world):
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    vocab = NumericVocab(*VOCABS["rank0"], vocab_size=V)
+    g = torch.Generator().manual_seed(7)
+    logits, labels = torch.randn(3, 9, V, generator=g), make_labels(vocab, g)
+    tokens, numeric_rows = labels.numel(), int((vocab.index_of[labels.clamp_min(0)] >= 0)[labels >= 0].sum())
+    local = logits[..., start:end].clone().requires_grad_(True)
+    objective = Objective(vocab, CASES["all"])
+    objective(local, labels, group=group, vocab_start=start)  # first call: the one-time layout exchange
+
+    with count_comm() as forward:
+        out = objective(local, labels, group=group, vocab_start=start)
+    with count_comm() as backward:
+        out.loss.backward()
+    width = 10  # all ten numeric columns live on rank 0: the common padded width is 10
+    assert forward.ops() == ["all_reduce_max", "all_reduce_sum", "all_gather"]
+    assert [r.bytes for r in forward.records] == [4 * tokens, 2 * 4 * tokens, 4 * numeric_rows * width]
+    assert backward.calls == 0
+
+    with count_comm() as ce_only:
+        Objective(vocab, CASES["ce"])(local, labels, group=group, vocab_start=start)
+    assert ce_only.ops() == ["all_reduce_max", "all_reduce_sum"]  # no numeric gather for plain CE
+
+    no_numbers = torch.where(vocab.index_of[labels.clamp_min(0)] >= 0, 0, labels)  # 0 is not numeric here
+    with count_comm() as none:
+        out = objective(local, no_numbers, group=group, vocab_start=start)
+        out.loss.backward()
+    assert none.ops() == ["all_reduce_max", "all_reduce_sum"]  # no numeric row anywhere: nothing to gather
+    assert torch.isfinite(local.grad).all()
+
+
+def test_collectives_counted_exactly():
+    run_ranks(2, _check_comm)
+
+
+def _check_bad_layout(rank, world):
+    vocab = NumericVocab(*VOCABS["spread"], vocab_size=V)
+    logits = torch.randn(2, 4, 10)
+    labels = torch.zeros(2, 4, dtype=torch.long)
+    # Both ranks claim [0, 10): ids 12..36 are nobody's, and the ranges overlap.
+    with pytest.raises(ValueError, match="overlaps|lies in no TP rank"):
+        functional.smmd(logits, labels, vocab, group=dist.group.WORLD, vocab_start=0)
+
+
+def test_shards_that_do_not_cover_the_vocab_are_an_error():
+    run_ranks(2, _check_bad_layout)
