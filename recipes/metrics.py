@@ -1,0 +1,154 @@
+"""Metrics the recipes report on generated answers (LOSSES.md, "Metrics the recipes report").
+
+Every metric takes the model's decoded answer texts and the reference numbers. An answer is scored by
+the number it parses to (`parse_number`: the last number in the text), so "x = 42." and "42" are the
+same answer. An answer that does not parse counts as wrong for exact match and is left out of MAE and
+R² (which are then over the parsed answers only); `parse_rate` says how many that was, so a model that
+stops emitting numbers cannot look good on MAE.
+
+    summarize(["42", "x = 7", "oops"], [42, 8, 3])
+    # n 3, parse_rate 2/3, exact_match 1/3, mae 0.5 and r2 0.998 (both over the two that parse)
+
+Clock times ("H:MM", a 12-hour dial) have their own parser and a circular gap in minutes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable, Sequence
+
+# An optional sign, digits, an optional decimal part. Thousands separators are not accepted: "1,000"
+# parses as 0 (its last number), which is what a strict exact-match scorer should see.
+_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_CLOCK_RE = re.compile(r"(\d{1,2}):(\d{2})")
+
+MINUTES_PER_DIAL = 12 * 60
+
+
+def parse_number(text: str | None) -> float | None:
+    """The last number in `text` as a float ("= -17" -> -17.0, "3.50" -> 3.5), or None if there is none."""
+    if text is None:
+        return None
+    matches = _NUMBER_RE.findall(text)
+    if not matches:
+        return None
+    try:
+        value = float(matches[-1])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def parse_numbers(texts: Iterable[str | None]) -> list[float | None]:
+    """`parse_number` of each text."""
+    return [parse_number(t) for t in texts]
+
+
+def _as_parsed(predictions: Sequence) -> list[float | None]:
+    """Texts are parsed; numbers (and None) are taken as they are."""
+    return [p if p is None or isinstance(p, (int, float)) else parse_number(p) for p in predictions]
+
+
+def _check_lengths(predictions: Sequence, targets: Sequence) -> None:
+    if len(predictions) != len(targets):
+        raise ValueError(f"{len(predictions)} predictions but {len(targets)} targets")
+
+
+def parse_rate(predictions: Sequence) -> float:
+    """Share of predictions that parse as a number (texts are parsed; numbers count as parsed).
+    NaN for no predictions."""
+    parsed = _as_parsed(predictions)
+    if not parsed:
+        return math.nan
+    return sum(p is not None for p in parsed) / len(parsed)
+
+
+def exact_match(predictions: Sequence, targets: Sequence[float], tol: float = 1e-9) -> float:
+    """Share of predictions whose parsed number equals the target (within `tol`); an unparsed
+    prediction is wrong. NaN for no predictions."""
+    _check_lengths(predictions, targets)
+    parsed = _as_parsed(predictions)
+    if not parsed:
+        return math.nan
+    hits = sum(p is not None and abs(p - float(t)) <= tol for p, t in zip(parsed, targets))
+    return hits / len(parsed)
+
+
+def _parsed_pairs(predictions: Sequence, targets: Sequence[float]) -> tuple[list[float], list[float]]:
+    _check_lengths(predictions, targets)
+    pairs = [(p, float(t)) for p, t in zip(_as_parsed(predictions), targets) if p is not None]
+    return [p for p, _ in pairs], [t for _, t in pairs]
+
+
+def mae(predictions: Sequence, targets: Sequence[float]) -> float:
+    """Mean absolute error over the predictions that parse; NaN if none does."""
+    preds, tgts = _parsed_pairs(predictions, targets)
+    if not preds:
+        return math.nan
+    return sum(abs(p - t) for p, t in zip(preds, tgts)) / len(preds)
+
+
+def r2(predictions: Sequence, targets: Sequence[float]) -> float:
+    """Coefficient of determination 1 - SS_res / SS_tot over the predictions that parse.
+
+    NaN if none parses or the parsed targets have no variance (R² is undefined there). It can be
+    negative: a model worse than predicting the mean.
+    """
+    preds, tgts = _parsed_pairs(predictions, targets)
+    if not preds:
+        return math.nan
+    mean = sum(tgts) / len(tgts)
+    ss_tot = sum((t - mean) ** 2 for t in tgts)
+    if ss_tot == 0:
+        return math.nan
+    ss_res = sum((t - p) ** 2 for p, t in zip(preds, tgts))
+    return 1.0 - ss_res / ss_tot
+
+
+def parse_clock(text: str | None) -> int | None:
+    """Minutes past 12:00 on a 12-hour dial for the last "H:MM" in `text` ("11:50" -> 710,
+    "12:10" and "0:10" -> 10), or None if there is none or it is not a valid time (minutes > 59,
+    hours > 23; hours 13-23 wrap onto the dial)."""
+    if text is None:
+        return None
+    matches = _CLOCK_RE.findall(text)
+    if not matches:
+        return None
+    hours, minutes = (int(x) for x in matches[-1])
+    if minutes > 59 or hours > 23:
+        return None
+    return (hours % 12) * 60 + minutes
+
+
+def clock_gap_minutes(prediction: str | int | None, target: str | int) -> float | None:
+    """The circular gap in minutes between two times on a 12-hour dial (0..360): "11:50" vs "0:10" is 20.
+
+    Either argument may be an "H:MM" text or minutes past 12:00. None if the prediction does not parse.
+    """
+    p = parse_clock(prediction) if isinstance(prediction, str) or prediction is None else int(prediction)
+    t = parse_clock(target) if isinstance(target, str) else int(target)
+    if t is None:
+        raise ValueError(f"target {target!r} is not an H:MM time")
+    if p is None:
+        return None
+    d = abs(p - t) % MINUTES_PER_DIAL
+    return float(min(d, MINUTES_PER_DIAL - d))
+
+
+def mean_clock_gap(predictions: Sequence, targets: Sequence) -> float:
+    """Mean circular gap in minutes over the predictions that parse as "H:MM"; NaN if none does."""
+    _check_lengths(predictions, targets)
+    gaps = [g for g in (clock_gap_minutes(p, t) for p, t in zip(predictions, targets)) if g is not None]
+    return sum(gaps) / len(gaps) if gaps else math.nan
+
+
+def summarize(predictions: Sequence, targets: Sequence[float]) -> dict:
+    """All numeric metrics at once: n, parse_rate, exact_match, mae, r2 (floats; NaN where undefined)."""
+    return {
+        "n": len(predictions),
+        "parse_rate": parse_rate(predictions),
+        "exact_match": exact_match(predictions, targets),
+        "mae": mae(predictions, targets),
+        "r2": r2(predictions, targets),
+    }

@@ -1,0 +1,69 @@
+"""recipes.metrics on hand-made answers."""
+
+import math
+
+import numpy as np
+import pytest
+
+from recipes import metrics
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("42", 42.0), ("-17", -17.0), ("x = 3.50", 3.5), ("7 then 8", 8.0), (" 0 ", 0.0), ("+5", 5.0),
+     (".5", 0.5), ("no number", None), ("", None), (None, None), ("-", None)],
+)
+def test_parse_number(text, value):
+    assert metrics.parse_number(text) == value
+
+
+def test_exact_match_counts_parse_failures_as_wrong():
+    preds = ["12", "x=7", "oops", "-3", "4.0"]
+    targets = [12, 8, 5, -3, 4]
+    assert metrics.exact_match(preds, targets) == pytest.approx(3 / 5)
+    assert metrics.parse_rate(preds) == pytest.approx(4 / 5)
+    assert metrics.parse_rate([None, 3.0]) == 0.5  # numbers are taken as parsed
+
+
+def test_mae_and_r2_over_parsed_answers_match_numpy():
+    rng = np.random.default_rng(0)
+    targets = rng.integers(-200, 200, size=50).astype(float)
+    preds = targets + rng.normal(0, 20, size=50).round()
+    texts = [str(int(p)) for p in preds]
+    texts[3] = texts[10] = "garbage"  # two answers that do not parse are left out of MAE and R²
+    keep = np.array([i not in (3, 10) for i in range(50)])
+    t, p = targets[keep], preds[keep]
+    assert metrics.mae(texts, targets) == pytest.approx(np.abs(p - t).mean())
+    r2_numpy = 1 - ((t - p) ** 2).sum() / ((t - t.mean()) ** 2).sum()
+    assert metrics.r2(texts, targets) == pytest.approx(r2_numpy)
+    summary = metrics.summarize(texts, targets)
+    assert summary["n"] == 50 and summary["parse_rate"] == pytest.approx(48 / 50)
+    assert summary["mae"] == pytest.approx(np.abs(p - t).mean())
+
+
+def test_undefined_metrics_are_nan_not_errors():
+    assert math.isnan(metrics.mae(["a", "b"], [1, 2]))
+    assert math.isnan(metrics.r2(["a", "b"], [1, 2]))
+    assert math.isnan(metrics.r2(["1", "2"], [5, 5]))  # no variance in the targets
+    assert math.isnan(metrics.exact_match([], []))
+    assert metrics.r2(["5", "5"], [4, 6]) == pytest.approx(0.0)  # predicting the mean
+    with pytest.raises(ValueError):
+        metrics.exact_match(["1"], [1, 2])
+
+
+@pytest.mark.parametrize(
+    "pred, target, gap",
+    [("11:50", "0:10", 20), ("0:10", "11:50", 20), ("12:10", "0:10", 0), ("3:00", "9:00", 360),
+     ("3:15", "3:05", 10), ("23:50", "0:10", 20), ("the time is 1:30", "1:45", 15), (710, "0:10", 20)],
+)
+def test_clock_gap_is_circular_on_a_12_hour_dial(pred, target, gap):
+    assert metrics.clock_gap_minutes(pred, target) == gap
+
+
+def test_clock_parse_failures():
+    assert metrics.parse_clock("11:50") == 710 and metrics.parse_clock("12:00") == 0
+    assert metrics.parse_clock("5:75") is None and metrics.parse_clock("no time") is None
+    assert metrics.clock_gap_minutes("later", "1:00") is None
+    assert metrics.mean_clock_gap(["11:50", "bad", "1:00"], ["0:10", "1:00", "1:30"]) == pytest.approx(25)
+    with pytest.raises(ValueError):
+        metrics.clock_gap_minutes("1:00", "noon")
