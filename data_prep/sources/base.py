@@ -358,7 +358,9 @@ def check_image(data: bytes) -> None:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
-        raise BadRecord(BROKEN_IMAGE, f"{type(e).__name__}: {e}") from None
+        # Drop object addresses ("<_io.BytesIO object at 0x7f...>") so rejects stay byte-identical.
+        message = re.sub(r" at 0x[0-9a-fA-F]+", "", str(e))
+        raise BadRecord(BROKEN_IMAGE, f"{type(e).__name__}: {message}") from None
 
 
 # ---- misc --------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .base import NO_ANSWER, BadRecord, Example, Source, get_field, parse_number
+from .base import EMPTY_TARGET, NO_ANSWER, BadRecord, Example, Source, get_field, parse_number
 
 _CALC = re.compile(r"<<[^<>]*>>")
 
@@ -31,6 +31,8 @@ class GSM8K(Source):
         answer = get_field(row, self.opts["answer_field"])
         if self.opts["strip_calculator"]:
             answer = _CALC.sub("", answer)
+        if not answer.strip():
+            raise BadRecord(EMPTY_TARGET, "the answer text is empty")
         text, value = final_answer(answer)
         if text is None:
             raise BadRecord(NO_ANSWER, "the answer has no '#### N' line")
