@@ -17,6 +17,7 @@ import torch
 
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses import TERMS, cross_entropy_term
+from .losses.cross_entropy import z_loss_term
 from .vocab import NumericVocab
 
 # LOSSES.md's default weights (GCE's 1.0 means it fully replaces CE).
@@ -88,7 +89,7 @@ def _check_options(name: str, options: dict) -> None:
 @dataclass
 class ObjectiveOutput:
     loss: torch.Tensor  # the total to backpropagate
-    ce: torch.Tensor  # plain CE (with z-loss if configured)
+    ce: torch.Tensor  # CE (plus the z-loss if configured)
     terms: dict[str, torch.Tensor]  # each term's unweighted value
     numeric_positions: int
 
@@ -100,8 +101,12 @@ class ObjectiveOutput:
 
 
 def _rescaled(value: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
-    """`stopgrad(CE / value) · value`: the value of CE, the gradient direction of `value`."""
-    return value * (ce.detach() / value.detach().clamp_min(torch.finfo(value.dtype).tiny))
+    """`stopgrad(CE / value) · value`: the value of CE, the gradient direction of `value`.
+
+    A term that is 0 (no numeric position) stays exactly 0: CE / 0 would be inf, and 0 · inf is NaN.
+    """
+    scale = torch.where(value.detach() > 0, ce.detach() / value.detach(), torch.ones_like(value))
+    return value * scale
 
 
 class Objective:
@@ -126,7 +131,7 @@ class Objective:
         return self.from_stats(stats)
 
     def from_stats(self, stats: LogitStats) -> ObjectiveOutput:
-        ce = cross_entropy_term(stats, self.vocab, z_loss=self.config.z_loss)
+        ce = cross_entropy_term(stats, self.vocab)
         terms = self.config.terms
         values = {name: TERMS[name](stats, self.vocab, **term.options) for name, term in terms.items()}
         scaled = {name: _rescaled(values[name], ce) if term.rescale_to_ce else values[name]
@@ -137,4 +142,7 @@ class Objective:
         for name, term in terms.items():
             if name != "gce":
                 total = total + term.weight * scaled[name]
+        if self.config.z_loss:  # a penalty on the normaliser, kept whether CE or GCE scores the tokens
+            z = z_loss_term(stats, self.config.z_loss)
+            ce, total = ce + z, total + z
         return ObjectiveOutput(loss=total, ce=ce, terms=values, numeric_positions=stats.numeric.count)
