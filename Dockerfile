@@ -1,0 +1,81 @@
+# The cluster container: numloss + DeepSpeed + Ray on NVIDIA's PyTorch image.
+#
+#   docker build -t numloss .
+#   docker run --gpus all --ipc=host --rm -it numloss python -m recipes.demo
+#
+# Base: NGC PyTorch 25.11 (Python 3.12). It ships a CUDA build of torch together with CUDA, cuDNN, NCCL
+# and NVIDIA apex (the real one; PyPI's `apex` is an unrelated package), plus the compilers DeepSpeed and
+# flash-attn need. Any newer nvcr.io/nvidia/pytorch:YY.MM-py3 tag works the same way:
+#   docker build --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:26.10-py3 -t numloss .
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
+FROM ${BASE_IMAGE}
+
+# Keep these equal to pyproject.toml's pins (tests/test_packaging.py checks it).
+ARG DEEPSPEED_VERSION=0.19.8
+ARG RAY_VERSION=2.60.0
+ARG FLASH_ATTN_VERSION=2.8.3
+# GPUs to build DeepSpeed's and flash-attn's kernels for (A100, H100/H200). There is no GPU during
+# `docker build`, so the architectures cannot be detected and must be given.
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
+ARG MAX_JOBS=8
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# Keeping the base image's torch.
+# The image's torch is an NVIDIA build (version like 2.x.0a0+<commit>.nvYY.MM) linked against its CUDA,
+# NCCL and apex. If pip ever replaced it with a PyPI wheel, apex, Transformer Engine and every kernel
+# compiled below would break, or a second multi-GB CUDA runtime would arrive. pip keeps an installed
+# package that satisfies a requirement (deepspeed and flash-attn only ask for `torch`, numloss for
+# `torch>=2.4`), so nothing should touch it; the constraints file turns "should" into "cannot": it pins
+# torch and the packages built against it to exactly what the image has, so a dependency that wants
+# another torch fails the build loudly instead of silently swapping it.
+# NGC's own PIP_CONSTRAINT file (/etc/pip/constraint.txt) pins about every package the image has,
+# numpy included; it is replaced, not extended, so that our non-torch dependencies (datasets, pyarrow,
+# ray) can resolve, while the torch-linked ones stay frozen.
+ENV PIP_CONSTRAINT=/opt/numloss/constraints.txt \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    TORCH_EXTENSIONS_DIR=/opt/torch_extensions
+RUN mkdir -p /opt/numloss \
+ && python -c "import importlib.metadata as md; \
+keep = {'torch', 'torchvision', 'torchaudio', 'triton', 'pytorch-triton', 'apex', 'flash-attn', 'transformer-engine'}; \
+pins = sorted({f'{d.metadata[\"Name\"]}=={d.version}' for d in md.distributions() \
+               if (d.metadata['Name'] or '').lower().replace('_', '-') in keep}); \
+assert any(p.lower().startswith('torch==') for p in pins), 'no torch in the base image'; \
+open('/opt/numloss/constraints.txt', 'w').write(''.join(p + chr(10) for p in pins))" \
+ && cat /opt/numloss/constraints.txt
+
+# flash-attn: the NGC image already has a build matching its torch (frozen above); build one only if a
+# base image without it is used. --no-build-isolation builds against the installed torch instead of a
+# PyPI torch in an isolated build environment.
+RUN python -c "import flash_attn" 2>/dev/null \
+ || MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+
+# DeepSpeed with FusedAdam (GPU) and CPUAdam (ZeRO-Offload) compiled now, so a job does not spend its
+# first minute compiling them with gcc/nvcc on every node. DS_ACCELERATOR=cuda because there is no GPU
+# at build time and DeepSpeed would otherwise pick its CPU accelerator and build the wrong ops.
+# --no-build-isolation: the ops must be compiled against the image's torch. py-cpuinfo is needed to
+# build CPUAdam; ninja is in the base image (left unpinned: pip keeps the installed one).
+# The check reads what DeepSpeed recorded at install: it loads a prebuilt op only when it was built for
+# the accelerator it runs on ("cuda"), else it JIT-compiles at job start after all.
+# hadolint ignore=DL3013
+RUN pip install py-cpuinfo==9.0.0 ninja \
+ && DS_ACCELERATOR=cuda DS_BUILD_OPS=0 DS_BUILD_FUSED_ADAM=1 DS_BUILD_CPU_ADAM=1 \
+    TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" MAX_JOBS=${MAX_JOBS} \
+    pip install --no-build-isolation "deepspeed==${DEEPSPEED_VERSION}" \
+ && python -c "from deepspeed.git_version_info import installed_ops as ops, accelerator_name as acc; \
+assert ops['fused_adam'] and ops['cpu_adam'] and acc == 'cuda', (acc, ops)"
+
+RUN pip install "ray[train]==${RAY_VERSION}"
+
+# The project, installed the way the README says: `pip install -e ".[train,ray]"`. Its deepspeed and ray
+# pins are already satisfied by the layers above, so this only adds the light dependencies
+# (transformers, tokenizers, datasets, pyarrow, ...). The GPU defaults for DeepSpeed apply here: the
+# Makefile's DS_ACCELERATOR=cpu is for CPU machines and is not set in this image.
+WORKDIR /workspace/numloss
+COPY . /workspace/numloss
+# hadolint ignore=DL3013
+RUN pip install -e ".[train,ray]" \
+ && python -c "import torch, numloss, deepspeed, ray, transformers; \
+print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.distributed.is_nccl_available()); \
+print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)"
