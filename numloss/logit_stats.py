@@ -87,6 +87,23 @@ def validate_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = I
     return valid
 
 
+def combine_across_ranks(row_max: torch.Tensor, sum_exp: torch.Tensor, target: torch.Tensor, group):
+    """Global (lse, target logit) from each rank's local row max, sum of exp(x - row_max) and target
+    logit (0 where not owned): one MAX all-reduce, one packed SUM all-reduce. No autograd."""
+    global_max = all_reduce_(row_max.clone(), "max", group)
+    packed = torch.stack([sum_exp * torch.exp(row_max - global_max), target])
+    all_reduce_(packed, "sum", group)  # one collective for both sums
+    return global_max + packed[0].log(), packed[1]
+
+
+def local_row_stats(x: torch.Tensor, target_local: torch.Tensor, owns_target: torch.Tensor):
+    """Row max, sum of exp(x - max) and owned target logit of fp32 logits `x` [C, V_local]."""
+    row_max = x.max(dim=-1).values
+    sum_exp = (x - row_max[:, None]).exp_().sum(dim=-1)
+    target = x.gather(1, target_local[:, None]).squeeze(1)
+    return row_max, sum_exp, torch.where(owns_target, target, torch.zeros_like(target))
+
+
 class _LogitStatsFn(torch.autograd.Function):
     """logits [T, V_local] -> (lse [T], target_logit [T], numeric columns [M, n_local]), fp32.
 
@@ -97,19 +114,10 @@ class _LogitStatsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target_local, owns_target, num_rows, num_cols, group):
         x = logits.float()  # no copy for fp32 input; the input is never written to
-        row_max = x.max(dim=-1).values
-        all_reduce_(row_max, "max", group)
-        shifted = x - row_max[:, None]
-        sum_exp = shifted.exp_().sum(dim=-1)
-        del shifted
-        target = x.gather(1, target_local[:, None]).squeeze(1)
-        target = torch.where(owns_target, target, torch.zeros_like(target))
-        packed = torch.stack([sum_exp, target])
-        all_reduce_(packed, "sum", group)  # one collective for both sums
-        lse = row_max + packed[0].log()
+        lse, target = combine_across_ranks(*local_row_stats(x, target_local, owns_target), group)
         numeric = x[num_rows[:, None], num_cols[None, :]]
         ctx.save_for_backward(logits, lse, target_local, owns_target, num_rows, num_cols)
-        return lse, packed[1], numeric
+        return lse, target, numeric
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target, grad_numeric):
@@ -121,6 +129,81 @@ class _LogitStatsFn(torch.autograd.Function):
         if num_rows.numel():
             grad.index_put_((num_rows[:, None], num_cols[None, :]), grad_numeric, accumulate=True)
         return grad.to(logits.dtype), None, None, None, None, None
+
+
+@dataclass
+class LabelPlan:
+    """What a pass over the logits needs to know about the labels, before any logit is read."""
+
+    labels: torch.Tensor  # [T]
+    valid: torch.Tensor  # [T]
+    column: torch.Tensor  # [T] numeric column of each label, -1 if none
+    is_numeric: torch.Tensor  # [T]
+    num_rows: torch.Tensor  # [M]
+    owns_target: torch.Tensor  # [T] the label's token lies in this rank's shard
+    target_local: torch.Tensor  # [T] its offset in the shard (0 where not owned)
+    layout: ShardLayout
+    shape: torch.Size
+
+    def stats(self, lse, target_logit, numeric_local, group) -> LogitStats:
+        """Assemble `LogitStats` from a pass's outputs, gathering the numeric columns across TP ranks."""
+        numeric_logits = gather_numeric_columns(numeric_local, self.layout, group)
+        return LogitStats(
+            labels=self.labels,
+            valid=self.valid,
+            lse=lse,
+            target_logit=target_logit,
+            numeric=NumericRows(self.num_rows, self.column[self.num_rows], numeric_logits, lse[self.num_rows]),
+            shape=self.shape,
+            is_numeric=self.is_numeric,
+        )
+
+
+def plan_labels(
+    labels: torch.Tensor,
+    vocab: NumericVocab,
+    vocab_local: int,
+    device: torch.device,
+    group=None,
+    vocab_start: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+    numeric: bool = True,
+) -> LabelPlan:
+    """Validate labels against the (global) vocab and locate targets and numeric columns in the shard."""
+    tp = world_size(group)
+    if tp == 1 and vocab_start != 0:
+        raise ValueError(f"vocab_start={vocab_start} without a TP group: the logits must be the full vocabulary")
+    vocab_size = vocab_local if tp == 1 else vocab.vocab_size
+    if vocab_start < 0 or vocab_start + vocab_local > vocab_size:
+        raise ValueError(f"local vocab range [{vocab_start}, {vocab_start + vocab_local}) exceeds vocab size {vocab_size}")
+    if tp == 1 and int(vocab.token_ids.max()) >= vocab_local:
+        raise ValueError(f"{vocab.name}: numeric token id {int(vocab.token_ids.max())} does not fit logits"
+                         f" of width {vocab_local}")
+    flat_labels = labels.reshape(-1).to(device)
+    valid = validate_labels(flat_labels, vocab_size, ignore_index)
+
+    # Numeric column of every label (-1 for non-numeric, ignored, or beyond the vocabulary's table).
+    index_of = vocab.index_on(device)
+    in_table = valid & (flat_labels < index_of.numel())
+    column = torch.where(in_table, index_of[torch.where(in_table, flat_labels, 0)], -1)
+    is_numeric = (column >= 0) if numeric else torch.zeros_like(valid)
+
+    layout = vocab.memo(
+        ("layout", id(group), tp, rank_in(group), vocab_start, vocab_local),
+        lambda: ShardLayout.exchange(vocab.token_ids, vocab_start, vocab_local, group),
+    )
+    owns_target = valid & (flat_labels >= vocab_start) & (flat_labels < vocab_start + vocab_local)
+    return LabelPlan(
+        labels=flat_labels,
+        valid=valid,
+        column=column,
+        is_numeric=is_numeric,
+        num_rows=is_numeric.nonzero().flatten(),
+        owns_target=owns_target,
+        target_local=torch.where(owns_target, flat_labels - vocab_start, 0),
+        layout=layout,
+        shape=labels.shape,
+    )
 
 
 def compute_logit_stats(
@@ -145,47 +228,10 @@ def compute_logit_stats(
                          " expected logits [..., V] with labels [...]")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be floating point, got {logits.dtype}")
-    tp = world_size(group)
     v_local = logits.shape[-1]
-    if tp == 1 and vocab_start != 0:
-        raise ValueError(f"vocab_start={vocab_start} without a TP group: the logits must be the full vocabulary")
-    vocab_size = v_local if tp == 1 else vocab.vocab_size
-    if vocab_start < 0 or vocab_start + v_local > vocab_size:
-        raise ValueError(f"local vocab range [{vocab_start}, {vocab_start + v_local}) exceeds vocab size {vocab_size}")
-    if tp == 1 and int(vocab.token_ids.max()) >= v_local:
-        raise ValueError(f"{vocab.name}: numeric token id {int(vocab.token_ids.max())} does not fit logits"
-                         f" of width {v_local}")
-
-    device = logits.device
-    flat_logits = logits.reshape(-1, v_local)
-    flat_labels = labels.reshape(-1).to(device)
-    valid = validate_labels(flat_labels, vocab_size, ignore_index)
-
-    # Numeric column of every label (-1 for non-numeric, ignored, or beyond the vocabulary's table).
-    index_of = vocab.index_on(device)
-    in_table = valid & (flat_labels < index_of.numel())
-    column = torch.where(in_table, index_of[torch.where(in_table, flat_labels, 0)], -1)
-    is_numeric = (column >= 0) if numeric else torch.zeros_like(valid)
-    num_rows = is_numeric.nonzero().flatten()
-
-    layout = vocab.memo(
-        ("layout", id(group), tp, rank_in(group), vocab_start, v_local),
-        lambda: ShardLayout.exchange(vocab.token_ids, vocab_start, v_local, group),
-    )
-    local_cols = layout.local_cols.to(device)
-    owns_target = valid & (flat_labels >= vocab_start) & (flat_labels < vocab_start + v_local)
-    target_local = torch.where(owns_target, flat_labels - vocab_start, 0)
-
+    plan = plan_labels(labels, vocab, v_local, logits.device, group, vocab_start, ignore_index, numeric)
     lse, target_logit, numeric_local = _LogitStatsFn.apply(
-        flat_logits, target_local, owns_target, num_rows, local_cols, group
+        logits.reshape(-1, v_local), plan.target_local, plan.owns_target, plan.num_rows,
+        plan.layout.local_cols.to(logits.device), group,
     )
-    numeric_logits = gather_numeric_columns(numeric_local, layout, group)
-    return LogitStats(
-        labels=flat_labels,
-        valid=valid,
-        lse=lse,
-        target_logit=target_logit,
-        numeric=NumericRows(rows=num_rows, target=column[num_rows], logits=numeric_logits, lse=lse[num_rows]),
-        shape=labels.shape,
-        is_numeric=is_numeric,
-    )
+    return plan.stats(lse, target_logit, numeric_local, group)

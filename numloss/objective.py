@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from .chunked_head import DEFAULT_CHUNK_SIZE, chunked_logit_stats
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses import TERMS, cross_entropy_term
 from .losses.cross_entropy import z_loss_term
@@ -128,6 +129,14 @@ class Objective:
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0) -> ObjectiveOutput:
         stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
                                     numeric=bool(self.config.terms))
+        return self.from_stats(stats)
+
+    def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
+                    vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> ObjectiveOutput:
+        """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
+        TP), with logits computed chunk by chunk (`numloss.chunked_head`)."""
+        stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
+                                    self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size)
         return self.from_stats(stats)
 
     def from_stats(self, stats: LogitStats) -> ObjectiveOutput:

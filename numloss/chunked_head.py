@@ -1,0 +1,142 @@
+"""The objective from hidden states, without full-vocabulary logits for the whole batch.
+
+At Llama-3 scale (V = 128256) the fp32 logits of 8192 tokens take 4.2 GB and the usual path holds
+several copies (logits, the softmax, their gradient). Here `hidden [T, H] @ weightᵀ` is computed one
+chunk of tokens at a time; each chunk's logits live only while that chunk is processed.
+
+How the backward avoids a second pass over the vocabulary. The gradient of the loss with respect to
+chunk logits is `g_t · softmax_t + S` where `g_t` is d loss / d lse_t and S is sparse (the target logit
+and the N numeric columns). So:
+
+- d hidden_t = g_t · (softmax_t @ W) + S_t @ W: the [T, H] products `softmax_t @ W` are kept from the
+  forward and scaled by g_t in backward, exactly, whatever g is.
+- d W = Σ_t g_t softmax_tᵀ h_t + Sᵀ h: the forward accumulates `Σ_valid softmax_tᵀ h_t` assuming
+  g_t = k on every valid row (what token-mean CE gives). Backward takes k as the median of g over valid
+  rows and corrects, by recomputing their logits, only the rows where g differs from that (the numeric
+  rows of a term that uses the full-vocabulary normaliser: GCE, DIST2 "full", NTL `reweigh`). Plain CE,
+  SMMD, NTL-WAS, NTIL recompute nothing.
+
+So forward costs three [C, V]x matmuls per chunk and backward only small ones: the same matmul work
+as the logits path, with a peak of one chunk's logits instead of several full copies.
+
+Parallel contract: with a TP group, `weight` is this rank's vocab shard [V_local, H] starting at
+`vocab_start`, `hidden` and labels are identical on every rank; each chunk issues the MAX and SUM
+all-reduces of the log-sum-exp (so every rank must see the same T and chunking, which replicated labels
+guarantee), the numeric columns are gathered once, and backward all-reduces d hidden over the group,
+because this head stands in for a column-parallel linear layer whose input is replicated.
+
+ZeRO-3: the weight must be gathered while this runs, forward and backward. `numloss.hf` registers the
+lm_head weight as an external parameter of the module that calls this, so DeepSpeed gathers it with that
+module's parameters; every rank calls this function once per step whatever its token count, so the
+gathers stay matched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .logit_stats import IGNORE_INDEX, LogitStats, combine_across_ranks, local_row_stats, plan_labels
+from .parallel import all_reduce_
+from .vocab import NumericVocab
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _add_transposed_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += aᵀ @ b, with the product in b's dtype (the model's compute dtype) and out in fp32."""
+    if b.dtype == torch.float32:
+        out.addmm_(a.t(), b)
+    else:
+        out.add_(a.t().to(b.dtype) @ b)
+
+
+class _ChunkedHeadFn(torch.autograd.Function):
+    """(hidden [T, H], weight [V_local, H]) -> (lse [T], target_logit [T], numeric columns [M, n_local])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, chunk_size, group):
+        tokens = hidden.shape[0]
+        lse = hidden.new_empty(tokens, dtype=torch.float32)
+        target = torch.empty_like(lse)
+        numeric = hidden.new_empty((num_rows.numel(), num_cols.numel()), dtype=torch.float32)
+        softmax_w = hidden.new_empty(hidden.shape, dtype=torch.float32)  # softmax_t @ W per token
+        softmax_h = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # Σ_valid softmaxᵀ h
+        for start in range(0, tokens, chunk_size):
+            end = min(start + chunk_size, tokens)
+            h = hidden[start:end]
+            x = (h @ weight.t()).float()
+            row_max, sum_exp, tgt = local_row_stats(x, target_local[start:end], owns_target[start:end])
+            lse[start:end], target[start:end] = combine_across_ranks(row_max, sum_exp, tgt, group)
+            lo, hi = torch.searchsorted(num_rows, torch.tensor([start, end], device=num_rows.device)).tolist()
+            numeric[lo:hi] = x[(num_rows[lo:hi] - start)[:, None], num_cols[None, :]]
+            probs = x.sub_(lse[start:end, None]).exp_()  # in place: x is this chunk's own buffer
+            softmax_w[start:end] = (probs.to(weight.dtype) @ weight).float()
+            _add_transposed_product(softmax_h, probs.mul_(valid[start:end, None]), h)
+            del x, probs
+        ctx.chunk_size = chunk_size
+        ctx.group = group
+        ctx.save_for_backward(hidden, weight, lse, softmax_w, softmax_h, target_local, owns_target, valid,
+                              num_rows, num_cols)
+        return lse, target, numeric
+
+    @staticmethod
+    def backward(ctx, grad_lse, grad_target, grad_numeric):
+        (hidden, weight, lse, softmax_w, softmax_h, target_local, owns_target, valid,
+         num_rows, num_cols) = ctx.saved_tensors
+        w32 = weight.float() if weight.dtype != torch.float32 else weight
+        h32 = hidden.float() if hidden.dtype != torch.float32 else hidden
+
+        grad_hidden = grad_lse[:, None] * softmax_w
+        k = grad_lse[valid].median() if valid.any() else grad_lse.new_zeros(())
+        grad_weight = softmax_h * k
+        # rows whose d loss / d lse differs from k·valid: recompute their softmax and correct d W
+        rest = grad_lse - k * valid
+        rows = rest.nonzero().flatten()
+        for start in range(0, rows.numel(), ctx.chunk_size):
+            r = rows[start:start + ctx.chunk_size]
+            probs = (hidden[r] @ weight.t()).float().sub_(lse[r, None]).exp_().mul_(rest[r, None])
+            _add_transposed_product(grad_weight, probs, hidden[r])
+
+        # the sparse part: target logits and numeric columns
+        g_target = torch.where(owns_target, grad_target, 0.0)
+        owned = owns_target.nonzero().flatten()
+        grad_hidden[owned] += g_target[owned, None] * w32[target_local[owned]]
+        grad_weight.index_add_(0, target_local[owned], g_target[owned, None] * h32[owned])
+        if num_rows.numel() and num_cols.numel():
+            grad_hidden.index_add_(0, num_rows, grad_numeric @ w32[num_cols])
+            grad_weight.index_add_(0, num_cols, grad_numeric.t() @ h32[num_rows])
+
+        all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
+        return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
+                None, None, None, None, None, None, None)
+
+
+def chunked_logit_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    vocab: NumericVocab,
+    group=None,
+    vocab_start: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+    numeric: bool = True,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LogitStats:
+    """`LogitStats` of `hidden [..., H] @ weightᵀ` with `labels [...]`, chunk by chunk over tokens.
+
+    Equal (up to fp32 rounding) to `compute_logit_stats(hidden @ weight.T, labels, ...)`; see the module
+    docstring for memory, the backward and the TP/ZeRO-3 contract.
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not align:"
+                         " expected hidden [..., H] with labels [...]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [V_local, {hidden.shape[-1]}] for hidden {tuple(hidden.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    plan = plan_labels(labels, vocab, weight.shape[0], hidden.device, group, vocab_start, ignore_index, numeric)
+    lse, target_logit, numeric_local = _ChunkedHeadFn.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, plan.target_local, plan.owns_target, plan.valid,
+        plan.num_rows, plan.layout.local_cols.to(hidden.device), chunk_size, group,
+    )
+    return plan.stats(lse, target_logit, numeric_local, group)

@@ -1,0 +1,120 @@
+"""The chunked head equals the logits path: value, d hidden and d weight, at TP 1 and TP 2 (gloo)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from numloss import NumericVocab, Objective, count_comm
+from tests.distributed import run_ranks
+from tests.test_vocab_parallel import shard_bounds
+
+V, H = 37, 12
+VOCAB = ([1, 5, 12, 19, 22, 25, 30, 33, 35, 36], [3, 0, 9, 1, 4, 7, 2, 8, 6, 5])
+CONFIGS = {
+    "ce": {"terms": {}},
+    "smmd": {"terms": {"smmd": {}}},
+    # terms that use the full-vocab normaliser make d loss / d lse uneven: the backward's correction path
+    "full_normaliser": {"terms": {"gce": {"weight": 0.5}, "dist2": {}, "ntl_was": {"reweigh": True}}, "z_loss": 1e-3},
+    "all": {"terms": {"ntl_was": {}, "ntl_mse": {}, "dist2": {"normalize": "numeric", "weighting": "place_value"},
+                      "ntil": {"noise_scale": 0.0}, "smmd": {}}},
+}
+CHUNKS = [1, 5, 16, 1000]
+
+
+def make_batch(seed: int, ignore_all: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(3, 8, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / H**0.5
+    labels = torch.randint(0, V, (3, 8), generator=g)
+    labels[0, :3] = -100
+    labels[1, 2:5] = torch.tensor([5, 12, 19])  # a number of three digit tokens
+    labels[2, 6:] = torch.tensor([1, 36])
+    if ignore_all:
+        labels[:] = -100
+    return hidden, weight, labels
+
+
+def reference(objective, hidden, weight, labels):
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = objective(h @ w.t(), labels)
+    out.loss.backward()
+    return out, h.grad, w.grad
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_chunked_equals_logits_path(config, chunk):
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    objective = Objective(vocab, CONFIGS[config])
+    for seed, ignore_all in [(0, False), (1, False), (2, True)]:
+        hidden, weight, labels = make_batch(seed, ignore_all)
+        ref, ref_dh, ref_dw = reference(objective, hidden, weight, labels)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = objective.from_hidden(h, w, labels, chunk_size=chunk)
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
+        for name in ref.terms:
+            torch.testing.assert_close(out.terms[name], ref.terms[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(w.grad, ref_dw, rtol=1e-5, atol=1e-5)
+        assert out.loss.isfinite()
+
+
+def test_bf16_hidden_and_weight_close_to_fp32():
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    objective = Objective(vocab, CONFIGS["all"])
+    hidden, weight, labels = make_batch(3)
+    ref, ref_dh, ref_dw = reference(objective, hidden, weight, labels)
+    h, w = hidden.bfloat16().requires_grad_(True), weight.bfloat16().requires_grad_(True)
+    out = objective.from_hidden(h, w, labels, chunk_size=5)
+    out.loss.backward()
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out.loss, ref.loss, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(h.grad.float(), ref_dh, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(w.grad.float(), ref_dw, rtol=5e-2, atol=5e-2)
+
+
+def test_bad_shapes_are_errors():
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    hidden, weight, labels = make_batch(0)
+    with pytest.raises(ValueError, match="do not align"):
+        Objective(vocab).from_hidden(hidden, weight, labels[:, :-1])
+    with pytest.raises(ValueError, match="must be"):
+        Objective(vocab).from_hidden(hidden, weight[:, :-1], labels)
+    with pytest.raises(ValueError, match="chunk_size"):
+        Objective(vocab).from_hidden(hidden, weight, labels, chunk_size=0)
+
+
+def _check_tp(rank, world):
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    hidden, weight, labels = make_batch(0)
+    Objective(vocab).from_hidden(hidden, weight[start:end], labels, group=group, vocab_start=start)  # layout exchange
+    for config in CONFIGS.values():
+        objective = Objective(vocab, config)
+        for seed, ignore_all in [(0, False), (2, True)]:
+            hidden, weight, labels = make_batch(seed, ignore_all)
+            # rank 1 of 2 owns ids 19..36: with seed 0 some of its rows have no target in its shard
+            ref, ref_dh, ref_dw = reference(objective, hidden, weight, labels)
+            for chunk in (3, 1000):
+                h, w = hidden.clone().requires_grad_(True), weight[start:end].clone().requires_grad_(True)
+                with count_comm() as comm:
+                    out = objective.from_hidden(h, w, labels, group=group, vocab_start=start, chunk_size=chunk)
+                    out.loss.backward()
+                where = f"{config} seed {seed} chunk {chunk} rank {rank}"
+                torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} dh: {m}")
+                torch.testing.assert_close(w.grad, ref_dw[start:end], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{where} dw: {m}")
+                chunks = -(-24 // chunk)
+                gathers = 1 if config["terms"] and not ignore_all else 0
+                assert comm.ops().count("all_reduce_max") == chunks
+                assert comm.ops().count("all_gather") == gathers
+                assert comm.ops()[-1] == "all_reduce_sum"  # backward: d hidden, once
+
+
+def test_chunked_tp2_equals_dense():
+    run_ranks(2, _check_tp)
