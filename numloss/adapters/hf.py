@@ -1,0 +1,81 @@
+"""A Hugging Face causal LM trained with the numeric objective, from logits or from hidden states.
+
+`NumericCausalLM(model, objective, chunked=True)` is an `nn.Module` whose forward takes
+(input_ids, attention_mask, labels) and returns a `NumericLMOutput`: a dict (so that ZeRO-3's hooks see
+the loss tensor and gather parameters before this module's backward) with attribute access:
+`out.loss`, `out.ce`, `out.terms`, `out.numeric_positions`, and `out.log_dict()`. It shifts the labels itself
+(position t predicts token t+1), so `labels` are the input ids with -100 where no loss is wanted.
+
+- `chunked=False`: `model(...).logits` through `Objective` (the logits path).
+- `chunked=True`: only the backbone runs (`model.<base_model_prefix>`); its last hidden states and the
+  lm_head weight go to `Objective.from_hidden`, so the model's full-vocabulary logits are never made.
+
+Tensor parallelism: with a DeepSpeed AutoTP vocab-parallel lm_head the weight is this rank's vocab
+shard and the group and range come from `find_vocab_shard`; the same call runs dense otherwise.
+
+ZeRO-3: the lm_head weight is used outside its own module's forward, so DeepSpeed's module hooks would
+not gather it. It is registered as an external parameter of this wrapper
+(`deepspeed.zero.register_external_parameter`), which makes ZeRO-3 gather it in this module's forward
+and backward, once per step on every rank whatever its token count. Build the wrapper before
+`deepspeed.initialize(model=wrapper, ...)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..chunked_head import DEFAULT_CHUNK_SIZE
+from ..objective import Objective, ObjectiveOutput
+from .deepspeed_autotp import causal_lm_objective, find_vocab_shard, shift_labels
+
+
+class NumericLMOutput(dict):
+    """`ObjectiveOutput`'s fields as a dict, readable as attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @classmethod
+    def of(cls, out: ObjectiveOutput) -> "NumericLMOutput":
+        return cls(loss=out.loss, ce=out.ce, terms=dict(out.terms), numeric_positions=out.numeric_positions)
+
+    def log_dict(self) -> dict[str, float]:
+        return ObjectiveOutput(self.loss, self.ce, self.terms, self.numeric_positions).log_dict()
+
+
+class NumericCausalLM(nn.Module):
+    def __init__(self, model: nn.Module, objective: Objective, chunked: bool = True,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+        self.chunked = chunked
+        self.chunk_size = chunk_size
+        head = model.get_output_embeddings()
+        if head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head)")
+        if chunked and getattr(head, "bias", None) is not None:
+            raise ValueError("the chunked head supports an lm_head without bias; use chunked=False")
+        if chunked and hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter
+            import deepspeed
+
+            deepspeed.zero.register_external_parameter(self, head.weight)
+
+    def backbone(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                **model_kwargs) -> NumericLMOutput:
+        shard = find_vocab_shard(self.model)
+        if not self.chunked:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
+            return NumericLMOutput.of(causal_lm_objective(self.objective, logits, labels, shard))
+        targets = shift_labels(labels, self.objective.config.ignore_index)
+        hidden = self.backbone()(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
+        weight = self.model.get_output_embeddings().weight
+        return NumericLMOutput.of(self.objective.from_hidden(
+            hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=self.chunk_size))
