@@ -143,3 +143,12 @@ def _autotp_rank(rank, world):
 
 def test_autotp_zero3_tp2_matches_tp1_reference():
     run_ranks(2, _autotp_rank)
+
+
+def test_importing_numloss_and_its_adapters_imports_no_framework():
+    import subprocess
+
+    code = ("import sys, numloss, numloss.adapters.deepspeed_autotp, numloss.adapters.megatron;"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
