@@ -1,7 +1,7 @@
 """Examples -> token ids, labels masked on the prompt, and the numeric annotations the losses need.
 
 Decisions (what a reader of a shard can rely on):
-- Layout: `ids = tokenize(prefix) + tokenize(rest)`. The prefix is what the model sees at inference
+- Layout: `ids = tokenize(prefix) + tokenize(rest)` (one pair encoding). The prefix is what the model sees at inference
   (the prompt, rendered by the chat template with its generation prompt); `rest` is the assistant
   turn (target text plus whatever the template puts around it, e.g. "<|im_end|>"). Tokenizing the
   two separately (as at inference, where the prompt is encoded alone) gives an exact label boundary:
@@ -29,6 +29,7 @@ Decisions (what a reader of a shard can rely on):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -236,42 +237,56 @@ class Encoder:
         """The kept rows (in input order) and the rejects ({"record", "example_id", "reason", "detail"})."""
         rendered = [self.template.render(it.example.prompt, it.example.target, check=(i == 0))
                     for i, it in enumerate(items)]
-        prefixes = self.backend.encode_batch([r[0] for r in rendered], add_special_tokens=False)
-        rests = self.backend.encode_batch([r[1] for r in rendered], add_special_tokens=False)
+        # One call, prefix and rest as the two sequences of a pair: each is pre-tokenized on its own
+        # (the same ids as two separate encodings) and token indices come out global.
+        encs = self.backend.encode_batch([(r[0], r[1]) for r in rendered], add_special_tokens=False)
         bos, eos = self.template.bos, self.template.eos
+        nb, max_len = len(bos), self.cfg.max_length
+        finditer = NUMBER_RE.finditer
 
-        keep, rejects = [], []
-        ids_list, prompt_lens = [], []
-        spans_start, spans_end, spans_value = [], [], []
-        for it, (_, _, at), pre, rest in zip(items, rendered, prefixes, rests):
-            ids = bos + pre.ids + rest.ids + eos
-            if len(ids) > self.cfg.max_length:
+        keep, rejects, ids_list, prompt_lens = [], [], [], []
+        span_counts, s_start, s_end, s_value = [], [], [], []
+        for it, (prefix, _, at), enc in zip(items, rendered, encs):
+            ids = enc.ids
+            if bos or eos:
+                ids = bos + ids + eos
+            if len(ids) > max_len:
                 rejects.append({"record": it.record, "example_id": it.example_id, "reason": TOO_LONG,
-                                "detail": f"{len(ids)} tokens > max_length {self.cfg.max_length}"})
+                                "detail": f"{len(ids)} tokens > max_length {max_len}"})
                 continue
-            n_prompt = len(bos) + len(pre.ids)
-            starts, ends, values = [], [], []
-            for cs, ce, value in number_spans(it.example.target):
-                t0 = rest.char_to_token(at + cs)
-                t1 = rest.char_to_token(at + ce - 1)
-                if t0 is None or t1 is None:
-                    continue  # a tokenizer that drops characters (normalizers): no span to point at
-                starts.append(n_prompt + t0)
-                ends.append(n_prompt + t1 + 1)
-                values.append(value)
+            c2t = enc.char_to_token
+            first = c2t(0, 1)  # the first token of the rest; the slow way only if char 0 has none
+            if first is None:
+                seq = enc.sequence_ids
+                first = seq.index(1) if 1 in seq else len(seq)
+            n_prompt = nb + first
+            # The hot spot of a build on number-dense text: list comprehensions, no per-number branches.
+            target = it.example.target
+            spans = [m.span() for m in finditer(target)]
+            k = len(spans)
+            if k:
+                t0 = [c2t(at + a, 1) for a, _ in spans]
+                t1 = [c2t(at + b - 1, 1) for _, b in spans]
+                texts = [target[a:b] for a, b in spans]
+                if None in t0 or None in t1:  # a normalizer dropped characters: skip those numbers
+                    keep_ix = [j for j in range(k) if t0[j] is not None and t1[j] is not None]
+                    t0, t1, texts = [t0[j] for j in keep_ix], [t1[j] for j in keep_ix], [texts[j] for j in keep_ix]
+                    k = len(keep_ix)
+                s_start.extend(t0)
+                s_end.extend(t1)
+                s_value.extend(texts)
+            span_counts.append(k)
             keep.append(it)
             ids_list.append(ids)
             prompt_lens.append(n_prompt)
-            spans_start.append(starts)
-            spans_end.append(ends)
-            spans_value.append(values)
-        return self._columns(keep, ids_list, prompt_lens, spans_start, spans_end, spans_value), rejects
+        return self._columns(keep, ids_list, prompt_lens, span_counts, s_start, s_end, s_value), rejects
 
-    def _columns(self, keep, ids_list, prompt_lens, s_start, s_end, s_value) -> pa.RecordBatch:
-        lengths = np.fromiter((len(x) for x in ids_list), dtype=np.int32, count=len(ids_list))
-        offsets = np.zeros(len(ids_list) + 1, dtype=np.int32)
+    def _columns(self, keep, ids_list, prompt_lens, span_counts, s_start, s_end, s_value) -> pa.RecordBatch:
+        n = len(ids_list)
+        lengths = np.fromiter(map(len, ids_list), dtype=np.int32, count=n)
+        offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((t for x in ids_list for t in x), dtype=np.int32, count=int(offsets[-1]))
+        flat = np.fromiter(itertools.chain.from_iterable(ids_list), dtype=np.int32, count=int(offsets[-1]))
         # Position of each token inside its example: prompt positions get -100.
         prompt = np.asarray(prompt_lens, dtype=np.int32)
         pos = np.arange(len(flat), dtype=np.int32) - np.repeat(offsets[:-1], lengths)
@@ -279,13 +294,12 @@ class Encoder:
         labels = np.where(in_prompt, IGNORE_INDEX, flat).astype(np.int32)
         numeric = ~in_prompt & self.is_numeric[flat]
 
-        def lists(values, typ, per_row):
-            counts = np.fromiter((len(x) for x in per_row), dtype=np.int32, count=len(per_row))
-            offs = np.zeros(len(per_row) + 1, dtype=np.int32)
-            np.cumsum(counts, out=offs[1:])
-            arr = np.fromiter((v for x in per_row for v in x), dtype=values, count=int(offs[-1]))
-            return pa.ListArray.from_arrays(pa.array(offs), pa.array(arr, type=typ))
-
+        span_offs = pa.array(np.concatenate([[0], np.cumsum(span_counts, dtype=np.int32)]).astype(np.int32))
+        # Token indices come from the pair encoding (prefix first): shift by the BOS ids added in front.
+        nb = len(self.template.bos)
+        s_start = np.asarray(s_start, dtype=np.int32) + nb
+        s_end = np.asarray(s_end, dtype=np.int32) + nb + 1
+        s_value = np.array([float(t.replace(",", "")) for t in s_value], dtype=np.float64)
         off = pa.array(offsets)
         exs = [it.example for it in keep]
         return pa.RecordBatch.from_arrays([
@@ -294,9 +308,9 @@ class Encoder:
             pa.ListArray.from_arrays(off, pa.array(flat, type=pa.int32())),
             pa.ListArray.from_arrays(off, pa.array(labels, type=pa.int32())),
             pa.ListArray.from_arrays(off, pa.array(numeric, type=pa.bool_())),
-            lists(np.int32, pa.int32(), s_start),
-            lists(np.int32, pa.int32(), s_end),
-            lists(np.float64, pa.float64(), s_value),
+            pa.ListArray.from_arrays(span_offs, pa.array(s_start, type=pa.int32())),
+            pa.ListArray.from_arrays(span_offs, pa.array(s_end, type=pa.int32())),
+            pa.ListArray.from_arrays(span_offs, pa.array(s_value, type=pa.float64())),
             pa.array([e.answer for e in exs], type=pa.float64()),
             pa.array([e.answer_text for e in exs], type=pa.string()),
             pa.array(prompt, type=pa.int32()),

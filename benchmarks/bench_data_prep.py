@@ -1,0 +1,122 @@
+"""Throughput of `data_prep build` against the bare tokenizer's batch encoding of the same texts.
+
+One run, same machine, same texts: a GSM8K-like JSONL corpus generated here (no downloads), a byte-level
+BPE tokenizer trained here (Llama-3-style digit groups, plain template). The bare baseline encodes the
+rendered texts (prompt + separator + target) with the Rust tokenizer's `encode_batch` using all cores
+(the fastest way to tokenize, no Python per token); `build` does everything a build does: read and
+parse the JSONL, render, tokenize, mask, annotate numbers, write Parquet shards and the manifest.
+
+    python benchmarks/bench_data_prep.py [--examples 40000] [--workers N]
+
+Target: build tokens/s >= 0.7 x bare tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_corpus(path: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    names = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Ken", "Alexis", "Tina", "Randy"]
+    items = ["clips", "apples", "pages", "dollars", "cookies", "marbles", "tickets", "books"]
+    rows = []
+    with open(path, "w") as fh:
+        for _ in range(n):
+            a, b, c = rng.randint(2, 999), rng.randint(2, 99), rng.randint(1, 5000)
+            who, what = rng.choice(names), rng.choice(items)
+            q = (f"{who} has {a} {what}. She buys {b} more packs with {c:,} {what} each and gives away "
+                 f"{rng.randint(1, a)} of them. How many {what} does {who} have now?")
+            steps = [f"{who} buys {b} * {c:,} = <<{b}*{c}={b * c}>>{b * c:,} {what}."]
+            for _ in range(rng.randint(1, 4)):
+                x, y = rng.randint(10, 99999), rng.randint(10, 999)
+                steps.append(f"Then {x:,} + {y} = <<{x}+{y}={x + y}>>{x + y:,} and {x} / {y} = {x / y:.2f}.")
+            total = a + b * c
+            target = "\n".join(steps) + f"\n#### {total:,}"
+            fh.write(json.dumps({"question": q, "answer": target}) + "\n")
+            rows.append((q, target))
+    return rows
+
+
+def train_tokenizer(out_dir: str, texts: list[str]) -> str:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=4000, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out_dir)
+    return out_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--examples", type=int, default=40000)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--repeats", type=int, default=3, help="bare encodings timed (best of)")
+    a = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+
+    tmp = tempfile.mkdtemp(prefix="bench_data_prep_")
+    try:
+        data = os.path.join(tmp, "train.jsonl")
+        rows = make_corpus(data, a.examples)
+        tok_dir = train_tokenizer(os.path.join(tmp, "tok"), [q + "\n" + t for q, t in rows[:3000]])
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        texts = [q + "\n" + t for q, t in rows]  # what the plain template renders (less BOS/EOS)
+
+        # Bare tokenizer: Rust batch encoding on all cores, best of `repeats`.
+        bare = float("inf")
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            bare = min(bare, time.perf_counter() - t0)
+        bare_tokens = sum(len(e.ids) for e in encs)
+        t0 = time.perf_counter()
+        hf = tok(texts, add_special_tokens=False)["input_ids"]
+        hf_time = time.perf_counter() - t0
+        del encs, hf
+
+        cfg = BuildConfig(sources=[SourceConfig("gsm8k", path=data)],
+                          tokenize=TokenizeConfig(tok_dir, numeric_policy="integers", max_length=4096),
+                          shards=ShardConfig(shard_bytes=64 << 20))
+        out = os.path.join(tmp, "out")
+        t0 = time.perf_counter()
+        m = build(cfg, out, workers=a.workers, chunk_size=512, progress=False)
+        build_time = time.perf_counter() - t0
+        build_tokens = m["totals"]["tokens"]
+
+        bare_tps, build_tps = bare_tokens / bare, build_tokens / build_time
+        print(f"examples {a.examples}  cores {os.cpu_count()}  build workers {a.workers}")
+        print(f"bare encode_batch   : {bare_tokens:>10} tokens  {bare:7.3f} s  {bare_tps:12,.0f} tok/s")
+        print(f"HF tokenizer(texts) : {bare_tokens:>10} tokens  {hf_time:7.3f} s  "
+              f"{bare_tokens / hf_time:12,.0f} tok/s")
+        print(f"data_prep build     : {build_tokens:>10} tokens  {build_time:7.3f} s  {build_tps:12,.0f} tok/s"
+              f"  ({m['totals']['examples_kept']} kept, {m['totals']['rejected']} rejected, "
+              f"{len(m['shards'])} shards)")
+        ratio = build_tps / bare_tps
+        print(f"ratio build / bare encode_batch = {ratio:.2f}  (target >= 0.70: {'PASS' if ratio >= 0.7 else 'FAIL'})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
