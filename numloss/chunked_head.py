@@ -75,6 +75,7 @@ class _ChunkedHeadFn(torch.autograd.Function):
             del x, probs
         ctx.chunk_size = chunk_size
         ctx.group = group
+        ctx.consumed = False
         ctx.save_for_backward(hidden, weight, lse, softmax_w, softmax_h, target_local, owns_target, valid,
                               num_rows, num_cols)
         return lse, target, numeric
@@ -86,9 +87,13 @@ class _ChunkedHeadFn(torch.autograd.Function):
         w32 = weight.float() if weight.dtype != torch.float32 else weight
         h32 = hidden.float() if hidden.dtype != torch.float32 else hidden
 
-        grad_hidden = grad_lse[:, None] * softmax_w
+        if ctx.consumed:
+            raise RuntimeError("the chunked head's backward reuses its saved buffers: it can run only once"
+                               " (retain_graph=True with a second backward is not supported)")
+        ctx.consumed = True
+        grad_hidden = softmax_w.mul_(grad_lse[:, None])  # in place: the [T, H] buffer is not needed again
         k = grad_lse[valid].median() if valid.any() else grad_lse.new_zeros(())
-        grad_weight = softmax_h * k
+        grad_weight = softmax_h.mul_(k)  # in place: no second weight-sized buffer
         # rows whose d loss / d lse differs from k·valid: recompute their softmax and correct d W
         rest = grad_lse - k * valid
         rows = rest.nonzero().flatten()
