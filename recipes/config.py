@@ -1,0 +1,293 @@
+"""Recipes: YAML files read into typed dataclasses, with `key.sub=value` overrides from the command line.
+
+Every section is a dataclass; loading is strict: an unknown key, a missing required key or a value of
+the wrong type is an error that names its dotted path (`optim.lr: expected float, got 'fast'`). The
+numeric objective's own section is checked by `numloss.ObjectiveConfig` (unknown terms and options).
+
+    recipe = load_recipe("recipes/configs/demo.yaml", ["optim.lr=3e-4", "loss.objective.terms={smmd: {}}"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from numloss import ObjectiveConfig
+
+
+@dataclass
+class ModelConfig:
+    """The backbone: a hub name or local path (`name_or_path`), or a config to build with random weights."""
+
+    name_or_path: str | None = None
+    config: dict | None = None  # e.g. {model_type: llama, hidden_size: 64, ...}: random init, for tests/demo
+    tokenizer: str | None = None  # hub name or local dir; defaults to name_or_path
+    dtype: str = "bfloat16"  # bfloat16 | float32 (fp16 is not offered: it needs loss scaling to train)
+    attn_implementation: str | None = None  # None: flash_attention_2 when importable on a GPU, else sdpa
+    vision: bool = False  # a vision-language model, loaded with AutoModelForImageTextToText + its processor
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    """data_prep output directories (shards + manifest). Training reads nothing else."""
+
+    train: str = ""
+    eval: str | None = None
+    seq_len: int | None = None  # pad every batch to this length (None: the longest row)
+    shuffle_window: int = 8192
+    pad_to_multiple_of: int = 8
+
+
+@dataclass
+class LossConfig:
+    """The numeric objective and the numeric vocabulary it is computed over."""
+
+    objective: dict = field(default_factory=dict)  # numloss.ObjectiveConfig.from_dict
+    numeric_policy: str = "digits"  # digits | integers | float
+    numeric_max_value: int = 999
+    space_variants: bool = False
+    head: str = "logits"  # logits | chunked (hidden states, no full logits)
+    chunk_size: int = 1024
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 3
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    tp_size: int = 1  # AutoTP; > 1 shards the lm_head along the vocabulary (vocab_parallel_lm_head)
+    overrides: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config
+
+
+@dataclass
+class TrainSection:
+    steps: int = 100
+    micro_batch_size: int = 1  # per rank
+    grad_accum: int = 1
+    global_batch_size: int | None = None  # if given: must equal micro * accum * data-parallel size
+    seed: int = 0
+    log_every: int = 1
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2
+    out_dir: str = "runs/recipe"
+    export: bool = True  # a consolidated HF safetensors model + tokenizer at the end
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class EvalSection:
+    data: str | None = None  # data_prep dir; defaults to data.eval
+    batch_size: int = 16
+    max_new_tokens: int = 16
+    answer_format: str = "number"  # number | time (H:MM, scored with the circular time gap)
+    limit: int | None = None
+
+
+@dataclass
+class ClusterSection:
+    """Where the recipe is meant to run: used by `recipes.validate` and the launchers."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0  # 0: CPU
+    cpus_per_worker: int = 1
+    container: str | None = None
+    partition: str | None = None
+    time_limit: str = "24:00:00"
+
+
+@dataclass
+class Recipe:
+    name: str = "recipe"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ValueError naming the key."""
+        choices = {
+            "model.dtype": (self.model.dtype, ("bfloat16", "float32")),
+            "loss.numeric_policy": (self.loss.numeric_policy, ("digits", "integers", "float")),
+            "loss.head": (self.loss.head, ("logits", "chunked")),
+            "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
+            "eval.answer_format": (self.eval.answer_format, ("number", "time")),
+        }
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"{key}: {value!r} is not one of {list(allowed)}")
+        if (self.model.name_or_path is None) == (self.model.config is None):
+            raise ValueError("model: give exactly one of model.name_or_path and model.config")
+        if self.model.config is not None and not self.model.tokenizer:
+            raise ValueError("model.tokenizer: required when the model is built from model.config")
+        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"deepspeed.zero_stage: {self.deepspeed.zero_stage} is not 0, 1, 2 or 3")
+        positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
+                    "train.grad_accum": self.train.grad_accum, "deepspeed.tp_size": self.deepspeed.tp_size,
+                    "loss.chunk_size": self.loss.chunk_size, "train.keep_last": self.train.keep_last,
+                    "cluster.nodes": self.cluster.nodes}
+        for key, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{key}: must be >= 1, got {value}")
+        for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,
+                           "optim.warmup_steps": self.optim.warmup_steps}.items():
+            if value < 0:
+                raise ValueError(f"{key}: must be >= 0, got {value}")
+        if len(self.optim.betas) != 2:
+            raise ValueError(f"optim.betas: expected two numbers, got {self.optim.betas}")
+        if not self.data.train:
+            raise ValueError("data.train: required (a data_prep output directory)")
+        try:
+            ObjectiveConfig.from_dict(self.loss.objective)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"loss.objective: {err}") from None
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig.from_dict(self.loss.objective)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- strict loading ----------------------------------------------------------------------------------
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, path: str):
+    """`value` checked against the annotation `tp` (dataclass, Optional, list, dict, int, float, str, bool)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, path)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if errors else f"{path}: unexpected value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ValueError(f"{path or 'recipe'}: expected a mapping, got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{path}: expected a string, got {value!r}")
+    if tp is list or origin is list:
+        if isinstance(value, list):
+            return list(value)
+        raise ValueError(f"{path}: expected a list, got {value!r}")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ValueError(f"{path}: expected a mapping, got {value!r}")
+    raise TypeError(f"{path}: unsupported annotation {_type_name(tp)}")
+
+
+def _build(cls, data: dict, path: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ValueError(f"unknown key {where}{unknown[0]} (known in {path or 'recipe'}: {sorted(names)})")
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(value, hints[key], f"{path}.{key}" if path else key)
+    return cls(**kwargs)
+
+
+def apply_override(data: dict, override: str) -> None:
+    """`a.b.c=value` (value parsed as YAML) set into the nested dict `data`."""
+    if "=" not in override:
+        raise ValueError(f"override {override!r}: expected key.path=value")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ValueError(f"override {override!r}: empty key component")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"override {override!r}: {part} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw)
+
+
+def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
+    data = dict(data or {})
+    for override in overrides:
+        apply_override(data, override)
+    recipe = _build(Recipe, data)
+    recipe.validate()
+    return recipe
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
+    """Read, override, type-check and validate a recipe file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} does not exist")
+    with path.open() as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
+    data.setdefault("name", path.stem)
+    try:
+        return recipe_from_dict(data, overrides)
+    except ValueError as err:
+        raise ValueError(f"recipe {path}: {err}") from None
+
+
+def dump_recipe(recipe: Recipe, path: str | Path) -> None:
+    with Path(path).open("w") as f:
+        yaml.safe_dump(recipe.to_dict(), f, sort_keys=False)
