@@ -1,0 +1,70 @@
+"""Process-level set-up for training: the distributed environment, devices, DeepSpeed on the CPU.
+
+Launched by torchrun, Ray or srun, the rank variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) are already set; run as a plain `python -m recipes.train`, this becomes a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _skip_cpu_shm_op() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory comm op at every first start (35-65 s, up to
+    5 GB; it serves inference only). `deepspeed.comm.torch` looks it up as `build_shm_op`: return None."""
+    import deepspeed.comm.torch  # noqa: F401  (binds the torch package name; the module is in sys.modules)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+
+def setup_distributed() -> Runtime:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU)."""
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    if not cuda:
+        _skip_cpu_shm_op()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+def teardown(engine=None) -> None:
+    """End a run cleanly: DeepSpeed's engine first, then the process group (else it may abort at exit)."""
+    if engine is not None:
+        engine.destroy()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
