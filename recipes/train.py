@@ -22,8 +22,9 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -162,7 +163,7 @@ class Checkpoints:
         marker = self.root / LATEST
         return marker.read_text().strip() if marker.is_file() else None
 
-    def save(self, engine, step: int, dataset: ShardDataset) -> None:
+    def save(self, engine, step: int, dataset: ShardDataset) -> Path:
         tag = f"step_{step:08d}"
         engine.save_checkpoint(str(self.root), tag=tag, client_state={"step": step}, save_latest=False)
         # per rank: the reader's position and the RNG (data and dropout continue exactly)
@@ -178,6 +179,7 @@ class Checkpoints:
             for old in tags[:-self.keep_last]:
                 shutil.rmtree(self.root / old, ignore_errors=True)
         dist.barrier()
+        return self.root / tag
 
     def load(self, engine, dataset: ShardDataset) -> int:
         """Restore the latest checkpoint; returns the step it was saved at (0: none)."""
@@ -259,18 +261,30 @@ def reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, flo
     return dict(zip(keys, t.tolist()))
 
 
-def train(recipe: Recipe) -> dict:
+@dataclass
+class Hooks:
+    """Callbacks for an orchestrator (the Ray launcher), called on every rank.
+
+    on_log(row): after each optimizer step, with the row logged to metrics.jsonl (DP-mean values).
+    on_checkpoint(step, path): after a checkpoint is complete on every rank and `latest` names it.
+    """
+
+    on_log: Callable[[dict], None] | None = None
+    on_checkpoint: Callable[[int, Path], None] | None = None
+
+
+def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
     runtime = setup_distributed()
     engine = None
     try:
-        engine, last = _train(recipe, runtime)
+        engine, last = _train(recipe, runtime, hooks or Hooks())
         return last
     finally:
         teardown(engine)
 
 
-def _train(recipe: Recipe, runtime: Runtime):
+def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     import deepspeed
 
     out = Path(recipe.train.out_dir)
@@ -338,14 +352,16 @@ def _train(recipe: Recipe, runtime: Runtime):
                    "tokens_per_s": row["tokens"] * dist.get_world_size() / tp / elapsed}
             if step % recipe.train.log_every == 0 or step == recipe.train.steps:
                 metrics.log(row)
+            if hooks.on_log is not None:
+                hooks.on_log(row)
             last = row if runtime.is_main else {}
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
-                checkpoints.save(engine, step, dataset)
+                _save(checkpoints, engine, step, dataset, hooks)
         if checkpoints.latest_tag() != f"step_{step:08d}":
-            checkpoints.save(engine, step, dataset)
+            _save(checkpoints, engine, step, dataset, hooks)
         if recipe.train.export:
             export(engine, model, tokenizer, out / "final", runtime, recipe)
     finally:
@@ -353,6 +369,12 @@ def _train(recipe: Recipe, runtime: Runtime):
         if progress is not None:
             progress.close()
     return engine, last
+
+
+def _save(checkpoints: Checkpoints, engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
+    path = checkpoints.save(engine, step, dataset)
+    if hooks.on_checkpoint is not None:
+        hooks.on_checkpoint(step, path)
 
 
 def _grad_norm(engine) -> float:
