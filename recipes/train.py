@@ -299,11 +299,11 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
 
     tokenizer = load_tokenizer(recipe)
     model, live_ds_config = build_model(recipe, ds_config, runtime.device)
-    vocab_size = model.get_output_embeddings().weight.ds_shape[0] if hasattr(
-        model.get_output_embeddings().weight, "ds_shape") else model.get_output_embeddings().weight.shape[0]
+    head = model.get_output_embeddings().weight
+    logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
     vocab = NumericVocab.from_tokenizer(tokenizer, policy=recipe.loss.numeric_policy,
                                         max_value=recipe.loss.numeric_max_value,
-                                        space_variants=recipe.loss.space_variants, vocab_size=vocab_size)
+                                        space_variants=recipe.loss.space_variants, vocab_size=logits_width)
     objective = Objective(vocab, recipe.objective_config())
     wrapper = NumericCausalLM(model, objective, chunked=recipe.loss.head == "chunked",
                               chunk_size=recipe.loss.chunk_size)
