@@ -12,6 +12,7 @@ and gradients; every rank checks its own shard. Also checked: the installed `los
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -22,8 +23,12 @@ import torch.distributed as dist
 from numloss import NumericVocab, Objective
 from tests.distributed import run_ranks
 
-pytest.importorskip("deepspeed")  # part of the [train] extra that `make test` installs
-pytest.importorskip("transformers")
+# deepspeed and transformers come with [train]; transformers' HfDeepSpeedConfig also needs accelerate.
+# None of them is GPU-only, so a missing one fails here rather than skipping (and nothing heavy is
+# imported into the pytest process: the ranks import them).
+for _package in ("deepspeed", "transformers", "accelerate"):
+    if importlib.util.find_spec(_package) is None:
+        raise ImportError(f"tests/test_adapter_deepspeed_autotp.py needs {_package}")
 
 V = 101  # odd: AutoTP splits it unevenly (51 + 50)
 DIGIT_IDS = [3, 11, 24, 38, 47, 52, 60, 77, 85, 99]  # numeric tokens on both ranks' slices
