@@ -1,1 +1,1 @@
-"""Training recipes, evaluation, reports and plots. For now: `recipes.demo` (make demo) and `recipes.metrics`."""
+"""Training recipes, evaluation, reports and plots (`recipes.demo` is `make demo`; `recipes.metrics` scores answers)."""
