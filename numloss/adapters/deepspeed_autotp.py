@@ -70,8 +70,8 @@ def find_vocab_shard(model) -> VocabShard:
     """The TP group and this rank's vocab range of the logits `model` returns.
 
     With a DeepSpeed vocab-parallel lm_head: its `mp_group` and `[vocab_start_index, vocab_end_index)`.
-    Otherwise the logits are full: no group, `[0, V)` with V the output embedding's rows (its ZeRO-3
-    `ds_shape` when partitioned) or `config.vocab_size`.
+    Otherwise the logits are full: no group, `[0, V)` with V the output embedding's rows (before AutoTP
+    split a gathered head, before ZeRO-3 partitioned it) or `config.vocab_size`.
     """
     head = find_vocab_parallel_head(model)
     if head is not None:
@@ -83,9 +83,12 @@ def find_vocab_shard(model) -> VocabShard:
         return VocabShard(group, int(head.vocab_start_index), int(head.vocab_end_index), int(head.vocab_size))
     inner = _unwrap(model)
     out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if out is not None and getattr(out, "weight", None) is not None:
+    if getattr(out, "_orig_weight_shape", None) is not None:
+        # an AutoTP LinearLayer that gathers its output: its weight is a TP shard, its logits are full
+        vocab_size = int(out._orig_weight_shape[0])
+    elif out is not None and getattr(out, "weight", None) is not None:
         weight = out.weight
-        vocab_size = int(getattr(weight, "ds_shape", weight.shape)[0])
+        vocab_size = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3 keeps the full shape here
     else:
         vocab_size = int(inner.config.vocab_size)
     return VocabShard(None, 0, vocab_size, vocab_size)
