@@ -301,6 +301,8 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     model, live_ds_config = build_model(recipe, ds_config, runtime.device)
     head = model.get_output_embeddings().weight
     logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
+    if len(tokenizer) > logits_width:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's logits only {logits_width}")
     vocab = NumericVocab.from_tokenizer(tokenizer, policy=recipe.loss.numeric_policy,
                                         max_value=recipe.loss.numeric_max_value,
                                         space_variants=recipe.loss.space_variants, vocab_size=logits_width)
