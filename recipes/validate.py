@@ -21,8 +21,9 @@ What is checked, in order:
    shards over the data-parallel group (nodes * gpus_per_node / T ranks). Above `--gpu-mem-gb` (80)
    it is a warning.
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
-   == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU cluster (gpus_per_node 0)
-   counts one data-parallel rank per node.
+   == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
+   not fix its number of ranks (the launcher does): its global batch must be a multiple of
+   micro_batch_size * grad_accum, and the quotient is reported as the implied rank count.
 6. Loss vs data: NTIL needs the digits policy; a built data dir's numeric vocabulary policy must match
    loss.numeric_policy, and its tokenizer should be the model's.
 7. Data: data.train / data.eval / eval.data must be data_prep directories (manifest.json). A missing one
@@ -262,6 +263,11 @@ def build_hints(recipe_path: str | Path) -> dict[str, str]:
     return hints
 
 
+def _same_source(name: str) -> str:
+    """A tokenizer source made comparable: local directories by real path, hub names as they are."""
+    return os.path.realpath(name) if os.path.isdir(name) else str(name)
+
+
 def _manifest(path: str) -> dict | None:
     p = Path(path) / "manifest.json"
     if not p.is_file():
@@ -326,16 +332,25 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     if cl.gpus_per_node > 0 and cl.gpus_per_node % ds.tp_size:
         rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide cluster.gpus_per_node "
                           f"{cl.gpus_per_node} (a TP group must stay inside a node)")
-    ranks = gpus if cl.gpus_per_node > 0 else cl.nodes
-    dp = max(1, ranks // ds.tp_size) if cl.gpus_per_node > 0 else ranks
-    rep.add("layout", f"{cl.nodes} node(s) x {cl.gpus_per_node or 'CPU'} GPU(s), TP {ds.tp_size}, "
-                      f"data-parallel {dp}, ZeRO-{ds.zero_stage}")
-    effective = tr.micro_batch_size * tr.grad_accum * dp
+    per_step = tr.micro_batch_size * tr.grad_accum
+    if cl.gpus_per_node > 0:
+        dp = max(1, gpus // ds.tp_size)
+        effective = per_step * dp
+        if tr.global_batch_size is not None and tr.global_batch_size != effective:
+            rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
+                              f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
+                              f"(= {effective})")
+        layout = f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s), TP {ds.tp_size}, data-parallel {dp}"
+    else:
+        # A CPU recipe does not say how many ranks the launcher starts: the global batch implies it.
+        if tr.global_batch_size is not None and tr.global_batch_size % per_step:
+            rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} is not a multiple of "
+                              f"micro_batch_size {tr.micro_batch_size} x grad_accum {tr.grad_accum}")
+        dp = max(1, (tr.global_batch_size or per_step) // per_step)
+        effective = per_step * dp
+        layout = f"{cl.nodes} CPU node(s), {dp} data-parallel rank(s) implied by train.global_batch_size"
+    rep.add("layout", f"{layout}, ZeRO-{ds.zero_stage}")
     rep.numbers["effective_batch"] = effective
-    if tr.global_batch_size is not None and tr.global_batch_size != effective:
-        rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
-                          f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
-                          f"(= {effective})")
     rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
                      f"= {effective} sequences per step, {tr.steps} steps")
     if ds.tp_size > 1:
@@ -378,7 +393,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if man.get("packed") and kind == "eval":
             rep.errors.append(f"{key}: {where} is packed; evaluation needs one example per row")
         want = m.tokenizer or m.name_or_path
-        if want and tok.get("name") and os.path.normpath(str(tok["name"])) != os.path.normpath(str(want)):
+        if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
             rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")
     return rep
 

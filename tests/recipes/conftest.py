@@ -1,0 +1,44 @@
+"""Shared fixtures for the recipes tests: a tiny tokenizer, tiny data_prep shards, a tiny random model."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "data_prep"))
+from helpers import train_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def rec_tokenizer_dir(tmp_path_factory):
+    return train_tokenizer(str(tmp_path_factory.mktemp("rec_tok") / "digits"), "digits")
+
+
+@pytest.fixture(scope="session")
+def rec_data_dir(tmp_path_factory, rec_tokenizer_dir):
+    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+
+    out = str(tmp_path_factory.mktemp("rec_data") / "arith")
+    build(BuildConfig(sources=[SourceConfig("arithmetic", options={"n": 24, "max_digits": 2})],
+                      tokenize=TokenizeConfig(rec_tokenizer_dir, max_length=64),
+                      shards=ShardConfig(shard_bytes=2000, row_group_rows=8)),
+          out, workers=0, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def rec_model_dir(tmp_path_factory, rec_tokenizer_dir):
+    """A tiny random Llama saved with its tokenizer, as recipes/train.py exports `final/`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(rec_tokenizer_dir)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    out = tmp_path_factory.mktemp("rec_run") / "tiny" / "final"
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return str(out)

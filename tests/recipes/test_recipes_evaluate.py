@@ -1,0 +1,108 @@
+"""recipes.evaluate: prompts from shards, batched greedy generation, scoring, the results file."""
+
+import json
+import math
+import re
+
+import pyarrow.parquet as pq
+import pytest
+
+from recipes import evaluate as E
+
+
+def _last_number(text):
+    found = re.findall(r"-?\d+(?:\.\d+)?", text or "")
+    return float(found[-1]) if found else None
+
+
+def test_prompt_is_the_part_before_the_first_label(rec_data_dir):
+    rows = E.load_rows(rec_data_dir)
+    manifest = E.read_manifest(rec_data_dir)
+    table = pq.read_table(f"{rec_data_dir}/{manifest['shards'][0]['file']}").to_pylist()
+    assert len(rows) == 24
+    by_id = {r["example_id"]: r for r in table}
+    for r in rows:
+        src = by_id.get(r["example_id"])
+        if src is None:
+            continue
+        assert r["prompt_ids"] == src["input_ids"][:src["num_prompt_tokens"]]
+    assert len(E.load_rows(rec_data_dir, limit=5)) == 5
+
+
+def test_evaluate_random_model_results_match_an_independent_computation(rec_model_dir, rec_data_dir, tmp_path):
+    out = tmp_path / "res.json"
+    res = E.evaluate(rec_model_dir, rec_data_dir, out=str(out), batch_size=5, max_new_tokens=4, name="tiny")
+    saved = json.loads(out.read_text())
+    assert saved["name"] == "tiny" and saved["metrics"] == res["metrics"]
+    ex = saved["examples"]
+    assert len(ex) == saved["metrics"]["n"] == 24
+    parsed = [_last_number(e["prediction"]) for e in ex]
+    hits = sum(p is not None and p == e["target"] for p, e in zip(parsed, ex))
+    errs = [abs(p - e["target"]) for p, e in zip(parsed, ex) if p is not None]
+    m = saved["metrics"]
+    assert m["exact_match"] == pytest.approx(hits / len(ex))
+    assert m["parse_rate"] == pytest.approx(sum(p is not None for p in parsed) / len(ex))
+    if errs:
+        assert m["mae"] == pytest.approx(sum(errs) / len(errs))
+    else:
+        assert m["mae"] is None
+
+
+def test_left_padded_batches_generate_what_single_rows_do(rec_model_dir, rec_data_dir):
+    model, tok, _ = E.load_model(rec_model_dir)
+    rows = E.load_rows(rec_data_dir, limit=12)
+    single = E.generate_texts(model, tok, rows, batch_size=1, max_new_tokens=6)
+    batched = E.generate_texts(model, tok, rows, batch_size=5, max_new_tokens=6)
+    assert single == batched
+    assert any(s for s in single)
+
+
+def _oracle(offset=0):
+    def generate(model, tokenizer, rows, **kwargs):
+        return [f"so the answer is {r['answer'] + offset:g}" for r in rows]
+    return generate
+
+
+def test_perfect_and_off_by_one_predictions(rec_data_dir, tmp_path):
+    perfect = E.evaluate("unused", rec_data_dir, model_and_tokenizer=(None, None), generate=_oracle(0),
+                         out=str(tmp_path / "p.json"))["metrics"]
+    assert perfect["exact_match"] == 1.0 and perfect["mae"] == 0.0 and perfect["parse_rate"] == 1.0
+    assert perfect["r2"] == 1.0 and perfect["relaxed_accuracy"] == 1.0
+    off = E.evaluate("unused", rec_data_dir, model_and_tokenizer=(None, None), generate=_oracle(1))["metrics"]
+    assert off["exact_match"] == 0.0 and off["mae"] == pytest.approx(1.0) and off["parse_rate"] == 1.0
+
+
+def test_time_answers_use_the_circular_gap():
+    rows = [{"example_id": str(i), "prompt_ids": [1], "answer": float(a), "answer_text": t}
+            for i, (a, t) in enumerate([(10, "12:10"), (710, "11:50"), (180, "3:00"), (0, "12:00")])]
+    metrics, examples = E.score(["12:10", "0:10", "3:05", "no idea"], rows, answer_format="time")
+    assert [e["time_gap"] for e in examples] == [0.0, 20.0, 5.0, None]
+    assert metrics["exact_match"] == 0.25 and metrics["parse_rate"] == 0.75
+    assert metrics["time_gap"] == pytest.approx(25 / 3)
+
+
+def test_text_answers_count_in_relaxed_accuracy_only():
+    rows = [{"example_id": "a", "prompt_ids": [], "answer": None, "answer_text": "Yes"},
+            {"example_id": "b", "prompt_ids": [], "answer": 100.0, "answer_text": "100"}]
+    metrics, _ = E.score(["yes.", "104"], rows)
+    assert metrics["n"] == 2 and metrics["n_numeric"] == 1
+    assert metrics["exact_match"] == 0.0 and metrics["relaxed_accuracy"] == 1.0  # 4 % off is "relaxed" right
+
+
+def test_cli_writes_results_and_the_table_has_a_row_per_run(rec_model_dir, rec_data_dir, tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert E.main(["--model", rec_model_dir, "--data", rec_data_dir, "--out", str(a), "--limit", "6",
+                   "--batch-size", "3", "--max-new-tokens", "3", "--name", "run-a"]) == 0
+    E.evaluate("unused", rec_data_dir, model_and_tokenizer=(None, None), generate=_oracle(0), out=str(b),
+               name="oracle")
+    capsys.readouterr()
+    assert E.main(["table", str(a), str(b)]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert len(table) == 4 and table[0].startswith("| run |") and "exact match" in table[0]
+    assert table[2].startswith("| run-a |") and table[3].startswith("| oracle |")
+    assert json.loads(a.read_text())["metrics"]["n"] == 6
+
+
+def test_bad_answer_format_is_refused(rec_data_dir):
+    with pytest.raises(ValueError, match="answer_format"):
+        E.evaluate("unused", rec_data_dir, answer_format="date")

@@ -1,0 +1,120 @@
+"""recipes.validate and the shipped recipes: every recipe loads and validates; bad ones name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from recipes import validate as V
+from recipes.config import load_recipe
+
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
+DEMO = CONFIGS / "demo.yaml"
+QWEN = CONFIGS / "qwen2.5-1.5b-gsm8k" / "smmd.yaml"
+
+
+def test_the_papers_recipes_are_shipped():
+    names = {str(p.relative_to(CONFIGS)) for p in SHIPPED}
+    for loss in ("ce", "ntl", "ntil", "gce", "dist2", "smmd"):
+        assert f"qwen2.5-1.5b-gsm8k/{loss}.yaml" in names
+    for name in ("demo.yaml", "llama3-8b-gsm8k/smmd.yaml", "smollm3-3b-dm-math.yaml", "ministral3-3b-clock.yaml",
+                 "qwen2.5-vl-7b-clock.yaml", "qwen2.5-vl-7b-chartqa.yaml", "scale/llama3-70b-4x8.yaml",
+                 "scale/llama3-70b-8x8.yaml", "scale/llama3-70b-8x8-tp8.yaml"):
+        assert name in names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_every_shipped_recipe_validates_offline(path):
+    rep = V.validate_recipe(path, offline=True)
+    assert rep.ok, rep.render()
+    assert rep.numbers["params"] > 0
+    missing = [w for w in rep.warnings if "data missing" in w]
+    for w in missing:  # every missing-data warning says how to build it
+        assert "build it with python -m" in w
+    recipe = load_recipe(path)
+    if recipe.model.name_or_path:  # a real backbone on GPUs: a memory estimate and a build command
+        assert rep.numbers["gpu_mem_bytes"] > 0
+        assert all("data_prep build" in w for w in missing)
+
+
+def test_strict_turns_missing_data_into_an_error(capsys):
+    rep = V.validate_recipe(QWEN, offline=True, strict=True, size=False)
+    assert not rep.ok and any(e.startswith("data.train: data missing") for e in rep.errors)
+    assert V.main([str(QWEN), "--offline", "--strict"]) == 1
+    assert "ERROR    data.train: data missing" in capsys.readouterr().out
+    assert V.main([str(QWEN), "--offline"]) == 0
+
+
+def test_known_sizes_and_deepspeed_estimate():
+    """Parameter counts of the offline table equal the published totals; the memory line is DeepSpeed's."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    rep = V.validate_recipe(CONFIGS / "scale" / "llama3-70b-4x8.yaml", offline=True)
+    assert rep.numbers["params"] == 70_553_706_496
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(
+        total_params=rep.numbers["params"], largest_layer_params=rep.numbers["largest_layer_params"],
+        num_gpus_per_node=8, num_nodes=4, cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    assert rep.numbers["gpu_mem_bytes"] == gpu
+    assert V.validate_recipe(QWEN, offline=True).numbers["params"] == 1_543_714_304
+
+
+def test_parameter_count_equals_a_real_model(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    recipe = load_recipe(DEMO)
+    cfg = dict(recipe.model.config)
+    real = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
+    total, largest = V.count_parameters(real.config)
+    assert total == sum(p.numel() for p in real.parameters())
+    assert largest == max(p.numel() for p in real.parameters())
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.stepz=3", "train.stepz"),                               # unknown key
+    ("optim.lr=fast", "optim.lr"),                                  # wrong type
+    ("model.dtype=float16", "model.dtype"),                         # bad choice
+    ("eval.answer_format=date", "eval.answer_format"),
+    ("loss.objective={terms: {smmd2: {}}}", "loss.objective"),      # unknown term
+    ("loss.objective={terms: {smmd: {sigmaz: [1.0]}}}", "loss.objective"),  # unknown term option
+])
+def test_bad_recipes_do_not_load_and_name_the_key(override, key, capsys):
+    rep = V.validate_recipe(DEMO, [override], offline=True)
+    assert not rep.ok and key in rep.errors[0], rep.errors
+    assert V.main([str(DEMO), override, "--offline"]) == 2
+    assert key in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.global_batch_size=63"], "train.global_batch_size"),
+    (["deepspeed.tp_size=3"], "deepspeed.tp_size"),
+    (["loss.numeric_policy=integers", "loss.objective={terms: {ntil: 0.3}}"], "loss.objective.terms.ntil"),
+])
+def test_inconsistent_recipes_are_errors_naming_the_key(overrides, key, capsys):
+    rep = V.validate_recipe(QWEN, overrides, offline=True, size=False)
+    assert not rep.ok and any(e.startswith(key) for e in rep.errors), rep.errors
+    assert V.main([str(QWEN), *overrides, "--offline"]) == 1
+
+
+def test_batch_arithmetic_counts_data_parallel_ranks_after_tp():
+    tp8 = CONFIGS / "scale" / "llama3-70b-8x8-tp8.yaml"
+    rep = V.validate_recipe(tp8, offline=True, size=False)
+    assert rep.ok and rep.numbers["effective_batch"] == 64
+    assert any("AutoTP + ZeRO-3" in w for w in rep.warnings)
+    rep = V.validate_recipe(tp8, ["deepspeed.tp_size=1"], offline=True, size=False)  # now 64 DP ranks: 512
+    assert any("train.global_batch_size: 64 != " in e and "(= 512)" in e for e in rep.errors)
+
+
+def test_built_data_is_checked_against_the_recipe(rec_data_dir, rec_tokenizer_dir):
+    base = [f"data.train={rec_data_dir}", f"data.eval={rec_data_dir}", f"model.tokenizer={rec_tokenizer_dir}"]
+    rep = V.validate_recipe(DEMO, base, offline=True, strict=True, size=False)
+    assert rep.ok and not rep.warnings, rep.render()
+    rep = V.validate_recipe(DEMO, base + ["loss.numeric_policy=integers"], offline=True, size=False)
+    assert any(e.startswith("loss.numeric_policy") for e in rep.errors)
+
+
+def test_cpu_recipes_imply_their_rank_count_from_the_global_batch():
+    rep = V.validate_recipe(DEMO, ["train.micro_batch_size=32", "train.global_batch_size=64"], offline=True, size=False)
+    assert rep.numbers["effective_batch"] == 64 and not rep.errors
+    rep = V.validate_recipe(DEMO, ["train.micro_batch_size=32", "train.global_batch_size=50"], offline=True, size=False)
+    assert any(e.startswith("train.global_batch_size: 50 is not a multiple") for e in rep.errors)
