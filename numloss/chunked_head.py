@@ -65,11 +65,12 @@ class _ChunkedHeadFn(torch.autograd.Function):
             end = min(start + chunk_size, tokens)
             h = hidden[start:end]
             x = (h @ weight.t()).float()
-            row_max, sum_exp, tgt = local_row_stats(x, target_local[start:end], owns_target[start:end])
-            lse[start:end], target[start:end] = combine_across_ranks(row_max, sum_exp, tgt, group)
             lo, hi = torch.searchsorted(num_rows, torch.tensor([start, end], device=num_rows.device)).tolist()
             numeric[lo:hi] = x[(num_rows[lo:hi] - start)[:, None], num_cols[None, :]]
-            probs = x.sub_(lse[start:end, None]).exp_()  # in place: x is this chunk's own buffer
+            # x is this chunk's own buffer: it becomes exp(x - row max), then the softmax, in place
+            row_max, sum_exp, tgt = local_row_stats(x, target_local[start:end], owns_target[start:end], in_place=True)
+            lse[start:end], target[start:end] = combine_across_ranks(row_max, sum_exp, tgt, group)
+            probs = x.mul_(torch.exp(row_max - lse[start:end])[:, None])
             softmax_w[start:end] = (probs.to(weight.dtype) @ weight).float()
             _add_transposed_product(softmax_h, probs.mul_(valid[start:end, None]), h)
             del x, probs

@@ -96,11 +96,15 @@ def combine_across_ranks(row_max: torch.Tensor, sum_exp: torch.Tensor, target: t
     return global_max + packed[0].log(), packed[1]
 
 
-def local_row_stats(x: torch.Tensor, target_local: torch.Tensor, owns_target: torch.Tensor):
-    """Row max, sum of exp(x - max) and owned target logit of fp32 logits `x` [C, V_local]."""
+def local_row_stats(x: torch.Tensor, target_local: torch.Tensor, owns_target: torch.Tensor, in_place: bool = False):
+    """Row max, sum of exp(x - max) and owned target logit of fp32 logits `x` [C, V_local].
+
+    `in_place=True` overwrites `x` with exp(x - row max) instead of allocating a second [C, V_local]
+    buffer: for a caller that owns `x` (the chunked head's chunk) and wants the exponentials next."""
     row_max = x.max(dim=-1).values
-    sum_exp = (x - row_max[:, None]).exp_().sum(dim=-1)
     target = x.gather(1, target_local[:, None]).squeeze(1)
+    exps = x.sub_(row_max[:, None]) if in_place else x - row_max[:, None]
+    sum_exp = exps.exp_().sum(dim=-1)
     return row_max, sum_exp, torch.where(owns_target, target, torch.zeros_like(target))
 
 
