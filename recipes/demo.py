@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from recipes.local import REPO_ROOT, run_recipe
+
 RECIPE = REPO_ROOT / "recipes" / "configs" / "demo.yaml"
 OBJECTIVES = {"CE": "{terms: {}}", "CE+SMMD": "{terms: {smmd: {}}}"}
 GENERATOR = {"min_digits": 1, "max_digits": 2, "terms": 2, "negatives": False, "decimals": 0, "mixed_ops": 2}
@@ -80,13 +79,9 @@ def train_run(name: str, objective: str, out: Path, steps: int | None, nproc: in
                  f"data.train={out / 'data' / 'train'}", f"model.tokenizer={out / 'tokenizer'}"]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "recipes.train", str(RECIPE), *overrides]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     log(f"training {name}: {nproc} DeepSpeed ZeRO-3 ranks on CPU")
-    started = time.time()
-    subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=True)
-    log(f"trained {name} in {time.time() - started:.0f} s")
+    seconds = run_recipe(RECIPE, overrides, nproc)
+    log(f"trained {name} in {seconds:.0f} s")
     return run_dir
 
 
