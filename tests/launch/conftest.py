@@ -1,0 +1,79 @@
+"""Shared set-up for the launch tests: tiny data and recipe (as tests/recipes/test_train.py builds them)
+and one simulated 2-node Ray cluster (ray.cluster_utils.Cluster) on loopback in its own temp dir, shared
+by every test in the session (starting one costs seconds; `ray stop` is never used)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+# Ray turns 127.0.0.1 into the host's address unless it is told this is not a multi-host cluster; set
+# before ray is imported (the raylets and workers inherit it). See launch.ray.LOOPBACK_ENV.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+pytest.importorskip("ray")
+pytest.importorskip("deepspeed")
+
+STEPS = 6
+
+
+def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:
+    from recipes.tiny import tiny_llama_config, train_tokenizer
+
+    tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
+    return {
+        "name": "tiny",
+        "model": {"config": tiny_llama_config(len(tok), hidden=32, layers=1, heads=2, kv_heads=1),
+                  "tokenizer": str(root / "tok"), "dtype": "float32"},
+        "data": {"train": str(root / "data")},
+        "loss": {"objective": {"terms": {"smmd": {}}}},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {"steps": steps, "micro_batch_size": 4, "grad_accum": 1, "save_every": 2, "keep_last": 2,
+                  "progress": False, "tensorboard": False, "export": False, **train},
+        "cluster": {"nodes": 2, "gpus_per_node": 0, "cpus_per_worker": 1},
+    }
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    from data_prep.build import BuildConfig, build
+    from data_prep.sources.base import SourceConfig
+    from data_prep.tokenize import TokenizeConfig
+
+    root = tmp_path_factory.mktemp("launch")
+    recipe = tiny_recipe(root)
+    cfg = BuildConfig(sources=[SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 96,
+                                                                        "max_digits": 2, "negatives": False})],
+                      tokenize=TokenizeConfig(tokenizer=str(root / "tok"), template="plain", max_length=32))
+    build(cfg, str(root / "data"), workers=0, progress=False)
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return root, path
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """Two simulated nodes with one CPU each: a 2-worker PACK placement must use both."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    base = tempfile.mkdtemp(prefix="nlray", dir="/tmp")  # short: Ray's unix sockets live under it
+    temp = os.path.join(base, "ray")
+    os.makedirs(temp)
+    os.environ["RAY_TMPDIR"] = base  # Cluster also writes its address file there, not in /tmp/ray
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "node_ip_address": "127.0.0.1", "temp_dir": temp, "include_dashboard": False})
+    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    ray.init(address=c.address, log_to_driver=True)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        shutil.rmtree(base, ignore_errors=True)
