@@ -382,7 +382,7 @@ def _parser(submit_mode: bool) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "submit":
-        args = _parser(True).parse_args(argv[1:])
+        args = _parser(True).parse_intermixed_args(argv[1:])
         kw = dict(max_failures=args.max_failures, num_workers=args.num_workers, placement=args.placement)
         address = args.address or os.environ.get("RAY_ADDRESS")
         if args.dry_run or not address:
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         out = submit(address, args.recipe, args.overrides, wait=not args.no_wait, **kw)
         print(json.dumps(out, default=str), flush=True)
         return 0 if out["status"] in ("SUCCEEDED", "SUBMITTED") else 1
-    args = _parser(False).parse_args(argv)
+    args = _parser(False).parse_intermixed_args(argv)
     summary = run(args.recipe, args.overrides, address=args.address, max_failures=args.max_failures,
                   num_workers=args.num_workers, placement=args.placement, name=args.name,
                   temp_dir=args.temp_dir)

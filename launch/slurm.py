@@ -84,8 +84,10 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
     container = ""
     if c.container:
         image = _check(c.container, _IMAGE, "cluster.container")
-        container = f"--container-image={q(image)} --container-workdir={q('/workspace/numloss')} " \
-                    f"--container-mounts=\"$WORKDIR:$WORKDIR\" "
+        # the checkout on shared storage is mounted at the same path and is the working directory, so
+        # the recipe's relative paths resolve and its code shadows the image's installed copy
+        container = f"--container-image={q(image)} --container-mounts=\"$WORKDIR:$WORKDIR\" " \
+                    f"--container-workdir=\"$WORKDIR\" "
     recipe_arg = " ".join(q(a) for a in [str(recipe_path), *overrides])
     values = {
         "HEADER": "\n".join(header),
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="the project checkout on shared storage (default: sbatch's"
                                                     " submit directory)")
     p.add_argument("--output", default=None, help="sbatch --output pattern, e.g. logs/%%x-%%j.out")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         text = render(args.recipe, args.mode, args.overrides, max_failures=args.max_failures, port=args.port,
                       rdzv_port=args.rdzv_port, workdir=args.workdir, output=args.output)

@@ -39,3 +39,65 @@ def test_two_nodes_one_worker_each(reference):
     assert summary["metrics"]["step"] == STEPS and summary["metrics"]["loss"] == rows[-1]["loss"]
     assert summary["checkpoint"]["step"] == STEPS
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
+
+
+def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_losses(workspace, cluster, reference):
+    """Rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps): Ray restarts the group, which
+    resumes from step 2 and logs exactly the uninterrupted run's losses from there on."""
+    from launch.ray import run
+
+    root, recipe = workspace
+    ref_out, _ = reference
+    out = root / "killed"
+    t0 = time.time()
+    summary = run(recipe, [f"train.out_dir={out}"], name=f"killed-{time.time_ns()}", max_failures=2,
+                  fault={"step": 3, "rank": 1})
+    print(f"killed run: {time.time() - t0:.1f}s")
+    assert (out / ".fault_injected_step3_rank1").is_file(), "the fault was never injected"
+    got, want = read_metrics(out), read_metrics(ref_out)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        for key in ("loss", "ce", "term/smmd", "grad_norm", "lr"):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
+    assert summary["metrics"]["step"] == STEPS and summary["checkpoint"]["step"] == STEPS
+    # the same nodes hold the same ranks after the restart
+    assert json.loads((out / "ranks.json").read_text()) == json.loads((ref_out / "ranks.json").read_text()) or \
+        {r["node_id"] for r in json.loads((out / "ranks.json").read_text()).values()} == \
+        {r["node_id"] for r in json.loads((ref_out / "ranks.json").read_text()).values()}
+
+
+def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
+    """The Ray dashboard (ray[default]) is not installed here, so no job server can run: this checks
+    the `ray job submit` command and what the Jobs SDK is asked to run, through a recording client."""
+    import shlex
+
+    from launch.ray import RESULT_PREFIX, job_entrypoint, submit, submit_command
+
+    _, recipe = workspace
+    cmd = submit_command("http://head:8265", "recipes/x y.yaml", ["train.steps=3", "name=a;rm -rf /"],
+                         max_failures=2)
+    assert cmd[:6] == ["ray", "job", "submit", "--address", "http://head:8265", "--working-dir"]
+    rest = cmd[cmd.index("--") + 1:]
+    assert rest[:4] == ["python", "-m", "launch.ray", "recipes/x y.yaml"]
+    assert "name=a;rm -rf /" in rest and rest[rest.index("--max-failures") + 1] == "2"
+    assert shlex.split(job_entrypoint("r.yaml", ["a=$(x)"])) [3:5] == ["r.yaml", "a=$(x)"]
+
+    class Client:  # records what the SDK would be asked; answers like a finished job
+        def submit_job(self, entrypoint, runtime_env):
+            self.entrypoint, self.runtime_env = entrypoint, runtime_env
+            return "raysubmit_1"
+
+        async def tail_job_logs(self, job_id):
+            yield "training...\n"
+
+        def get_job_status(self, job_id):
+            return "JobStatus.SUCCEEDED"
+
+        def get_job_logs(self, job_id):
+            return "x\n" + RESULT_PREFIX + json.dumps({"metrics": {"step": 3, "loss": 1.5}}) + "\n"
+
+    client = Client()
+    out = submit("http://head:8265", str(recipe), ["train.steps=3"], client=client, working_dir=tmp_path)
+    assert out == {"job_id": "raysubmit_1", "status": "SUCCEEDED", "result": {"metrics": {"step": 3, "loss": 1.5}}}
+    assert client.runtime_env["working_dir"] == str(tmp_path) and ".venv" in client.runtime_env["excludes"]
+    assert shlex.split(client.entrypoint)[:4] == ["python", "-m", "launch.ray", str(recipe)]

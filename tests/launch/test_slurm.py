@@ -1,0 +1,84 @@
+"""launch.slurm: rendered batch scripts are valid bash (and shellcheck-clean when shellcheck is there),
+carry the recipe's allocation, and quote whatever comes from the recipe or the command line."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch.slurm import main, render
+
+SHELLCHECK = shutil.which("shellcheck") or (
+    str(Path(sys.executable).with_name("shellcheck")) if Path(sys.executable).with_name("shellcheck").exists()
+    else None)
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    path = tmp_path / "llama.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "llama3-8b-smmd", "model": {"name_or_path": "meta-llama/Meta-Llama-3-8B"},
+        "data": {"train": "data/gsm8k"},
+        "cluster": {"nodes": 4, "gpus_per_node": 8, "cpus_per_worker": 12,
+                    "container": "nvcr.io#myorg/numloss:0.1.0", "partition": "gpu-h100", "time_limit": "2-00:00:00"},
+    }))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["ray", "torchrun"])
+def test_rendered_script_is_valid_bash_with_the_recipes_allocation(recipe, tmp_path, mode):
+    out = tmp_path / f"{mode}.sbatch"
+    assert main([str(recipe), "--mode", mode, "--out", str(out), "train.steps=10",
+                 "--output", "logs/%x-%j.out"]) == 0
+    text = out.read_text()
+    assert text.startswith("#!/bin/bash\n") and os.access(out, os.X_OK)
+    subprocess.run(["bash", "-n", str(out)], check=True)
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)$", text, re.M))
+    assert sbatch["nodes"] == "4" and sbatch["gpus-per-node"] == "8" and sbatch["cpus-per-task"] == "96"
+    assert sbatch["partition"] == "gpu-h100" and sbatch["time"] == "2-00:00:00"
+    assert sbatch["job-name"] == "llama3-8b-smmd" and sbatch["output"] == "logs/%x-%j.out"
+    assert "--container-image='nvcr.io#myorg/numloss:0.1.0'" in text
+    assert "NODES=4" in text
+    if mode == "ray":
+        assert "GPUS_PER_NODE=8" in text and "ray start --head" in text and "python -m launch.ray" in text
+        assert not re.search(r"^[^#]*\bray stop", text, re.M)
+    else:
+        assert "WORKERS_PER_NODE=8" in text and "torchrun --nnodes" in text and "-m recipes.train" in text
+    assert f"{shlex.quote(str(recipe))} train.steps=10" in text
+    if SHELLCHECK:
+        result = subprocess.run([SHELLCHECK, "-s", "bash", str(out)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cpu_recipe_has_no_gpu_request(recipe, tmp_path):
+    text = render(recipe, "ray", ["cluster.gpus_per_node=0", "cluster.container=null", "cluster.cpus_per_worker=4"])
+    assert "--gpus-per-node" not in text and "--container-image" not in text
+    assert "GPUS_PER_NODE=0" in text and "#SBATCH --cpus-per-task=4" in text
+
+
+def test_user_input_is_validated_or_quoted(recipe, tmp_path):
+    with pytest.raises(ValueError, match="name"):
+        render(recipe, "ray", ["name=x;reboot"])
+    with pytest.raises(ValueError, match="cluster.partition"):
+        render(recipe, "ray", ["cluster.partition=gpu$(id)"])
+    with pytest.raises(ValueError, match="cluster.time_limit"):
+        render(recipe, "torchrun", ["cluster.time_limit=1:00 && id"])
+    with pytest.raises(ValueError, match="cluster.container"):
+        render(recipe, "ray", ["cluster.container=img `id`"])
+    with pytest.raises(ValueError, match="--mode"):
+        render(recipe, "bash", [])
+    # an override is data: it reaches the job as one quoted word, never as shell
+    text = render(recipe, "torchrun", ["train.out_dir=runs/a b;$(id)"])
+    assert shlex.quote("train.out_dir=runs/a b;$(id)") in text
+    out = tmp_path / "x.sbatch"
+    out.write_text(text)
+    subprocess.run(["bash", "-n", str(out)], check=True)
+    assert main([str(recipe), "name=bad name"]) == 2
