@@ -36,7 +36,9 @@ ENV PIP_CONSTRAINT=/opt/numloss/constraints.txt \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TORCH_EXTENSIONS_DIR=/opt/torch_extensions
-RUN mkdir -p /opt/numloss \
+# TORCH_EXTENSIONS_DIR is world-writable: enroot/pyxis and Apptainer run the image as the submitting
+# user, and any op DeepSpeed still JIT-compiles must land somewhere writable.
+RUN mkdir -p /opt/numloss /opt/torch_extensions && chmod 1777 /opt/torch_extensions \
  && python -c "import importlib.metadata as md; \
 keep = {'torch', 'torchvision', 'torchaudio', 'triton', 'pytorch-triton', 'apex', 'flash-attn', 'transformer-engine'}; \
 pins = sorted({f'{d.metadata[\"Name\"]}=={d.version}' for d in md.distributions() \
@@ -66,7 +68,9 @@ RUN pip install py-cpuinfo==9.0.0 ninja \
  && python -c "from deepspeed.git_version_info import installed_ops as ops, accelerator_name as acc; \
 assert ops['fused_adam'] and ops['cpu_adam'] and acc == 'cuda', (acc, ops)"
 
-RUN pip install "ray[train]==${RAY_VERSION}"
+# Ray Train for the workers, plus ray[default] (dashboard, Jobs API, `ray start` on every node) so the
+# image can be a cluster's head: `python -m launch.ray submit` and the SLURM template use them.
+RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 
 # The project, installed the way the README says: `pip install -e ".[train,ray]"`. Its deepspeed and ray
 # pins are already satisfied by the layers above, so this only adds the light dependencies
@@ -78,4 +82,6 @@ COPY . /workspace/numloss
 RUN pip install -e ".[train,ray]" \
  && python -c "import torch, numloss, deepspeed, ray, transformers; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.distributed.is_nccl_available()); \
-print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)"
+print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" \
+ && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \
+ && ray --version

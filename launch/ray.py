@@ -14,7 +14,8 @@ worker (DeepSpeed reuses that process group; `prepare_model` is not used).
 Ranks: Ray numbers workers in the order its actors came up, which can change across a restart. The
 workers re-number themselves by (node IP, Ray node id, local rank) and re-form the process group when
 that order differs from Ray's, so the same nodes hold the same ranks after every restart of the group;
-the map is written to `<out_dir>/ranks.json` (and a rank that moved node is reported).
+the map is written to `<out_dir>/ranks.json` (one line per start in `ranks.jsonl`; a rank that moved
+node, because a node was replaced, is reported).
 
 Fault tolerance and the source of truth for resume: the run's own `<train.out_dir>/checkpoints/latest`
 marker. `recipes.train` moves it (atomic rename) only after every rank's shard is on disk, and resumes
@@ -147,6 +148,8 @@ def _stable_ranks(out_dir: Path) -> dict:
                 print(f"[launch.ray] ranks {moved} now run on other nodes than before the restart "
                       f"(a node was replaced); the checkpoint on shared storage still lines up", flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
+        with (out_dir / "ranks.jsonl").open("a") as f:  # one line per (re)start of the group
+            f.write(json.dumps({str(r): ranks[r] for r in sorted(ranks)}) + "\n")
         tmp = out_dir / ".ranks.json.tmp"
         tmp.write_text(json.dumps({str(r): ranks[r] for r in sorted(ranks)}, indent=1))
         os.replace(tmp, path)

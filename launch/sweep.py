@@ -1,0 +1,278 @@
+"""Scaling-study sweeps: a grid of recipes (backbones x losses x seeds) as separate jobs, one results table.
+
+    python -m launch.sweep SWEEP.yaml [--address HEAD:6379] [--only NAME ...] [--collect]
+
+SWEEP.yaml:
+
+    name: scaling
+    base: ../recipes/configs/llama3-8b-gsm8k/ce.yaml   # relative to this file
+    out_dir: runs/scaling                              # job J trains in <out_dir>/<J>
+    overrides: [train.steps=2000]                      # for every job
+    backbones:                                         # name -> overrides
+      llama3-8b: [model.name_or_path=meta-llama/Meta-Llama-3-8B]
+      llama3-70b: [model.name_or_path=meta-llama/Meta-Llama-3-70B, cluster.nodes=8]
+    losses:
+      ce: ["loss.objective={terms: {}}"]
+      smmd: ["loss.objective={terms: {smmd: {}}}"]
+    seeds: [0, 1, 2]                                   # -> train.seed=S
+    launcher: ray            # ray: each job a Ray Train run (launch.ray.run) | torchrun: local subprocess
+    max_failures: 1
+    num_workers: null        # default: what each recipe's cluster section implies
+    evaluate: true           # recipes.evaluate on the job's final/ model (eval.data or data.eval)
+
+Job J = `<backbone>-<loss>-s<seed>`, trained with overrides base < sweep `overrides` < backbone < loss <
+`train.seed=S`, `train.out_dir=<out_dir>/J`, `name=J`. Jobs run one after another (each takes the whole
+allocation); a finished job (its `final/` or its last step logged) is skipped when the sweep is run
+again, and an interrupted one resumes from its own checkpoints. `--collect` only rebuilds the table.
+
+Results: `<out_dir>/results.csv` and `results.md`: one row per job (backbone, loss, seed, steps, final
+training loss/ce and every evaluation metric), then a Markdown table of mean ± std over seeds per
+(backbone, loss). Evaluation uses `recipes.evaluate.evaluate`; without eval data (or with
+`evaluate: false`) the table has the final training metrics only. `EVALUATE` is the hook to replace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+SWEEP_KEYS = {"name", "base", "out_dir", "overrides", "backbones", "losses", "seeds", "launcher",
+              "max_failures", "num_workers", "evaluate", "eval_limit"}
+
+
+@dataclass
+class Job:
+    name: str
+    backbone: str
+    loss: str
+    seed: int
+    overrides: list[str]
+    out_dir: Path
+
+
+@dataclass
+class Sweep:
+    name: str
+    base: Path
+    out_dir: Path
+    jobs: list[Job] = field(default_factory=list)
+    launcher: str = "ray"
+    max_failures: int = 0
+    num_workers: int | None = None
+    evaluate: bool = True
+    eval_limit: int | None = None
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    path = Path(path)
+    spec = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(spec) - SWEEP_KEYS)
+    if unknown:
+        raise ValueError(f"sweep {path}: unknown key {unknown[0]} (known: {sorted(SWEEP_KEYS)})")
+    for key in ("base", "backbones", "losses"):
+        if key not in spec:
+            raise ValueError(f"sweep {path}: {key} is required")
+    if spec.get("launcher", "ray") not in ("ray", "torchrun"):
+        raise ValueError(f"sweep {path}: launcher {spec['launcher']!r} is not ray or torchrun")
+
+    def named(key: str) -> dict[str, list[str]]:
+        table = spec[key]
+        if not isinstance(table, dict) or not table:
+            raise ValueError(f"sweep {path}: {key} must map names to override lists")
+        for name, overrides in table.items():
+            if not _NAME.fullmatch(str(name)):
+                raise ValueError(f"sweep {path}: {key} name {name!r} is not a valid job name part")
+            if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+                raise ValueError(f"sweep {path}: {key}.{name} must be a list of key=value strings")
+        return {str(k): list(v) for k, v in table.items()}
+
+    here = path.resolve().parent
+    base = (here / spec["base"]).resolve()
+    out_dir = Path(spec.get("out_dir", f"runs/{spec.get('name', path.stem)}"))
+    out_dir = out_dir if out_dir.is_absolute() else (Path.cwd() / out_dir)
+    seeds = spec.get("seeds", [0])
+    if not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"sweep {path}: seeds must be integers")
+    common = list(spec.get("overrides", []))
+    sweep = Sweep(name=str(spec.get("name", path.stem)), base=base, out_dir=out_dir,
+                  launcher=spec.get("launcher", "ray"), max_failures=int(spec.get("max_failures", 0)),
+                  num_workers=spec.get("num_workers"), evaluate=bool(spec.get("evaluate", True)),
+                  eval_limit=spec.get("eval_limit"))
+    for (bname, bover), (lname, lover), seed in itertools.product(named("backbones").items(),
+                                                                  named("losses").items(), seeds):
+        name = f"{bname}-{lname}-s{seed}"
+        job_out = out_dir / name
+        sweep.jobs.append(Job(name, bname, lname, seed,
+                              [*common, *bover, *lover, f"train.seed={seed}", f"train.out_dir={job_out}",
+                               f"name={name}"], job_out))
+    return sweep
+
+
+# ---- running ------------------------------------------------------------------------------------------
+
+
+def _finished(job: Job, steps: int) -> bool:
+    metrics = job.out_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+    return bool(rows) and rows[-1]["step"] >= steps and (job.out_dir / "checkpoints" / "latest").is_file()
+
+
+def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
+    if sweep.launcher == "ray":
+        from launch.ray import run
+
+        run(sweep.base, job.overrides, address=address, max_failures=sweep.max_failures,
+            num_workers=sweep.num_workers, name=job.name)
+    else:  # torchrun on this machine
+        nproc = str(sweep.num_workers or 1)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
+               "-m", "recipes.train", str(sweep.base), *job.overrides]
+        subprocess.run(cmd, check=True)
+
+
+def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
+    """recipes.evaluate on the job's exported model; None when there is nothing to evaluate."""
+    from recipes.config import load_recipe
+
+    recipe = load_recipe(job.out_dir / "recipe.yaml") if (job.out_dir / "recipe.yaml").is_file() else None
+    if recipe is None or not (job.out_dir / "final").is_dir():
+        return None
+    data = recipe.eval.data or recipe.data.eval
+    if not data:
+        return None
+    try:
+        from recipes.evaluate import evaluate
+    except ImportError:  # recipes.evaluate not there: the table keeps the training metrics
+        return None
+    limit = sweep.eval_limit if sweep.eval_limit is not None else recipe.eval.limit
+    return evaluate(str(job.out_dir / "final"), data, out=str(job.out_dir / "eval_results.json"),
+                    batch_size=recipe.eval.batch_size, max_new_tokens=recipe.eval.max_new_tokens,
+                    answer_format=recipe.eval.answer_format, limit=limit, name=job.name)
+
+
+EVALUATE = evaluate_job  # the hook: f(sweep, job) -> results dict with "metrics", or None
+
+
+def run_sweep(sweep: Sweep, address: str | None = None, only: list[str] | None = None) -> list[dict]:
+    from recipes.config import load_recipe
+
+    sweep.out_dir.mkdir(parents=True, exist_ok=True)
+    for job in sweep.jobs:
+        if only and job.name not in only:
+            continue
+        steps = load_recipe(sweep.base, job.overrides).train.steps
+        if _finished(job, steps):
+            print(f"[launch.sweep] {job.name}: done already", flush=True)
+        else:
+            print(f"[launch.sweep] {job.name}: training in {job.out_dir}", flush=True)
+            run_job(sweep, job, address)
+        if sweep.evaluate and not (job.out_dir / "eval_results.json").is_file():
+            EVALUATE(sweep, job)
+    return collect(sweep)
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+
+
+def job_row(job: Job) -> dict:
+    row: dict = {"job": job.name, "backbone": job.backbone, "loss": job.loss, "seed": job.seed}
+    metrics = job.out_dir / "metrics.jsonl"
+    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.is_file() else []
+    if rows:
+        last = rows[-1]
+        row.update({"steps": last["step"], "train_loss": last.get("loss"), "train_ce": last.get("ce")})
+    results = job.out_dir / "eval_results.json"
+    if results.is_file():
+        for key, value in json.loads(results.read_text()).get("metrics", {}).items():
+            row[f"eval_{key}"] = value
+    return row
+
+
+def collect(sweep: Sweep) -> list[dict]:
+    """Write results.csv and results.md in the sweep's out_dir; returns the rows."""
+    rows = [job_row(job) for job in sweep.jobs]
+    columns = ["job", "backbone", "loss", "seed", "steps", "train_loss", "train_ce"]
+    columns += sorted({k for r in rows for k in r} - set(columns))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow({k: r.get(k, "") for k in columns})
+    (sweep.out_dir / "results.csv").write_text(buf.getvalue())
+    (sweep.out_dir / "results.md").write_text(markdown(sweep, rows, columns))
+    return rows
+
+
+def _fmt(value) -> str:
+    if value is None or value == "" or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
+    lines = [f"# Sweep {sweep.name}", "", "| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if c in ("job", "backbone", "loss") else "---:" for c in columns) + "|"]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    numeric = [c for c in columns if c not in ("job", "backbone", "loss", "seed", "steps")
+               and any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)]
+    lines += ["", "Mean ± std over seeds:", "",
+              "| backbone | loss | seeds | " + " | ".join(numeric) + " |",
+              "|---|---|---:|" + "|".join("---:" for _ in numeric) + "|"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["backbone"], r["loss"]), []).append(r)
+    for (backbone, loss), group in groups.items():
+        cells = []
+        for c in numeric:
+            values = [float(r[c]) for r in group if isinstance(r.get(c), (int, float)) and math.isfinite(float(r[c]))]
+            if not values:
+                cells.append("–")
+                continue
+            mean = sum(values) / len(values)
+            std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+            cells.append(f"{mean:.4g} ± {std:.2g}")
+        lines.append(f"| {backbone} | {loss} | {len(group)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.sweep", description=__doc__.split("\n")[0])
+    p.add_argument("sweep")
+    p.add_argument("--address", default=None, help="a running Ray cluster (default: a local instance)")
+    p.add_argument("--only", nargs="*", default=None, help="run only these jobs (names)")
+    p.add_argument("--collect", action="store_true", help="only rebuild results.csv / results.md")
+    p.add_argument("--list", action="store_true", help="print the jobs and their overrides")
+    args = p.parse_args(argv)
+    sweep = load_sweep(args.sweep)
+    if args.list:
+        for job in sweep.jobs:
+            print(job.name, " ".join(job.overrides))
+        return 0
+    if not args.collect:
+        run_sweep(sweep, args.address, args.only)
+    else:
+        collect(sweep)
+    print((sweep.out_dir / "results.md").read_text())
+    print(f"wrote {sweep.out_dir / 'results.csv'} and {sweep.out_dir / 'results.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
