@@ -8,7 +8,8 @@ lm_head weight [V, H], fp32 on CPU:
 - chunked: `Objective.from_hidden(h, W, labels, chunk_size=C)`.
 Each variant runs in its own process; peak memory is that process's maximum RSS minus its RSS once the
 inputs exist (so it counts what the step adds: logits, softmax, gradients, buffers). Time is the median
-of the timed steps after one warm-up. Targets (issue 4): memory at most 0.25x, time at most 1.3x.
+of the timed steps after one warm-up; the variants' processes alternate for `--rounds` rounds and each
+variant's fastest round counts (the largest peak is kept). Targets (issue 4): memory at most 0.25x, time at most 1.3x.
 """
 
 from __future__ import annotations
@@ -68,17 +69,24 @@ def main():
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each variant")
     parser.add_argument("--variant", choices=["chunked", "logits"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:  # child process: one variant, JSON on stdout
         print(json.dumps(run_variant(args)))
         return
 
-    results = {}
-    for variant in ("logits", "chunked"):
-        cmd = [sys.executable, __file__, "--variant", variant] + [
-            f"--{k}={getattr(args, k)}" for k in ("tokens", "hidden", "vocab", "chunk", "steps")]
-        results[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    # Alternate the variants' processes (logits, chunked, logits, chunked, ...) and keep each variant's
+    # fastest: on a shared machine, load that comes and goes then hits both alike.
+    results: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for variant in ("logits", "chunked"):
+            cmd = [sys.executable, __file__, "--variant", variant] + [
+                f"--{k}={getattr(args, k)}" for k in ("tokens", "hidden", "vocab", "chunk", "steps")]
+            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            best = results.get(variant)
+            if best is None or r["seconds"] < best["seconds"]:
+                results[variant] = {**r, "peak_bytes": max(r["peak_bytes"], best["peak_bytes"] if best else 0)}
     logits, chunked = results["logits"], results["chunked"]
     gib = 2**30
     print(f"T={args.tokens} H={args.hidden} V={args.vocab} N=1000 chunk={args.chunk}, CE+SMMD fwd+bwd, fp32 CPU")
