@@ -231,6 +231,7 @@ def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
              "|" + "|".join("---" if c in ("job", "backbone", "loss") else "---:" for c in columns) + "|"]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
     numeric = [c for c in columns if c not in ("job", "backbone", "loss", "seed", "steps")
+               and not re.search(r"(^|_)n(_numeric)?$", c)  # counts are not averaged
                and any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)]
     lines += ["", "Mean ± std over seeds:", "",
               "| backbone | loss | seeds | " + " | ".join(numeric) + " |",
