@@ -176,39 +176,19 @@ def _check_shared_storage(out_dir: Path) -> None:
                            " do not see rank 0's files; checkpoints need storage every node sees")
 
 
-def _adopt_process_group() -> None:
-    """Register Ray's torch.distributed group with deepspeed.comm before the model is built.
-
-    recipes.runtime.setup_distributed skips deepspeed.init_distributed when torch.distributed is already
-    up; deepspeed.comm then reports a world of one while HfDeepSpeedConfig is built, and DeepSpeed's
-    batch-size check fails (train_batch_size != micro x accum x 1). init_distributed adopts the
-    existing group (it does not create another)."""
-    import torch
-    import torch.distributed as dist
-
-    from recipes.runtime import setup_distributed
-
-    setup_distributed()  # DS_ACCELERATOR=cpu on CPU, DeepSpeed's CPU shm op skipped, device set
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend=dist.get_backend(),
-                               dist_init_required=False if dist.is_initialized() else None)
-    assert deepspeed.comm.get_world_size() == dist.get_world_size(), "deepspeed.comm did not adopt the group"
-    del torch
-
-
 def train_loop(config: dict) -> None:
     """The function every Ray worker runs: recipes.train.train with hooks that report to Ray."""
     import torch.distributed as dist
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
     from recipes.config import recipe_from_dict
+    from recipes.runtime import setup_distributed
     from recipes.train import Hooks, train
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
     _stable_ranks(out_dir)
-    _adopt_process_group()
+    setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}

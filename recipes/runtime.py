@@ -56,8 +56,14 @@ def setup_distributed() -> Runtime:
     local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
-    if not torch.distributed.is_initialized():
+    # Always through DeepSpeed: when an orchestrator (Ray Train) has already initialised torch.distributed,
+    # init_distributed adopts that group; skipping it leaves deepspeed.comm believing in a world of one.
+    if torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
+    else:
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if deepspeed.comm.get_world_size() != torch.distributed.get_world_size():
+        raise RuntimeError("deepspeed.comm did not adopt the torch.distributed process group")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
