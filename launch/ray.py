@@ -4,6 +4,8 @@
     python -m launch.ray RECIPE.yaml --address HEAD:6379 --max-failures 3 # join a running cluster
     python -m launch.ray submit --address http://HEAD:8265 RECIPE.yaml [key=value ...] [--max-failures N]
                                                                           # a Ray job (needs the dashboard)
+    (the job runs `python` on the head's PATH: `--python /path/to/venv/bin/python` where that is not the
+    project's environment)
 
 Placement: one worker per GPU (`cluster.nodes` x `cluster.gpus_per_node`), or on CPU one worker per node
 with `cluster.cpus_per_worker` CPUs; a placement group with strategy PACK (`--placement` to change it)
@@ -285,9 +287,10 @@ SUBMIT_EXCLUDES = [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache_
 
 
 def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures: int = 0,
-                   num_workers: int | None = None, placement: str = "PACK") -> str:
-    """The command a Ray job runs on the head node (every piece shell-quoted)."""
-    cmd = ["python", "-m", "launch.ray", recipe, *overrides,
+                   num_workers: int | None = None, placement: str = "PACK", python: str = "python") -> str:
+    """The command a Ray job runs on the head node (every piece shell-quoted). `python` is the head's
+    interpreter with the project's packages (`python` on PATH in the container; a venv's python if not)."""
+    cmd = [python, "-m", "launch.ray", recipe, *overrides,
            "--address", "auto", "--max-failures", str(max_failures), "--placement", placement]
     if num_workers:
         cmd += ["--num-workers", str(num_workers)]
@@ -296,15 +299,19 @@ def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures:
 
 def submit_command(address: str, recipe: str, overrides: list[str] | tuple = (), **kw) -> list[str]:
     """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK)."""
-    return ["ray", "job", "submit", "--address", address, "--working-dir", ".",
+    return ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO),
             "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES}), "--",
             *shlex.split(job_entrypoint(recipe, overrides, **kw))]
 
 
 def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait: bool = True,
-           working_dir: str | Path = ".", client=None, **kw) -> dict:
+           working_dir: str | Path = REPO, client=None, **kw) -> dict:
     """Submit the recipe as a Ray job with the project as working directory (Ray Jobs SDK), stream its
-    logs, and return {"job_id", "status", "result"} where result is the job's ray_result.json."""
+    logs, and return {"job_id", "status", "result"} where result is the job's ray_result.json.
+
+    The job runs in Ray's copy of `working_dir` (SUBMIT_EXCLUDES left out): a relative recipe path is
+    read from that copy, and relative paths inside the recipe (train.out_dir!) land in it too, so give
+    the job absolute paths on storage the nodes share."""
     if client is None:
         from ray.job_submission import JobSubmissionClient
 
@@ -356,6 +363,8 @@ def _parser(submit_mode: bool) -> argparse.ArgumentParser:
     if submit_mode:
         p.add_argument("--no-wait", action="store_true")
         p.add_argument("--dry-run", action="store_true", help="print the `ray job submit` command only")
+        p.add_argument("--python", default="python",
+                       help="the interpreter the job runs on the head node (default: python on its PATH)")
     else:
         p.add_argument("--name", default=None, help="Ray run name (default: the recipe's name)")
         p.add_argument("--temp-dir", default=None, help=f"local instance's temp dir (default {DEFAULT_TEMP})")
@@ -366,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "submit":
         args = _parser(True).parse_intermixed_args(argv[1:])
-        kw = dict(max_failures=args.max_failures, num_workers=args.num_workers, placement=args.placement)
+        kw = dict(max_failures=args.max_failures, num_workers=args.num_workers, placement=args.placement,
+                  python=args.python)
         address = args.address or os.environ.get("RAY_ADDRESS")
         if args.dry_run or not address:
             print(shlex.join(submit_command(address or "http://HEAD:8265", args.recipe, args.overrides, **kw)))
