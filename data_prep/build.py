@@ -29,7 +29,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator

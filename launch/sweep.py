@@ -39,7 +39,6 @@ import io
 import itertools
 import json
 import math
-import os
 import re
 import subprocess
 import sys

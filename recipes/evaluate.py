@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 
 from recipes import metrics as M
 

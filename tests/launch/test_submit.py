@@ -100,7 +100,7 @@ def test_submit_runs_the_recipe_as_a_ray_job(head, workspace, capsys):
     address, temp = head
     from ray.job_submission import JobSubmissionClient
 
-    from launch.ray import RESULT_PREFIX, SUBMIT_EXCLUDES, submit
+    from launch.ray import RESULT_PREFIX, submit
 
     root, recipe = workspace
     out = root / f"submitted-{time.time_ns()}"

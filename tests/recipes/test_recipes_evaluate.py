@@ -1,7 +1,6 @@
 """recipes.evaluate: prompts from shards, batched greedy generation, scoring, the results file."""
 
 import json
-import math
 import re
 
 import pyarrow.parquet as pq

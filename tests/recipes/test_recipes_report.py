@@ -1,10 +1,8 @@
 """recipes.report: the results table, training curves, the digit-distribution probe."""
 
 import json
-import math
 
 import numpy as np
-import pytest
 import torch
 
 from recipes import report as R

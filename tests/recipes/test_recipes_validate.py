@@ -59,7 +59,6 @@ def test_known_sizes_and_deepspeed_estimate():
 
 
 def test_parameter_count_equals_a_real_model(tmp_path):
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     recipe = load_recipe(DEMO)
