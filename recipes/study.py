@@ -137,10 +137,13 @@ def markdown(rows: list[dict]) -> str:
     def cell(row, key, scale=1.0, digits=2):
         if row[key] is None:
             return "n/a"
-        value = f"{row[key] * scale:.{digits}f}"
+        def number(x):  # a diverged run's MAE can be 1e23: scientific, not 24 digits
+            return f"{x * scale:.{digits}f}" if abs(x * scale) < 1e6 else f"{x * scale:.2e}"
+
+        value = number(row[key])
         if row[key + "_sd"] is None:
             return f"{value} (1 seed)"
-        spread = f" ± {row[key + '_sd'] * scale:.{digits}f}"
+        spread = f" ± {number(row[key + '_sd'])}"
         return value + spread + (f" ({row[key + '_n']} seeds)" if row[key + "_n"] < row["seeds"] else "")
 
     lines = ["Mean ± sample standard deviation over seeds; MAE and R² over parsed answers only.", "",
