@@ -18,13 +18,12 @@ minutes of CPU training on a tiny model is a test of the whole path, not a resul
 from __future__ import annotations
 
 import argparse
-import json
-import random
 import sys
 import time
 from pathlib import Path
 
 from recipes.local import REPO_ROOT, run_recipe
+from recipes.tiny import build_jsonl_shards, train_tokenizer, write_arithmetic_split
 
 RECIPE = REPO_ROOT / "recipes" / "configs" / "demo.yaml"
 OBJECTIVES = {"CE": "{terms: {}}", "CE+SMMD": "{terms: {smmd: {}}}"}
@@ -36,39 +35,15 @@ def log(message: str) -> None:
 
 
 def write_problems(out: Path, n_train: int, n_eval: int, seed: int = 0) -> tuple[Path, Path]:
-    """Disjoint train / held-out JSONL files of add/sub problems (data_prep's generator, deduplicated)."""
-    from data_prep.sources.arithmetic_gen import generate
-
-    problems, seen, index = [], set(), 0
-    while len(problems) < n_train + n_eval:
-        question, answer = generate("add_or_sub", index, {"seed": seed, **GENERATOR})
-        index += 1
-        if question not in seen:
-            seen.add(question)
-            problems.append({"prompt": question, "target": answer})
-        if index > 50 * (n_train + n_eval):
-            raise ValueError(f"only {len(problems)} distinct problems with {GENERATOR}; ask for fewer")
-    random.Random(seed).shuffle(problems)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, part in zip(paths, (problems[n_eval:], problems[:n_eval])):
-        path.write_text("".join(json.dumps(p) + "\n" for p in part))
-    return paths
+    """The demo's disjoint train / held-out add/sub problems as JSONL."""
+    return write_arithmetic_split(out, n_train, n_eval, [("add_or_sub", GENERATOR)], seed)
 
 
 def build_data(out: Path, n_train: int, n_eval: int) -> None:
-    from data_prep.build import BuildConfig, build
-    from data_prep.sources.base import SourceConfig
-    from data_prep.tokenize import TokenizeConfig
-    from recipes.tiny import train_tokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
     train_jsonl, eval_jsonl = write_problems(out, n_train, n_eval)
     train_tokenizer([p.read_text() for p in (train_jsonl, eval_jsonl)], out / "tokenizer", style="digits")
     for name, path in (("train", train_jsonl), ("eval", eval_jsonl)):
-        cfg = BuildConfig(sources=[SourceConfig(kind="generic", path=str(path))],
-                          tokenize=TokenizeConfig(tokenizer=str(out / "tokenizer"), template="plain", max_length=64))
-        manifest = build(cfg, str(out / "data" / name), workers=0, progress=False, overwrite=True)
-        totals = manifest["totals"]
+        totals = build_jsonl_shards(path, out / "tokenizer", out / "data" / name)
         log(f"data/{name}: {totals['examples_kept']} examples, {totals['tokens']} tokens,"
             f" {totals['numeric_tokens']} numeric labels, {totals['rejected']} rejected")
 

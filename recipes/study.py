@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from recipes.local import REPO_ROOT, run_recipe
+from recipes.tiny import build_jsonl_shards, train_tokenizer, write_arithmetic_split
 
 RECIPE = REPO_ROOT / "recipes" / "configs" / "study.yaml"
 TOKENIZERS = {"digits": ("digits", "digits"), "groups3": ("groups3", "integers")}  # style, numeric policy
@@ -49,31 +49,12 @@ def log(message: str) -> None:
 
 
 def write_problems(out: Path, n_train: int, n_eval: int, seed: int = 0) -> tuple[Path, Path]:
-    """Disjoint train / held-out JSONL: two add/sub problems for each multiplication, deduplicated."""
-    from data_prep.sources.arithmetic_gen import generate
-
-    problems, seen, index = [], set(), 0
-    while len(problems) < n_train + n_eval:
-        module, opts = ("mul", MUL) if index % 3 == 2 else ("add_or_sub", ADD_SUB)
-        question, answer = generate(module, index, {"seed": seed, **opts})
-        index += 1
-        if question not in seen:
-            seen.add(question)
-            problems.append({"prompt": question, "target": answer})
-    random.Random(seed).shuffle(problems)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = out / "train.jsonl", out / "eval.jsonl"
-    for path, part in zip(paths, (problems[n_eval:], problems[:n_eval])):
-        path.write_text("".join(json.dumps(p) + "\n" for p in part))
-    return paths
+    """Disjoint train / held-out JSONL: two add/sub problems for each multiplication."""
+    mix = [("add_or_sub", ADD_SUB), ("add_or_sub", ADD_SUB), ("mul", MUL)]
+    return write_arithmetic_split(out, n_train, n_eval, mix, seed)
 
 
 def build_data(work: Path, n_train: int, n_eval: int) -> None:
-    from data_prep.build import BuildConfig, build
-    from data_prep.sources.base import SourceConfig
-    from data_prep.tokenize import TokenizeConfig
-    from recipes.tiny import train_tokenizer
-
     train_jsonl, eval_jsonl = write_problems(work / "problems", n_train, n_eval)
     texts = [p.read_text() for p in (train_jsonl, eval_jsonl)]
     for name, (style, policy) in TOKENIZERS.items():
@@ -82,10 +63,7 @@ def build_data(work: Path, n_train: int, n_eval: int) -> None:
             continue
         train_tokenizer(texts, root / "tokenizer", style=style)
         for split, path in (("train", train_jsonl), ("eval", eval_jsonl)):
-            cfg = BuildConfig(sources=[SourceConfig(kind="generic", path=str(path))],
-                              tokenize=TokenizeConfig(tokenizer=str(root / "tokenizer"), template="plain",
-                                                      max_length=64, numeric_policy=policy))
-            totals = build(cfg, str(root / "data" / split), workers=0, progress=False, overwrite=True)["totals"]
+            totals = build_jsonl_shards(path, root / "tokenizer", root / "data" / split, numeric_policy=policy)
             log(f"{name}/{split}: {totals['examples_kept']} examples, {totals['numeric_tokens']} numeric labels")
 
 

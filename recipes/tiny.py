@@ -46,3 +46,45 @@ def tiny_llama_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads:
             "intermediate_size": 4 * hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "max_position_embeddings": max_positions,
             "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
+def write_arithmetic_split(out: str | Path, n_train: int, n_eval: int, mix: list[tuple[str, dict]],
+                           seed: int = 0) -> tuple[Path, Path]:
+    """Disjoint `train.jsonl` / `eval.jsonl` ({"prompt", "target"}) in `out` from data_prep's arithmetic
+    generator: record i is drawn from `mix[i % len(mix)]` (module, options), duplicates are dropped, the
+    rest shuffled with `seed` and split, so no problem is in both."""
+    import json
+    import random
+
+    from data_prep.sources.arithmetic_gen import generate
+
+    problems, seen, index = [], set(), 0
+    while len(problems) < n_train + n_eval:
+        module, opts = mix[index % len(mix)]
+        question, answer = generate(module, index, {"seed": seed, **opts})
+        index += 1
+        if question not in seen:
+            seen.add(question)
+            problems.append({"prompt": question, "target": answer})
+        if index > 50 * (n_train + n_eval):
+            raise ValueError(f"only {len(problems)} distinct problems from {mix}; ask for fewer")
+    random.Random(seed).shuffle(problems)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = out / "train.jsonl", out / "eval.jsonl"
+    for path, part in zip(paths, (problems[n_eval:], problems[:n_eval])):
+        path.write_text("".join(json.dumps(p) + "\n" for p in part))
+    return paths
+
+
+def build_jsonl_shards(jsonl: str | Path, tokenizer_dir: str | Path, out_dir: str | Path,
+                       numeric_policy: str = "digits") -> dict:
+    """data_prep shards of a {"prompt", "target"} JSONL file (plain template); returns the manifest's totals."""
+    from data_prep.build import BuildConfig, build
+    from data_prep.sources.base import SourceConfig
+    from data_prep.tokenize import TokenizeConfig
+
+    cfg = BuildConfig(sources=[SourceConfig(kind="generic", path=str(jsonl))],
+                      tokenize=TokenizeConfig(tokenizer=str(tokenizer_dir), template="plain", max_length=64,
+                                              numeric_policy=numeric_policy))
+    return build(cfg, str(out_dir), workers=0, progress=False, overwrite=True)["totals"]
