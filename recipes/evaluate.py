@@ -25,9 +25,9 @@ What it does, and the decisions behind it:
   are left out of the numeric metrics and counted in `relaxed_accuracy` only (ChartQA's metric: a
   number within 5% relative, else a case-insensitive string match against `answer_text`).
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
-  AutoModelForImageTextToText and its AutoProcessor; the prompt text is decoded from the shard ids,
-  the processor's image placeholder is put in front of the user turn (`vision_prompt`), and the
-  processor builds the inputs (it expands the placeholder to the image's patch count).
+  AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
+  `recipes.vision.vision_inputs`, the same function training uses (so the prompt is token for token
+  the trained one): the image placeholder goes in front of the user turn and the processor expands it.
 - The results file holds the metrics, the settings, and one record per example (id, prompt length,
   generated text, parsed value, target, whether it matched).
 """
@@ -35,7 +35,6 @@ What it does, and the decisions behind it:
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import os
@@ -44,8 +43,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-
 from recipes import metrics as M
+from recipes.vision import load_processor, vision_inputs
 
 IGNORE_INDEX = -100
 ANSWER_FORMATS = ("number", "time")
@@ -114,9 +113,9 @@ def load_model(model_dir: str, vision: bool = False, device=None, dtype: str | N
         kwargs["device_map"] = device_map
     processor = None
     if vision:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        processor = load_processor(model_dir, trust_remote_code=trust_remote_code)
         tokenizer = processor.tokenizer
         model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
     else:
@@ -153,38 +152,6 @@ def _pad_id(tokenizer, stops: Sequence[int]) -> int:
     return int(stops[0]) if stops else 0
 
 
-def vision_prompt(text: str, processor) -> str:
-    """The decoded prompt with the processor's image placeholder in front of the user's text.
-
-    data_prep stores text-only ids (no image tokens). Qwen2-VL-style processors expect
-    "<|vision_start|><|image_pad|><|vision_end|>", others their `image_token`; it goes right after the
-    first user-turn header when one is found ("<|im_start|>user\\n", "[INST]", "<|start_header_id|>user
-    <|end_header_id|>\\n\\n"), else at the very start. The training recipe must place it the same way.
-    """
-    tok = getattr(processor, "tokenizer", processor)
-    image_token = getattr(processor, "image_token", None) or getattr(tok, "image_token", None) or "<image>"
-    vocab = tok.get_vocab() if hasattr(tok, "get_vocab") else {}
-    if "<|vision_start|>" in vocab and "<|vision_end|>" in vocab and image_token == "<|image_pad|>":
-        placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-    else:
-        placeholder = image_token
-    for header in ("<|im_start|>user\n", "[INST]", "<|start_header_id|>user<|end_header_id|>\n\n"):
-        at = text.find(header)
-        if at >= 0:
-            cut = at + len(header)
-            return text[:cut] + placeholder + text[cut:]
-    bos = getattr(tok, "bos_token", None)
-    if bos and text.startswith(bos):
-        return bos + placeholder + text[len(bos):]
-    return placeholder + text
-
-
-def _decode_image(data: bytes):
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).convert("RGB")
-
-
 def generate_texts(model, tokenizer, rows: Sequence[dict], batch_size: int = 16, max_new_tokens: int = 16,
                    processor=None, progress: bool = False) -> list[str]:
     """Greedy continuations of each row's prompt (left-padded batches), decoded without special tokens."""
@@ -200,16 +167,9 @@ def generate_texts(model, tokenizer, rows: Sequence[dict], batch_size: int = 16,
         idx = order[b:b + batch_size]
         batch_rows = [rows[i] for i in idx]
         if processor is not None and any(r.get("image") for r in batch_rows):
-            texts = [vision_prompt(tokenizer.decode(r["prompt_ids"], skip_special_tokens=False), processor)
-                     for r in batch_rows]
-            images = [_decode_image(r["image"]) for r in batch_rows]
-            old_side = tokenizer.padding_side
-            tokenizer.padding_side = "left"
-            try:
-                inputs = processor(text=texts, images=images, return_tensors="pt", padding=True,
-                                   add_special_tokens=False)
-            finally:
-                tokenizer.padding_side = old_side
+            inputs = vision_inputs(processor, [r["prompt_ids"] for r in batch_rows],
+                                   [r.get("image") for r in batch_rows],
+                                   where=[f"example {r['example_id']}" for r in batch_rows])
             inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
         else:
             width = max(len(r["prompt_ids"]) for r in batch_rows)

@@ -1,5 +1,6 @@
-"""Small offline stand-ins for what a real run downloads: a tokenizer trained on the fly and a tiny
-Llama config. Used by the CPU demo, the study and the tests; a real recipe names a hub model instead.
+"""Small offline stand-ins for what a real run downloads: a tokenizer trained on the fly, a tiny
+Llama config, and a tiny LLaVA (processor + config) for the vision-language path.
+Used by the CPU demo, the study and the tests; a real recipe names a hub model instead.
 """
 
 from __future__ import annotations
@@ -46,6 +47,40 @@ def tiny_llama_config(vocab_size: int, hidden: int = 64, layers: int = 2, heads:
             "intermediate_size": 4 * hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "max_position_embeddings": max_positions,
             "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
+def tiny_vision_processor(tokenizer_dir: str | Path, out_dir: str | Path, image_size: int = 28,
+                          patch_size: int = 14):
+    """A LLaVA processor (CLIP image processor + the tokenizer in `tokenizer_dir` with an "<image>" token
+    added) saved in `out_dir`: the offline stand-in for a vision-language model's hub processor.
+    Images are resized and cropped to `image_size`, which gives (image_size / patch_size)^2 image tokens."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": image_size},
+                                           crop_size={"height": image_size, "width": image_size}),
+        tokenizer=tok, patch_size=patch_size, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's class token, dropped by the "default" strategy
+        chat_template=getattr(tok, "chat_template", None))
+    processor.save_pretrained(str(out_dir))
+    return processor
+
+
+def tiny_llava_config(processor, hidden: int = 64, layers: int = 2, image_size: int = 28,
+                      patch_size: int = 14) -> dict:
+    """A model.config section for a random-weight LLaVA (CLIP tower + projector + tiny Llama) that reads
+    the images of `tiny_vision_processor(..., image_size, patch_size)`."""
+    tok = processor.tokenizer
+    return {"model_type": "llava",
+            "text_config": tiny_llama_config(len(tok), hidden=hidden, layers=layers, max_positions=256),
+            "vision_config": {"model_type": "clip_vision_model", "hidden_size": hidden,
+                              "intermediate_size": 2 * hidden, "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "image_size": image_size, "patch_size": patch_size},
+            "image_token_index": tok.convert_tokens_to_ids("<image>"),
+            "vision_feature_select_strategy": "default", "vision_feature_layer": -1,
+            "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
 
 
 def write_arithmetic_split(out: str | Path, n_train: int, n_eval: int, mix: list[tuple[str, dict]],

@@ -6,7 +6,11 @@
 One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows on each data-parallel rank.
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
 optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a
-consolidated Hugging Face safetensors model with its tokenizer).
+consolidated Hugging Face safetensors model with its tokenizer, or processor).
+
+Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText and its AutoProcessor;
+each batch's images are expanded into the prompt by `recipes.vision.training_inputs`, the function
+evaluation uses too, and the whole model (tower, projector, language model) trains.
 
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
@@ -35,6 +39,7 @@ from numloss.adapters.hf import NumericCausalLM
 
 from .config import Recipe, dump_recipe, load_recipe
 from .runtime import Runtime, setup_distributed, teardown
+from .vision import load_processor, training_inputs
 
 LATEST = "latest"
 
@@ -107,22 +112,32 @@ def lr_lambda(recipe: Recipe):
 
 
 def load_tokenizer(recipe: Recipe):
+    """(tokenizer, processor): the processor (vision recipes only, else None) carries the tokenizer."""
     from transformers import AutoTokenizer
 
     source = recipe.model.tokenizer or recipe.model.name_or_path
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code)
+    if recipe.model.vision:
+        processor = load_processor(source, trust_remote_code=recipe.model.trust_remote_code)
+        return processor.tokenizer, processor
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code), None
 
 
 def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
     """The backbone, built under a live HfDeepSpeedConfig for ZeRO-3 so its weights are partitioned as
-    they are created (and HF's own initialisation still runs)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    they are created (and HF's own initialisation still runs). Vision recipes load the whole
+    image-text model (AutoModelForImageTextToText): tower, projector and language model all train."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
     from transformers.integrations import HfDeepSpeedConfig
 
     m = recipe.model
     dtype = getattr(torch, m.dtype)
     attn = m.attn_implementation or _default_attention(device)
     live = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
+    auto = AutoModelForImageTextToText if m.vision else AutoModelForCausalLM
     if m.config is not None:
         config = dict(m.config)
         model_type = config.pop("model_type", None)
@@ -130,9 +145,9 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
             raise ValueError("model.config: needs a model_type (e.g. llama)")
         hf_config = AutoConfig.for_model(model_type, **config)
         hf_config._attn_implementation = attn
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        model = auto.from_config(hf_config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(m.name_or_path, dtype=dtype, attn_implementation=attn,
+        model = auto.from_pretrained(m.name_or_path, dtype=dtype, attn_implementation=attn,
                                                      trust_remote_code=m.trust_remote_code)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
@@ -297,7 +312,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     tp = recipe.deepspeed.tp_size
     dp_rank, dp_size = runtime.rank // tp, runtime.world_size // tp  # AutoTP groups are consecutive ranks
 
-    tokenizer = load_tokenizer(recipe)
+    tokenizer, processor = load_tokenizer(recipe)
     model, live_ds_config = build_model(recipe, ds_config, runtime.device)
     head = model.get_output_embeddings().weight
     logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
@@ -321,6 +336,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                            world_size=dp_size, seed=recipe.train.seed, shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=tokenizer.pad_token_id)
+    to_inputs = _model_inputs(recipe, processor, runtime.device)
     checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime)
     step = checkpoints.load(engine, dataset)
     if runtime.is_main and step:
@@ -336,15 +352,13 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
             sums: dict[str, float] = {}
             tokens = 0
             for _ in range(recipe.train.grad_accum):
-                batch = next(stream)
-                result = engine(input_ids=batch["input_ids"].to(runtime.device),
-                                labels=batch["labels"].to(runtime.device),
-                                attention_mask=batch["attention_mask"].to(runtime.device))
+                inputs = to_inputs(next(stream))
+                result = engine(**inputs)
                 engine.backward(result.loss)
                 engine.step()
                 for key, value in result.log_dict().items():
                     sums[key] = sums.get(key, 0.0) + value / recipe.train.grad_accum
-                tokens += int(batch["attention_mask"].sum())
+                tokens += int(inputs["attention_mask"].sum())
             step += 1
             sums["tokens"] = tokens
             row = reduce_mean(sums, runtime.device)  # every rank, every step: one small all-reduce
@@ -365,12 +379,29 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
         if checkpoints.latest_tag() != f"step_{step:08d}":
             _save(checkpoints, engine, step, dataset, hooks)
         if recipe.train.export:
-            export(engine, model, tokenizer, out / "final", runtime, recipe)
+            export(engine, model, processor or tokenizer, out / "final", runtime, recipe)
     finally:
         metrics.close()
         if progress is not None:
             progress.close()
     return engine, last
+
+
+def _model_inputs(recipe: Recipe, processor, device: torch.device) -> Callable[[dict], dict]:
+    """A reader batch -> the wrapper's keyword arguments on `device`. Text: the batch's ids, labels and
+    mask as they are. Vision: `recipes.vision.training_inputs` (image tokens expanded by the processor,
+    pixel tensors added), in the model's dtype."""
+    if processor is None:
+        return lambda batch: {k: batch[k].to(device) for k in ("input_ids", "labels", "attention_mask")}
+    dtype = getattr(torch, recipe.model.dtype)
+
+    def vision(batch: dict) -> dict:
+        inputs = training_inputs(processor, batch, pad_to_multiple_of=recipe.data.pad_to_multiple_of,
+                                 max_length=recipe.data.seq_len)
+        return {k: (v.to(device, dtype) if torch.is_floating_point(v) else v.to(device)) if torch.is_tensor(v) else v
+                for k, v in inputs.items()}
+
+    return vision
 
 
 def _save(checkpoints: Checkpoints, engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
@@ -393,7 +424,8 @@ def _progress(recipe: Recipe, runtime: Runtime, start: int):
 
 
 def export(engine, model, tokenizer, path: Path, runtime: Runtime, recipe: Recipe) -> None:
-    """A consolidated Hugging Face safetensors model and its tokenizer in `path` (rank 0 writes)."""
+    """A consolidated Hugging Face safetensors model and its tokenizer (or processor) in `path` (rank 0
+    writes)."""
     if recipe.deepspeed.zero_stage == 3 or recipe.deepspeed.tp_size > 1:
         state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
     else:
@@ -402,6 +434,11 @@ def export(engine, model, tokenizer, path: Path, runtime: Runtime, recipe: Recip
         prefix = "model."  # NumericCausalLM holds the HF model as `.model`
         state = {k[len(prefix):]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)}
         path.mkdir(parents=True, exist_ok=True)
+        if getattr(model, "_weight_conversions", None) is not None:
+            # transformers 5 loading under ZeRO-3 records extra legacy renamings whose reverse writes
+            # keys such as `language_model.model.model.*` (LLaVA); without the record it saves the
+            # class's canonical checkpoint format, the one its own save_pretrained writes.
+            model._weight_conversions = None
         model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(str(path))
     dist.barrier()

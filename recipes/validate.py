@@ -359,8 +359,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                 "DeepSpeed, which documents AutoTP training with ZeRO 0-2")
         if cl.gpus_per_node == 0:
             rep.warnings.append("deepspeed.tp_size > 1 on a CPU cluster: one rank per node cannot hold a TP group")
-    if m.vision and recipe.loss.head == "chunked":
-        rep.warnings.append("loss.head: chunked with a vision model: check recipes/train.py supports it")
 
     # 6: loss vs data policy
     terms = set((recipe.loss.objective or {}).get("terms") or {})

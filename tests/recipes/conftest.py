@@ -42,3 +42,31 @@ def rec_model_dir(tmp_path_factory, rec_tokenizer_dir):
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl(tmp_path_factory):
+    """A tiny random LLaVA built offline: tokenizer, processor and saved model in `model/`, its
+    `model.config` section, and clock-time shards (`train`: 16 clocks, `test`: 6, other seed)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from data_prep import BuildConfig, SourceConfig, TokenizeConfig, build
+    from data_prep.sources.clock import QUESTION
+    from recipes.tiny import tiny_llava_config, tiny_vision_processor, train_tokenizer
+
+    root = tmp_path_factory.mktemp("vl")
+    train_tokenizer([QUESTION, "0123456789 : H MM"], root / "tok")
+    processor = tiny_vision_processor(root / "tok", root / "model")
+    config = tiny_llava_config(processor)
+    kwargs = dict(config)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs))
+    model.save_pretrained(str(root / "model"))
+    for split, n, seed in (("train", 16, 0), ("test", 6, 1)):
+        build(BuildConfig(sources=[SourceConfig("clock", options={"n": n, "seed": seed, "min_size": 56,
+                                                                  "max_size": 64})],
+                          tokenize=TokenizeConfig(str(root / "model"), max_length=128)),
+              str(root / split), workers=0, progress=False)
+    return {"root": root, "model": str(root / "model"), "config": config,
+            "train": str(root / "train"), "test": str(root / "test")}

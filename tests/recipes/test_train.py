@@ -9,14 +9,10 @@ generated arithmetic built through data_prep.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +20,8 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-REPO = Path(__file__).resolve().parents[2]
+from torchrun_helpers import launch, read_metrics, run_to_end  # noqa: E402
+
 STEPS = 8
 
 
@@ -53,25 +50,6 @@ def workspace(tmp_path_factory):
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return root, path
-
-
-def launch(recipe: Path, out_dir: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "recipes.train", str(recipe), f"train.out_dir={out_dir}", *overrides]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def run_to_end(recipe: Path, out_dir: Path, *overrides: str) -> str:
-    proc = launch(recipe, out_dir, *overrides)
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-4000:]
-    return output
-
-
-def read_metrics(out_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,185 @@
+"""Vision-language training: clock-time shards -> a tiny random LLaVA (CLIP tower + projector + Llama).
+
+- `recipes.vision.training_inputs` keeps the shards' target tokens and labels exactly, expands each image
+  to its patch tokens, keeps images in row order, and builds the same prompt evaluation generates from;
+- the numeric objective on those inputs equals Hugging Face's own loss (CE only), and the chunked head
+  equals the logits path with the image gradients included;
+- a 2-rank DeepSpeed ZeRO-3 run trains the whole model (vision tower included), exports a model and
+  processor that `recipes.evaluate` loads and scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+pytest.importorskip("deepspeed")
+
+from torchrun_helpers import read_metrics, run_to_end  # noqa: E402
+
+from data_prep.reader import ShardDataset  # noqa: E402
+from recipes.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
+
+IGNORE = -100
+PATCHES = 4  # (28 / 14)^2 image tokens per image for the tiny processor
+
+
+def _batch(tiny_vl, batch_size=4):
+    ds = ShardDataset(tiny_vl["train"], batch_size=batch_size, shuffle=False)
+    return next(iter(ds))
+
+
+def test_training_inputs_keep_the_shard_targets_and_expand_each_image(tiny_vl):
+    processor = load_processor(tiny_vl["model"])
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    batch = _batch(tiny_vl)
+    inputs = training_inputs(processor, batch, pad_to_multiple_of=8)
+    ids, labels, mask = inputs["input_ids"], inputs["labels"], inputs["attention_mask"]
+    assert ids.shape[1] % 8 == 0 and labels.shape == ids.shape == mask.shape
+
+    prompts = []
+    for i in range(len(ids)):
+        n = int(batch["attention_mask"][i].sum())
+        shard_ids, shard_labels = batch["input_ids"][i, :n].tolist(), batch["labels"][i, :n].tolist()
+        first = next(j for j, lab in enumerate(shard_labels) if lab != IGNORE)
+        m = int(mask[i].sum())
+        assert mask[i, :m].all() and not mask[i, m:].any()  # right padding
+        assert (labels[i, m:] == IGNORE).all()
+        # the target block is the shard's, token for token, and ends the row
+        target = shard_ids[first:]
+        assert ids[i, m - len(target):m].tolist() == target
+        assert labels[i, m - len(target):m].tolist() == shard_labels[first:]
+        assert (labels[i, :m - len(target)] == IGNORE).all()
+        # the prompt gained exactly the image's patch tokens and otherwise kept the shard's ids
+        prompt = ids[i, :m - len(target)].tolist()
+        assert prompt.count(image_id) == PATCHES
+        assert [t for t in prompt if t != image_id] == shard_ids[:first]
+        prompts.append(prompt)
+
+    # images stay in row order: the pixels are the image processor's output for each row's own image
+    own = processor.image_processor(images=[decode_image(b) for b in batch["images"]], return_tensors="pt")
+    assert torch.equal(inputs["pixel_values"], own["pixel_values"])
+
+    # evaluation builds the same prompt (left-padded, no target)
+    shard_prompts = []
+    for i in range(len(ids)):
+        n = int(batch["attention_mask"][i].sum())
+        first = next(j for j, lab in enumerate(batch["labels"][i, :n].tolist()) if lab != IGNORE)
+        shard_prompts.append(batch["input_ids"][i, :first].tolist())
+    gen = vision_inputs(processor, shard_prompts, batch["images"])
+    assert "labels" not in gen
+    for i, prompt in enumerate(prompts):
+        m = int(gen["attention_mask"][i].sum())
+        assert not gen["attention_mask"][i, :-m].any()  # left padding
+        assert gen["input_ids"][i, -m:].tolist() == prompt
+    assert torch.equal(gen["pixel_values"], inputs["pixel_values"])
+
+
+def test_a_row_without_image_or_too_long_is_an_error_naming_the_record(tiny_vl):
+    processor = load_processor(tiny_vl["model"])
+    batch = _batch(tiny_vl, batch_size=2)
+    record = int(batch["record"][1])
+    batch["images"] = [batch["images"][0], None]
+    with pytest.raises(ValueError, match=rf"records \[{record}\].*no image"):
+        training_inputs(processor, batch)
+    batch = _batch(tiny_vl, batch_size=2)
+    with pytest.raises(ValueError, match=rf"record {int(batch['record'][0])}: \d+ tokens .* data.seq_len=8"):
+        training_inputs(processor, batch, max_length=8)
+    batch["images"] = [b"not an image", batch["images"][1]]
+    with pytest.raises(ValueError, match=rf"record {int(batch['record'][0])}: the image bytes do not decode"):
+        training_inputs(processor, batch)
+
+
+def _objective(tokenizer, width, terms):
+    from numloss import NumericVocab, Objective, ObjectiveConfig
+
+    vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits", vocab_size=width)
+    assert vocab.size == 10
+    return Objective(vocab, ObjectiveConfig.from_dict({"terms": terms}))
+
+
+def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(tiny_vl):
+    from numloss.adapters.hf import NumericCausalLM
+    from recipes.config import Recipe
+    from recipes.train import build_model
+
+    processor = load_processor(tiny_vl["model"])
+    recipe = Recipe()
+    recipe.model.config, recipe.model.vision, recipe.model.dtype = dict(tiny_vl["config"]), True, "float32"
+    torch.manual_seed(0)
+    model, _ = build_model(recipe, {"zero_optimization": {"stage": 0}}, torch.device("cpu"))  # the config path
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    width = model.get_output_embeddings().weight.shape[0]
+    inputs = training_inputs(processor, _batch(tiny_vl))
+
+    ce_only = NumericCausalLM(model, _objective(processor.tokenizer, width, {}), chunked=False)
+    assert ce_only(**inputs).loss.item() == pytest.approx(model(**inputs).loss.item(), rel=1e-6)
+
+    terms = {"smmd": {}, "ntl_was": {}}
+    results = []
+    for chunked in (False, True):
+        model.zero_grad()
+        wrapper = NumericCausalLM(model, _objective(processor.tokenizer, width, terms), chunked=chunked,
+                                  chunk_size=16)
+        out = wrapper(**inputs)
+        out.loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        results.append((out.loss.item(), out.terms["smmd"].item(), grads))
+    (loss_a, smmd_a, grads_a), (loss_b, smmd_b, grads_b) = results
+    assert smmd_a > 0 and loss_a == pytest.approx(loss_b, rel=1e-5) and smmd_a == pytest.approx(smmd_b, rel=1e-5)
+    assert set(grads_a) == set(grads_b)
+    tower = [k for k in grads_a if "vision_tower" in k]
+    assert tower and any(grads_a[k].abs().max() > 0 for k in tower)  # the images reach the loss
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_two_rank_zero3_trains_a_tiny_vision_language_model_and_evaluates_it(tiny_vl, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from recipes.evaluate import evaluate
+
+    recipe = {
+        "name": "tiny-vl",
+        "model": {"name_or_path": tiny_vl["model"], "vision": True, "dtype": "float32"},
+        "data": {"train": tiny_vl["train"], "eval": tiny_vl["test"]},
+        "loss": {"objective": {"terms": {"smmd": {}}}, "head": "chunked", "chunk_size": 32},
+        "optim": {"lr": 1e-3},
+        "train": {"steps": 3, "micro_batch_size": 2, "progress": False},
+        "eval": {"answer_format": "time"},
+    }
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = tmp_path / "run"
+    run_to_end(path, out)
+
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["term/smmd"] > 0 and r["numeric_positions"] > 0 for r in rows)
+
+    final = out / "final"
+    load_processor(str(final))  # the processor travels with the model (tokenizer + image processor)
+    # the exported model holds the trained weights: DeepSpeed's own fp32 consolidation of the last
+    # checkpoint, read independently, equals what loads from final/
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    checkpoint = {k.removeprefix("model."): v for k, v in
+                  get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints")).items()}
+    # in the checkpoint format transformers itself writes (the tiny model was saved by save_pretrained)
+    assert set(load_file(str(final / "model.safetensors"))) == \
+        set(load_file(str(tiny_vl["root"] / "model" / "model.safetensors")))
+    trained = AutoModelForImageTextToText.from_pretrained(str(final)).state_dict()
+    initial = AutoModelForImageTextToText.from_pretrained(tiny_vl["model"]).state_dict()
+    assert set(trained) == set(checkpoint) == set(initial)
+    for name, value in checkpoint.items():
+        assert torch.equal(trained[name], value), name
+    changed = {k for k in initial if not torch.equal(trained[k], initial[k])}
+    for part in ("vision_tower", "multi_modal_projector", "language_model", "lm_head"):
+        assert any(part in k for k in changed), part  # the whole model trains, the tower included
+
+    res = evaluate(str(final), tiny_vl["test"], batch_size=3, max_new_tokens=4, answer_format="time")
+    assert res["settings"]["vision"] and res["metrics"]["n"] == 6
