@@ -5,6 +5,13 @@ the wrong type is an error that names its dotted path (`optim.lr: expected float
 numeric objective's own section is checked by `numloss.ObjectiveConfig` (unknown terms and options).
 
     recipe = load_recipe("recipes/configs/demo.yaml", ["optim.lr=3e-4", "loss.objective.terms={smmd: {}}"])
+
+A recipe may start from another: `base: ce.yaml` (relative to the file; a base may have its own base).
+The file's sections are merged key by key over the base's, and each value replaces the base's whole
+(`loss.objective: {terms: {smmd: {}}}` is the new objective, not a union of terms), as an override
+`loss.objective=...` would. A run's identity is never inherited: `name` is the file's own (default: its
+stem) and `train.out_dir` the file's own (default: `runs/<name>`), so two recipes sharing a base never
+write into one directory.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class TrainSection:
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
-    out_dir: str = "runs/recipe"
+    out_dir: str = ""  # "" -> runs/<name>
     export: bool = True  # a consolidated HF safetensors model + tokenizer at the end
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -268,20 +275,45 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
     for override in overrides:
         apply_override(data, override)
     recipe = _build(Recipe, data)
+    if not recipe.train.out_dir:
+        recipe.train.out_dir = f"runs/{recipe.name}"
     recipe.validate()
     return recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
-    """Read, override, type-check and validate a recipe file."""
+def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """A recipe file as a plain dict with its `base` chain merged in (see the module docstring)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
+        where = f" (the base of {_chain[-1]})" if _chain else ""
+        raise FileNotFoundError(f"recipe {path}{where} does not exist")
+    if path.resolve() in _chain:
+        raise ValueError(f"recipe {path}: base cycle {' -> '.join(map(str, _chain + (path.resolve(),)))}")
     with path.open() as f:
         data = yaml.safe_load(f) or {}
     if not isinstance(data, dict):
         raise ValueError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
+    base = data.pop("base", None)
+    own_out_dir = (data.get("train") or {}).get("out_dir") if isinstance(data.get("train"), dict) else None
     data.setdefault("name", path.stem)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ValueError(f"recipe {path}: base: expected a file name, got {base!r}")
+        merged = read_recipe_file(path.parent / base, _chain + (path.resolve(),))
+        for key, value in data.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}  # a section: key by key
+            else:
+                merged[key] = value
+        data = merged
+    if isinstance(data.get("train"), dict):  # the run directory belongs to this file, not its base
+        data["train"] = {**data["train"], "out_dir": own_out_dir or ""}
+    return data
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:
+    """Read (with its base), override, type-check and validate a recipe file."""
+    data = read_recipe_file(path)
     try:
         return recipe_from_dict(data, overrides)
     except ValueError as err:

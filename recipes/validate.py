@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 # ---- offline fallback metadata ------------------------------------------------------------------------
 #
 # Architecture of the papers' backbones, used only when the hub cannot be reached and the config is not
@@ -250,16 +252,25 @@ _HINT_RE = re.compile(r"^\s*#\s*data_prep\s+(train|eval)\s*:\s*(.+?)\s*$")
 
 
 def build_hints(recipe_path: str | Path) -> dict[str, str]:
-    """`# data_prep train: <command>` / `# data_prep eval: <command>` comments of a recipe file."""
+    """`# data_prep train: <command>` / `# data_prep eval: <command>` comments of a recipe file, then of
+    its `base` chain (the file's own come first)."""
     hints: dict[str, str] = {}
-    try:
-        text = Path(recipe_path).read_text()
-    except OSError:
-        return hints
-    for line in text.splitlines():
-        m = _HINT_RE.match(line)
-        if m:
-            hints.setdefault(m.group(1), m.group(2))
+    path, seen = Path(recipe_path), set()
+    while path not in seen:
+        seen.add(path)
+        try:
+            text = path.read_text()
+        except OSError:
+            break
+        for line in text.splitlines():
+            m = _HINT_RE.match(line)
+            if m:
+                hints.setdefault(m.group(1), m.group(2))
+        data = yaml.safe_load(text)
+        base = data.get("base") if isinstance(data, dict) else None
+        if not isinstance(base, str):
+            break
+        path = (path.parent / base).resolve()
     return hints
 
 
@@ -359,6 +370,9 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                 "DeepSpeed, which documents AutoTP training with ZeRO 0-2")
         if cl.gpus_per_node == 0:
             rep.warnings.append("deepspeed.tp_size > 1 on a CPU cluster: one rank per node cannot hold a TP group")
+        if m.vision:
+            rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
+                                "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
 
     # 6: loss vs data policy
     terms = set((recipe.loss.objective or {}).get("terms") or {})
