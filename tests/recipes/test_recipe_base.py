@@ -65,6 +65,10 @@ def test_bases_chain_and_bad_chains_are_errors_naming_the_files(tmp_path):
         load_recipe(tmp_path / "typo.yaml")
 
 
+def _without_identity_and_objective(d: dict) -> dict:
+    return {**d, "name": None, "loss": {**d["loss"], "objective": None}, "train": {**d["train"], "out_dir": None}}
+
+
 @pytest.mark.parametrize("family, losses", [
     ("qwen2.5-1.5b-gsm8k", ("dist2", "gce", "ntil", "ntl", "smmd")),
     ("llama3-8b-gsm8k", ("smmd",)),
@@ -76,7 +80,5 @@ def test_shipped_loss_recipes_differ_from_their_baseline_only_in_objective_and_i
         other = load_recipe(CONFIGS / family / f"{loss}.yaml").to_dict()
         assert other["loss"]["objective"]["terms"] and other["name"] == f"{family}-{loss}"
         outs.add(other["train"]["out_dir"])
-        strip = lambda d: {**d, "name": None, "loss": {**d["loss"], "objective": None},  # noqa: E731
-                           "train": {**d["train"], "out_dir": None}}
-        assert strip(other) == strip(ce), loss
+        assert _without_identity_and_objective(other) == _without_identity_and_objective(ce), loss
     assert len(outs) == len(losses) + 1  # every run has its own directory
