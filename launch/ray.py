@@ -7,8 +7,8 @@
     (the job runs `python` on the head's PATH: `--python /path/to/venv/bin/python` where that is not the
     project's environment)
 
-Placement: one worker per GPU (`cluster.nodes` x `cluster.gpus_per_node`), or on CPU one worker per node
-with `cluster.cpus_per_worker` CPUs; a placement group with strategy PACK (`--placement` to change it)
+Placement: one worker per GPU (`cluster.nodes` x `cluster.gpus_per_node`), or on CPU
+`cluster.cpu_ranks_per_node` workers per node, each with `cluster.cpus_per_worker` CPUs; a placement group with strategy PACK (`--placement` to change it)
 fills a node before the next. Ray's TorchTrainer initialises torch.distributed (NCCL on GPUs, gloo on the
 CPU) and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR; `recipes.train.train` runs unchanged in every
 worker (DeepSpeed reuses that process group; `prepare_model` is not used).
@@ -81,12 +81,12 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
 
 
 def scaling(recipe, num_workers: int | None = None, placement: str = "PACK"):
-    """ScalingConfig for a recipe: one worker per GPU, or one per node (a CPU slot) on CPU."""
+    """ScalingConfig for a recipe: one worker per GPU, or `cluster.cpu_ranks_per_node` per node on CPU."""
     from ray.train import ScalingConfig
 
     c = recipe.cluster
     gpus = c.gpus_per_node
-    workers = num_workers or c.nodes * (gpus if gpus else 1)
+    workers = num_workers or c.nodes * c.ranks_per_node()
     resources = {"CPU": c.cpus_per_worker}
     if gpus:
         resources["GPU"] = 1

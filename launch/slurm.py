@@ -4,9 +4,9 @@
     python -m launch.slurm RECIPE.yaml --mode torchrun --out job.sbatch [key=value ...]
     sbatch job.sbatch
 
-The allocation comes from the recipe's `cluster` section: `nodes`, `gpus_per_node`, `cpus_per_worker`
-(CPUs per GPU), `container` (an image for pyxis/enroot's `srun --container-image`; none: run on the host
-environment), `partition`, `time_limit`.
+The allocation comes from the recipe's `cluster` section: `nodes`, `gpus_per_node` (or
+`cpu_ranks_per_node` on CPU), `cpus_per_worker` (CPUs per rank), `container` (an image for
+pyxis/enroot's `srun --container-image`; none: run on the host environment), `partition`, `time_limit`.
 
 - ray: `ray start --head` on the first node, `ray start --address` on the others (each a background
   srun step), a wait until every node has joined, then the driver, `python -m launch.ray RECIPE
@@ -69,7 +69,7 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
     for p, what in ((port, "--port"), (rdzv_port, "--rdzv-port")):
         if not (isinstance(p, int) and 1024 <= p <= 65535):
             raise ValueError(f"{what}: {p!r} is not a port in 1024-65535")
-    workers_per_node = gpus if gpus else 1
+    workers_per_node = _positive(c.ranks_per_node(), "cluster.cpu_ranks_per_node")
     q = shlex.quote
     header = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
               f"#SBATCH --cpus-per-task={cpus * workers_per_node}", f"#SBATCH --time={time_limit}",

@@ -138,7 +138,10 @@ def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
         run(sweep.base, job.overrides, address=address, max_failures=sweep.max_failures,
             num_workers=sweep.num_workers, name=job.name)
     else:  # torchrun on this machine
-        nproc = str(sweep.num_workers or 1)
+        from recipes.config import load_recipe
+
+        cluster = load_recipe(sweep.base, job.overrides).cluster
+        nproc = str(sweep.num_workers or cluster.nodes * cluster.ranks_per_node())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
                "-m", "recipes.train", str(sweep.base), *job.overrides]
         subprocess.run(cmd, check=True)

@@ -118,10 +118,15 @@ class ClusterSection:
 
     nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU
+    cpu_ranks_per_node: int = 1  # processes per node when gpus_per_node is 0
     cpus_per_worker: int = 1
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
+
+    def ranks_per_node(self) -> int:
+        """Training processes per node: one per GPU, or `cpu_ranks_per_node` on CPU."""
+        return self.gpus_per_node or self.cpu_ranks_per_node
 
 
 @dataclass
@@ -157,7 +162,7 @@ class Recipe:
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
                     "train.grad_accum": self.train.grad_accum, "deepspeed.tp_size": self.deepspeed.tp_size,
                     "loss.chunk_size": self.loss.chunk_size, "train.keep_last": self.train.keep_last,
-                    "cluster.nodes": self.cluster.nodes}
+                    "cluster.nodes": self.cluster.nodes, "cluster.cpu_ranks_per_node": self.cluster.cpu_ranks_per_node}
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")

@@ -337,29 +337,22 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                     f"more than {gpu_mem_gb:g} GiB (--gpu-mem-gb): offload, more GPUs or ZeRO-3")
 
     # 5: layout and batch arithmetic
-    gpus = cl.nodes * cl.gpus_per_node
     if cl.gpus_per_node < 0:
         rep.errors.append(f"cluster.gpus_per_node: must be >= 0, got {cl.gpus_per_node}")
-    if cl.gpus_per_node > 0 and cl.gpus_per_node % ds.tp_size:
-        rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide cluster.gpus_per_node "
-                          f"{cl.gpus_per_node} (a TP group must stay inside a node)")
+    per_node = cl.ranks_per_node()
+    unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
+    if per_node > 0 and per_node % ds.tp_size:
+        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
+        rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
+                          "(a TP group must stay inside a node)")
     per_step = tr.micro_batch_size * tr.grad_accum
-    if cl.gpus_per_node > 0:
-        dp = max(1, gpus // ds.tp_size)
-        effective = per_step * dp
-        if tr.global_batch_size is not None and tr.global_batch_size != effective:
-            rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
-                              f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
-                              f"(= {effective})")
-        layout = f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s), TP {ds.tp_size}, data-parallel {dp}"
-    else:
-        # A CPU recipe does not say how many ranks the launcher starts: the global batch implies it.
-        if tr.global_batch_size is not None and tr.global_batch_size % per_step:
-            rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} is not a multiple of "
-                              f"micro_batch_size {tr.micro_batch_size} x grad_accum {tr.grad_accum}")
-        dp = max(1, (tr.global_batch_size or per_step) // per_step)
-        effective = per_step * dp
-        layout = f"{cl.nodes} CPU node(s), {dp} data-parallel rank(s) implied by train.global_batch_size"
+    dp = max(1, cl.nodes * per_node // ds.tp_size)
+    effective = per_step * dp
+    if tr.global_batch_size is not None and tr.global_batch_size != effective:
+        rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
+                          f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
+                          f"(= {effective})")
+    layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}"
     rep.add("layout", f"{layout}, ZeRO-{ds.zero_stage}")
     rep.numbers["effective_batch"] = effective
     rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
@@ -368,8 +361,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if ds.zero_stage == 3:
             rep.warnings.append("deepspeed: AutoTP + ZeRO-3 is tested here (DESIGN.md), not documented by "
                                 "DeepSpeed, which documents AutoTP training with ZeRO 0-2")
-        if cl.gpus_per_node == 0:
-            rep.warnings.append("deepspeed.tp_size > 1 on a CPU cluster: one rank per node cannot hold a TP group")
         if m.vision:
             rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
                                 "tower; vision training is tested with ZeRO-3 and tp_size 1 only")

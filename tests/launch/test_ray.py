@@ -102,3 +102,16 @@ def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
     assert out == {"job_id": "raysubmit_1", "status": "SUCCEEDED", "result": {"metrics": {"step": 3, "loss": 1.5}}}
     assert client.runtime_env["working_dir"] == str(tmp_path) and ".venv" in client.runtime_env["excludes"]
     assert shlex.split(client.entrypoint)[:4] == ["python", "-m", "launch.ray", str(recipe)]
+
+
+def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
+    from launch.ray import scaling
+    from recipes.config import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo.yaml"
+
+    cpu = scaling(load_recipe(recipe, ["cluster.nodes=2", "cluster.gpus_per_node=0", "cluster.cpu_ranks_per_node=3",
+                                       "cluster.cpus_per_worker=2"]))
+    assert cpu.num_workers == 6 and not cpu.use_gpu and cpu.resources_per_worker == {"CPU": 2}
+    gpu = scaling(load_recipe(recipe, ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.cpu_ranks_per_node=3"]))
+    assert gpu.num_workers == 16 and gpu.use_gpu and gpu.resources_per_worker["GPU"] == 1

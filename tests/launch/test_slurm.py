@@ -62,6 +62,9 @@ def test_cpu_recipe_has_no_gpu_request(recipe, tmp_path):
     text = render(recipe, "ray", ["cluster.gpus_per_node=0", "cluster.container=null", "cluster.cpus_per_worker=4"])
     assert "--gpus-per-node" not in text and "--container-image" not in text
     assert "GPUS_PER_NODE=0" in text and "#SBATCH --cpus-per-task=4" in text
+    text = render(recipe, "torchrun", ["cluster.gpus_per_node=0", "cluster.cpu_ranks_per_node=3",
+                                       "cluster.cpus_per_worker=4", "cluster.container=null"])
+    assert "WORKERS_PER_NODE=3" in text and "#SBATCH --cpus-per-task=12" in text
 
 
 def test_user_input_is_validated_or_quoted(recipe, tmp_path):
@@ -82,3 +85,4 @@ def test_user_input_is_validated_or_quoted(recipe, tmp_path):
     out.write_text(text)
     subprocess.run(["bash", "-n", str(out)], check=True)
     assert main([str(recipe), "name=bad name"]) == 2
+

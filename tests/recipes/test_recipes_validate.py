@@ -112,8 +112,16 @@ def test_built_data_is_checked_against_the_recipe(rec_data_dir, rec_tokenizer_di
     assert any(e.startswith("loss.numeric_policy") for e in rep.errors)
 
 
-def test_cpu_recipes_imply_their_rank_count_from_the_global_batch():
-    rep = V.validate_recipe(DEMO, ["train.micro_batch_size=32", "train.global_batch_size=64"], offline=True, size=False)
+def test_cpu_recipes_count_their_ranks_from_cpu_ranks_per_node():
+    rep = V.validate_recipe(DEMO, offline=True, size=False)  # 1 node x 2 CPU ranks x 32 rows
     assert rep.numbers["effective_batch"] == 64 and not rep.errors
-    rep = V.validate_recipe(DEMO, ["train.micro_batch_size=32", "train.global_batch_size=50"], offline=True, size=False)
-    assert any(e.startswith("train.global_batch_size: 50 is not a multiple") for e in rep.errors)
+    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4", "train.global_batch_size=128"], offline=True,
+                            size=False)
+    assert rep.numbers["effective_batch"] == 128 and not rep.errors
+    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4"], offline=True, size=False)
+    assert any(e.startswith("train.global_batch_size: 64 != micro_batch_size 32 x grad_accum 1 x data-parallel 4")
+               for e in rep.errors), rep.errors
+    rep = V.validate_recipe(DEMO, ["deepspeed.tp_size=2", "cluster.cpu_ranks_per_node=3"], offline=True, size=False)
+    assert any(e.startswith("deepspeed.tp_size: 2 does not divide cluster.cpu_ranks_per_node 3") for e in rep.errors)
+    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=0"], offline=True, size=False)
+    assert not rep.ok and "cluster.cpu_ranks_per_node" in rep.errors[0]
