@@ -33,6 +33,7 @@ import itertools
 import json
 import re
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,9 @@ IGNORE_INDEX = -100
 NUMBER_RE = re.compile(
     r"[-\d](?:(?<=-)(?<![\w)\].]-)(?:\d{1,3}(?:,\d{3})+|\d+)|(?<=\d)(?:\d{0,2}(?:,\d{3})+|\d*))(?:\.\d+)?"
 )
+# The same pattern as one capturing group: `split` returns [gap, number, gap, number, ..., gap], the
+# numbers and (through the lengths) their positions, without a Match object per number.
+_NUMBER_SPLIT = re.compile(f"({NUMBER_RE.pattern})")
 
 # The shard schema of unpacked rows (see shards.py for the packed one).
 ROW_SCHEMA = pa.schema([
@@ -123,6 +127,11 @@ class PlainTemplate:
 
     def render(self, prompt: str, target: str, check: bool = False) -> tuple[str, str, int]:
         return (prompt + self.sep if prompt else ""), target, 0
+
+    def render_batch(self, prompts: list[str], targets: list[str]) -> tuple[list[str], list[str], list[int] | None]:
+        """(prefixes, rests, offsets of each target in its rest or None when all are 0)."""
+        sep = self.sep
+        return [p + sep if p else "" for p in prompts], targets, None
 
 
 _P, _T = "\ue000PROMPT\ue000", "\ue001TARGET\ue001"  # private-use sentinels
@@ -199,6 +208,11 @@ class ChatTemplate:
             return self._render_slow(prompt, target)
         return out
 
+    def render_batch(self, prompts: list[str], targets: list[str]) -> tuple[list[str], list[str], list[int] | None]:
+        """(prefixes, rests, offsets of each target in its rest); the first record is checked."""
+        rendered = [self.render(p, t, check=(i == 0)) for i, (p, t) in enumerate(zip(prompts, targets))]
+        return [r[0] for r in rendered], [r[1] for r in rendered], [r[2] for r in rendered]
+
 
 def make_template(tok, cfg: TokenizeConfig):
     has_chat = bool(getattr(tok, "chat_template", None))
@@ -236,88 +250,172 @@ class Encoder:
                                                  space_variants=cfg.space_variants)
         # index_of is sized by len(tokenizer); labels never exceed it.
         self.is_numeric = self.vocab.index_of.numpy() >= 0
+        from tokenizers import Encoding
+
+        self._char_to_token = Encoding.char_to_token
 
     def encode(self, items: list[Item]) -> tuple[pa.RecordBatch, list[dict[str, Any]]]:
-        """The kept rows (in input order) and the rejects ({"record", "example_id", "reason", "detail"})."""
-        rendered = [self.template.render(it.example.prompt, it.example.target, check=(i == 0))
-                    for i, it in enumerate(items)]
+        """The kept rows (in input order) and the rejects ({"record", "example_id", "reason", "detail"}).
+
+        Batched: one tokenizer call, one regex pass and numpy for the columns; Python work per record
+        is a few list operations, per number one char-to-token lookup per end.
+        """
+        exs = [it.example for it in items]
+        prefixes, rests, ats = self.template.render_batch([e.prompt for e in exs], [e.target for e in exs])
         # One call, prefix and rest as the two sequences of a pair: each is pre-tokenized on its own
         # (the same ids as two separate encodings) and token indices come out global.
-        encs = self.backend.encode_batch([(r[0], r[1]) for r in rendered], add_special_tokens=False)
+        encs = self.backend.encode_batch(list(zip(prefixes, rests)), add_special_tokens=False)
+        ids_list = [e.ids for e in encs]
         bos, eos = self.template.bos, self.template.eos
-        nb, max_len = len(bos), self.cfg.max_length
-        finditer = NUMBER_RE.finditer
+        lengths = np.fromiter(map(len, ids_list), dtype=np.int64, count=len(items)) + (len(bos) + len(eos))
+        rejects = []
+        too_long = lengths > self.cfg.max_length
+        if too_long.any():
+            for i in np.flatnonzero(too_long).tolist():
+                rejects.append({"record": items[i].record, "example_id": items[i].example_id,
+                                "reason": TOO_LONG,
+                                "detail": f"{int(lengths[i])} tokens > max_length {self.cfg.max_length}"})
+            keep_ix = np.flatnonzero(~too_long).tolist()
+            items, exs, encs, ids_list = ([x[i] for i in keep_ix] for x in (items, exs, encs, ids_list))
+            ats = [ats[i] for i in keep_ix] if ats is not None else None
+            lengths = lengths[keep_ix]
+        # The first token of the rest; the slow way only if char 0 of the rest has no token.
+        first = list(map(self._char_to_token, encs, repeat(0), repeat(1)))
+        if None in first:
+            for i, f in enumerate(first):
+                if f is None:
+                    seq = encs[i].sequence_ids
+                    first[i] = seq.index(1) if 1 in seq else len(seq)
+        spans = self._spans(encs, [e.target for e in exs], ats)
+        return self._columns(items, exs, ids_list, lengths, first, *spans), rejects
 
-        keep, rejects, ids_list, prompt_lens = [], [], [], []
-        span_counts, s_start, s_end, s_value = [], [], [], []
-        for it, (prefix, _, at), enc in zip(items, rendered, encs):
-            ids = enc.ids
-            if bos or eos:
-                ids = bos + ids + eos
-            if len(ids) > max_len:
-                rejects.append({"record": it.record, "example_id": it.example_id, "reason": TOO_LONG,
-                                "detail": f"{len(ids)} tokens > max_length {max_len}"})
-                continue
-            c2t = enc.char_to_token
-            first = c2t(0, 1)  # the first token of the rest; the slow way only if char 0 has none
-            if first is None:
-                seq = enc.sequence_ids
-                first = seq.index(1) if 1 in seq else len(seq)
-            n_prompt = nb + first
-            # The hot spot of a build on number-dense text: list comprehensions, no per-number branches.
-            target = it.example.target
-            spans = [m.span() for m in finditer(target)]
-            k = len(spans)
-            if k:
-                t0 = [c2t(at + a, 1) for a, _ in spans]
-                t1 = [c2t(at + b - 1, 1) for _, b in spans]
-                texts = [target[a:b] for a, b in spans]
-                if None in t0 or None in t1:  # a normalizer dropped characters: skip those numbers
-                    keep_ix = [j for j in range(k) if t0[j] is not None and t1[j] is not None]
-                    t0, t1, texts = [t0[j] for j in keep_ix], [t1[j] for j in keep_ix], [texts[j] for j in keep_ix]
-                    k = len(keep_ix)
-                s_start.extend(t0)
-                s_end.extend(t1)
-                s_value.extend(texts)
-            span_counts.append(k)
-            keep.append(it)
-            ids_list.append(ids)
-            prompt_lens.append(n_prompt)
-        return self._columns(keep, ids_list, prompt_lens, span_counts, s_start, s_end, s_value), rejects
+    @staticmethod
+    def _spans(encs, targets: list[str], ats: list[int] | None):
+        """Number spans of all targets: (per-record counts, first token, last token, values).
 
-    def _columns(self, keep, ids_list, prompt_lens, span_counts, s_start, s_end, s_value) -> pa.RecordBatch:
+        One regex pass over the targets joined by "\n": the pattern never crosses a newline and treats
+        a "-" after one like a "-" at the start of a text, so it finds exactly each target's numbers.
+        """
+        n = len(targets)
+        parts = _NUMBER_SPLIT.split("\n".join(targets))
+        k = len(parts) // 2
+        if k == 0:
+            return np.zeros(n, dtype=np.int64), [], [], np.zeros(0, dtype=np.float64)
+        cum = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+        nums = parts[1::2]
+        starts = cum[0::2][:k]  # a number starts where the gap before it ends
+        ends = cum[1::2]
+        text_start = np.zeros(n, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, targets), dtype=np.int64, count=n)[:-1] + 1, out=text_start[1:])
+        rec = np.searchsorted(text_start, starts, side="right") - 1
+        base = text_start[rec]
+        if ats is not None:
+            base = base - np.asarray(ats, dtype=np.int64)[rec]
+        # Char positions in the rest of the first and the last character of each number, interleaved.
+        pos = np.empty(2 * k, dtype=np.int64)
+        pos[0::2] = starts - base
+        pos[1::2] = ends - 1 - base
+        pos = pos.tolist()
+        counts = np.bincount(rec, minlength=n)
+        bounds = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(2 * counts, out=bounds[1:])
+        bounds = bounds.tolist()
+        tok: list = []
+        for enc, a, b in zip(encs, bounds, bounds[1:]):
+            if a != b:
+                tok += map(enc.char_to_token, pos[a:b], repeat(1, b - a))
+        t0, t1 = tok[0::2], tok[1::2]
+        if None in tok:  # a normalizer dropped characters: skip those numbers
+            ok = [a is not None and b is not None for a, b in zip(t0, t1)]
+            t0, t1, nums = ([x for x, keep in zip(xs, ok) if keep] for xs in (t0, t1, nums))
+            counts = np.bincount(rec[np.array(ok, dtype=bool)], minlength=n)
+        # float(text without commas) per number, in one pass ("|" never occurs in a number).
+        values = np.fromiter(map(float, "|".join(nums).replace(",", "").split("|")) if nums else (),
+                             dtype=np.float64, count=len(nums))
+        return counts, t0, t1, values
+
+    def _columns(self, items, exs, ids_list, lengths, first, span_counts, s_start, s_end, s_value) -> pa.RecordBatch:
         n = len(ids_list)
-        lengths = np.fromiter(map(len, ids_list), dtype=np.int32, count=n)
-        offsets = np.zeros(n + 1, dtype=np.int32)
+        bos, eos = self.template.bos, self.template.eos
+        nb, ne = len(bos), len(eos)
+        offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter(itertools.chain.from_iterable(ids_list), dtype=np.int32, count=int(offsets[-1]))
+        total = int(offsets[-1])
+        body = np.fromiter(itertools.chain.from_iterable(ids_list), dtype=np.int32, count=total - n * (nb + ne))
+        if nb or ne:
+            flat = np.empty(total, dtype=np.int32)
+            starts = offsets[:-1]
+            for j, t in enumerate(bos):
+                flat[starts + j] = t
+            for j, t in enumerate(eos):
+                flat[offsets[1:] - ne + j] = t
+            inner = lengths - (nb + ne)
+            shift = np.repeat(starts + nb - (np.cumsum(inner) - inner), inner)
+            flat[np.arange(len(body), dtype=np.int64) + shift] = body
+        else:
+            flat = body
         # Position of each token inside its example: prompt positions get -100.
-        prompt = np.asarray(prompt_lens, dtype=np.int32)
-        pos = np.arange(len(flat), dtype=np.int32) - np.repeat(offsets[:-1], lengths)
+        prompt = np.asarray(first, dtype=np.int32) + nb
+        pos = np.arange(total, dtype=np.int32) - np.repeat(offsets[:-1].astype(np.int32), lengths)
         in_prompt = pos < np.repeat(prompt, lengths)
         labels = np.where(in_prompt, IGNORE_INDEX, flat).astype(np.int32)
         numeric = ~in_prompt & self.is_numeric[flat]
 
-        span_offs = pa.array(np.concatenate([[0], np.cumsum(span_counts, dtype=np.int32)]).astype(np.int32))
+        span_offs = np.zeros(n + 1, dtype=np.int32)
+        np.cumsum(span_counts, out=span_offs[1:])
         # Token indices come from the pair encoding (prefix first): shift by the BOS ids added in front.
-        nb = len(self.template.bos)
         s_start = np.asarray(s_start, dtype=np.int32) + nb
         s_end = np.asarray(s_end, dtype=np.int32) + nb + 1
-        s_value = np.array([float(t.replace(",", "")) for t in s_value], dtype=np.float64)
-        off = pa.array(offsets)
-        exs = [it.example for it in keep]
+        off = _prim(offsets.astype(np.int32), pa.int32())
+        soff = _prim(span_offs, pa.int32())
+        # Arrays are built from buffers: pa.array on Python objects imports pandas (about 0.3 s per
+        # process) and checks every value; these are already typed.
         return pa.RecordBatch.from_arrays([
-            pa.array([it.record for it in keep], type=pa.int64()),
-            pa.array([it.example_id for it in keep], type=pa.string()),
-            pa.ListArray.from_arrays(off, pa.array(flat, type=pa.int32())),
-            pa.ListArray.from_arrays(off, pa.array(labels, type=pa.int32())),
-            pa.ListArray.from_arrays(off, pa.array(numeric, type=pa.bool_())),
-            pa.ListArray.from_arrays(span_offs, pa.array(s_start, type=pa.int32())),
-            pa.ListArray.from_arrays(span_offs, pa.array(s_end, type=pa.int32())),
-            pa.ListArray.from_arrays(span_offs, pa.array(s_value, type=pa.float64())),
-            pa.array([e.answer for e in exs], type=pa.float64()),
-            pa.array([e.answer_text for e in exs], type=pa.string()),
-            pa.array(prompt, type=pa.int32()),
-            pa.array(lengths, type=pa.int32()),
-            pa.array([e.image for e in exs], type=pa.binary()),
+            _prim(np.fromiter((it.record for it in items), dtype=np.int64, count=n), pa.int64()),
+            _strings([it.example_id for it in items], pa.string()),
+            pa.ListArray.from_arrays(off, _prim(flat, pa.int32())),
+            pa.ListArray.from_arrays(off, _prim(labels, pa.int32())),
+            pa.ListArray.from_arrays(off, _bools(numeric)),
+            pa.ListArray.from_arrays(soff, _prim(s_start, pa.int32())),
+            pa.ListArray.from_arrays(soff, _prim(s_end, pa.int32())),
+            pa.ListArray.from_arrays(soff, _prim(s_value, pa.float64())),
+            _floats([e.answer for e in exs]),
+            _strings([e.answer_text for e in exs], pa.string()),
+            _prim(prompt, pa.int32()),
+            _prim(lengths.astype(np.int32), pa.int32()),
+            _strings([e.image for e in exs], pa.binary()),
         ], schema=ROW_SCHEMA)
+
+
+def _validity(valid: np.ndarray) -> pa.Buffer | None:
+    return None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+
+
+def _prim(values: np.ndarray, typ: pa.DataType) -> pa.Array:
+    """A null-free fixed-width array over `values` (numpy, already of the type's width)."""
+    return pa.Array.from_buffers(typ, len(values), [None, pa.py_buffer(np.ascontiguousarray(values))])
+
+
+def _bools(values: np.ndarray) -> pa.Array:
+    return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(np.packbits(values, bitorder="little"))])
+
+
+def _floats(values: list[float | None]) -> pa.Array:
+    """float64 with None as null (what pa.array makes of such a list; ints and bools become floats)."""
+    n = len(values)
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+    data = np.fromiter((0.0 if v is None else v for v in values), dtype=np.float64, count=n)
+    return pa.Array.from_buffers(pa.float64(), n, [_validity(valid), pa.py_buffer(data)])
+
+
+def _strings(values: list[str | bytes | None], typ: pa.DataType) -> pa.Array:
+    """string (utf-8) or binary with None as null, from one joined buffer and its offsets."""
+    n = len(values)
+    valid = np.fromiter((v is not None for v in values), dtype=bool, count=n)
+    if typ == pa.string():
+        raw = [b"" if v is None else v.encode("utf-8") for v in values]
+    else:
+        raw = [b"" if v is None else bytes(v) for v in values]
+    offs = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(np.fromiter(map(len, raw), dtype=np.int64, count=n), out=offs[1:])
+    return pa.Array.from_buffers(typ, n, [_validity(valid), pa.py_buffer(offs), pa.py_buffer(b"".join(raw))])
