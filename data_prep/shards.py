@@ -86,20 +86,61 @@ def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
+def _writer_options(cfg: ShardConfig) -> dict[str, Any]:
+    """Fixed, reproducible Parquet writer options."""
+    return {
+        "compression": cfg.compression,
+        "compression_level": cfg.compression_level,
+        "use_dictionary": False,  # token lists do not repeat; dictionaries only cost time
+        "write_statistics": True,
+        "data_page_version": "1.0",
+        "write_page_index": False,
+    }
+
+
 def write_shard(table: pa.Table, path: str, cfg: ShardConfig) -> None:
     """Write `table` to `path` (via a temporary file) with fixed, reproducible writer options."""
     tmp = path + ".tmp"
-    pq.write_table(
-        table, tmp,
-        row_group_size=cfg.row_group_rows,
-        compression=cfg.compression,
-        compression_level=cfg.compression_level,
-        use_dictionary=False,  # token lists do not repeat; dictionaries only cost time
-        write_statistics=True,
-        data_page_version="1.0",
-        write_page_index=False,
-    )
+    pq.write_table(table, tmp, row_group_size=cfg.row_group_rows, **_writer_options(cfg))
     os.replace(tmp, path)
+
+
+class ShardWriter:
+    """A shard written row group by row group while its rows arrive (to `path`.tmp, renamed on close).
+
+    The bytes equal `write_shard(pa.Table.from_batches(batches))` of all the batches written: each row
+    group is written from the same slice of the same chunks (the Parquet writer's pages follow the
+    chunk boundaries, so the chunks are kept as they come, never combined).
+    """
+
+    def __init__(self, path: str, schema: pa.Schema, cfg: ShardConfig):
+        self.path, self.tmp = path, path + ".tmp"
+        self.schema, self.group = schema, cfg.row_group_rows
+        self.writer = pq.ParquetWriter(self.tmp, schema, **_writer_options(cfg))
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.pending.append(batch)
+        self.pending_rows += batch.num_rows
+        if self.pending_rows < self.group:
+            return
+        table = pa.Table.from_batches(self.pending, schema=self.schema)
+        done = (table.num_rows // self.group) * self.group
+        for start in range(0, done, self.group):
+            self.writer.write_table(table.slice(start, self.group), row_group_size=self.group)
+        rest = table.slice(done)
+        self.pending = rest.to_batches()
+        self.pending_rows = rest.num_rows
+
+    def close(self) -> None:
+        try:
+            if self.pending_rows:
+                self.writer.write_table(pa.Table.from_batches(self.pending, schema=self.schema),
+                                        row_group_size=self.group)
+        finally:
+            self.writer.close()
+        os.replace(self.tmp, self.path)
 
 
 def write_rejects(rejects: list[dict], path: str) -> None:
