@@ -114,6 +114,130 @@ def number_spans(text: str) -> list[tuple[int, int, float]]:
     return [(m.start(), m.end(), float(m.group().replace(",", ""))) for m in NUMBER_RE.finditer(text)]
 
 
+# find_numbers: NUMBER_RE's matches computed with numpy over the code points of a text. A match is a
+# run of digits (a "head", with the "-" before it when that is a sign), then either ",ddd" groups (only
+# after a head of at most 3 digits) or nothing, then optionally "." and a run of digits. So every run
+# of digits is a head, a group (its first 3 digits continue the number before it; a longer run starts
+# a new number after them) or decimals, decided by the run before it and the one character between.
+_HEAD, _GROUP, _DEC = 0, 1, 2
+_SIGN_BLOCKERS = np.zeros(128, dtype=bool)  # characters before "-" that make it a minus, not a sign
+_SIGN_BLOCKERS[[ord(c) for c in "0123456789_)]." + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]] = True
+_POW10_INT = 10 ** np.arange(19, dtype=np.int64)
+_POW10_FLOAT = 10.0 ** np.arange(23)
+_EXACT_DIGITS = 15  # numbers of at most 15 digits are exact int64 -> float64 and N / 10**f is float(text)
+
+
+def _numbers_regex(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    parts = _NUMBER_SPLIT.split(text)
+    k = len(parts) // 2
+    cum = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
+    nums = parts[1::2]
+    values = np.fromiter(map(float, "|".join(nums).replace(",", "").split("|")) if k else (),
+                         dtype=np.float64, count=k)
+    return cum[0::2][:k], cum[1::2], values
+
+
+def find_numbers(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(char starts, char ends, values) of every number in `text`: exactly `number_spans(text)`
+    (NUMBER_RE's matches, values float(text without commas)), without Python work per number.
+    Texts with non-ASCII decimal digits go through the regex."""
+    try:
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    except UnicodeEncodeError:  # lone surrogates
+        return _numbers_regex(text)
+    digit = (cps - 48) < 10  # wraps around below "0"
+    word = None  # non-ASCII \w characters
+    if not text.isascii():
+        uniq = np.unique(cps[cps >= 128])
+        chars = [chr(c) for c in uniq.tolist()]
+        if any(c.isdecimal() for c in chars):  # \d matches them: leave those texts to the regex
+            return _numbers_regex(text)
+        word = uniq[np.fromiter((c.isalnum() for c in chars), dtype=bool, count=len(chars))]
+    edges = np.flatnonzero(np.diff(digit.astype(np.int8), prepend=np.int8(0), append=np.int8(0)))
+    rs, re_ = edges[0::2], edges[1::2]  # runs of digits [rs, re)
+    k = len(rs)
+    if k == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
+    n = re_ - rs
+    # The one character between run i-1 and run i, when there is exactly one.
+    sep = np.zeros(k, dtype=np.uint32)
+    adjacent = np.zeros(k, dtype=bool)
+    adjacent[1:] = rs[1:] - re_[:-1] == 1
+    sep[adjacent] = cps[rs[adjacent] - 1]
+    comma, dot = sep == 44, sep == 46
+    group_ok = comma & (n >= 3)
+    n_prev = np.zeros(k, dtype=np.int64)
+    n_prev[1:] = n[:-1]
+
+    def after_head(head_len):  # what run i is when run i-1 ends a head of `head_len` digits
+        return np.where((head_len <= 3) & group_ok, _GROUP, np.where(dot, _DEC, _HEAD))
+
+    # step[i, m]: the kind of run i when run i-1 is of kind m.
+    step = np.empty((k, 3), dtype=np.int8)
+    step[:, _HEAD] = after_head(n_prev)
+    step[:, _GROUP] = np.where(n_prev == 3, np.where(group_ok, _GROUP, np.where(dot, _DEC, _HEAD)),
+                               after_head(n_prev - 3))  # a longer group run left a head of n - 3
+    step[:, _DEC] = _HEAD
+    step[0] = _HEAD
+    kind = np.zeros(k, dtype=np.int8)
+    rows = np.arange(k)
+    while True:  # as many rounds as the longest chain of runs joined by "," or "."
+        prev = np.empty(k, dtype=np.int8)
+        prev[0] = _HEAD
+        prev[1:] = kind[:-1]
+        new = step[rows, prev]
+        if np.array_equal(new, kind):
+            break
+        kind = new
+    opens = (kind == _HEAD) | ((kind == _GROUP) & (n > 3))
+    first = np.flatnonzero(opens)  # the run each number starts in
+    m = len(first)
+    in_group = kind[first] == _GROUP
+    starts = rs[first] + 3 * in_group
+    nxt = np.empty(m, dtype=np.int64)
+    nxt[:-1] = first[1:]
+    nxt[-1] = k
+    ends = re_[nxt - 1]
+    cut = np.zeros(m, dtype=bool)  # the next number starts inside this one's last run
+    cut[:-1] = kind[first[1:]] == _GROUP
+    ends[cut] = rs[nxt[cut]] + 3
+    # A "-" right before a head is a sign unless the character before it is in [\w)\].].
+    cand = ~in_group & (starts >= 1)
+    minus = np.zeros(m, dtype=bool)
+    minus[cand] = cps[starts[cand] - 1] == 45
+    check = minus & (starts >= 2)
+    before = cps[starts[check] - 2]
+    blocked = np.zeros(m, dtype=bool)
+    if word is None:
+        blocked[check] = _SIGN_BLOCKERS[before]
+    else:
+        low = before < 128
+        blocked_before = np.isin(before, word)
+        blocked_before[low] = _SIGN_BLOCKERS[before[low]]
+        blocked[check] = blocked_before
+    signed = minus & ~blocked
+    # Values: N = the number's digits as an integer, f = its decimals; N / 10**f is float(text) exactly
+    # while N < 2**53 and 10**f is exact (at most 15 digits). Longer numbers are parsed from the text.
+    digits = (cps[digit] - 48).astype(np.int64)
+    count = np.cumsum(digit, dtype=np.int64)  # digits up to and including each position
+    g1 = count[ends - 1]  # starts and ends - 1 are digits: the number's digits are [g0, g1)
+    g0 = count[starts] - 1
+    nd = g1 - g0
+    if int(nd.sum()) != len(digits) or (nd < 1).any():  # cannot happen: every digit is in one number
+        return _numbers_regex(text)
+    rank = np.minimum(np.repeat(g1 - 1, nd) - np.arange(len(digits)), 18)  # power of ten of each digit
+    whole = np.add.reduceat(digits * _POW10_INT[rank], g0)
+    frac = np.zeros(m, dtype=np.int64)
+    dec = kind == _DEC
+    frac[(np.cumsum(opens) - 1)[dec]] = n[dec]
+    values = whole / _POW10_FLOAT[np.minimum(frac, 22)]
+    values[signed] = -values[signed]
+    starts = starts - signed
+    for i in np.flatnonzero(nd > _EXACT_DIGITS).tolist():
+        values[i] = float(text[starts[i]:ends[i]].replace(",", ""))
+    return starts, ends, values
+
+
 # ---- templates ---------------------------------------------------------------------------------
 class PlainTemplate:
     """prefix = prompt + separator (nothing for an empty prompt); rest = target."""
@@ -293,18 +417,14 @@ class Encoder:
     def _spans(encs, targets: list[str], ats: list[int] | None):
         """Number spans of all targets: (per-record counts, first token, last token, values).
 
-        One regex pass over the targets joined by "\n": the pattern never crosses a newline and treats
-        a "-" after one like a "-" at the start of a text, so it finds exactly each target's numbers.
+        One pass over the targets joined by "\n": NUMBER_RE never crosses a newline and treats a "-"
+        after one like a "-" at the start of a text, so it finds exactly each target's numbers.
         """
         n = len(targets)
-        parts = _NUMBER_SPLIT.split("\n".join(targets))
-        k = len(parts) // 2
+        starts, ends, values = find_numbers("\n".join(targets))
+        k = len(starts)
         if k == 0:
-            return np.zeros(n, dtype=np.int64), [], [], np.zeros(0, dtype=np.float64)
-        cum = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
-        nums = parts[1::2]
-        starts = cum[0::2][:k]  # a number starts where the gap before it ends
-        ends = cum[1::2]
+            return np.zeros(n, dtype=np.int64), [], [], values
         text_start = np.zeros(n, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, targets), dtype=np.int64, count=n)[:-1] + 1, out=text_start[1:])
         rec = np.searchsorted(text_start, starts, side="right") - 1
@@ -327,11 +447,10 @@ class Encoder:
         t0, t1 = tok[0::2], tok[1::2]
         if None in tok:  # a normalizer dropped characters: skip those numbers
             ok = [a is not None and b is not None for a, b in zip(t0, t1)]
-            t0, t1, nums = ([x for x, keep in zip(xs, ok) if keep] for xs in (t0, t1, nums))
-            counts = np.bincount(rec[np.array(ok, dtype=bool)], minlength=n)
-        # float(text without commas) per number, in one pass ("|" never occurs in a number).
-        values = np.fromiter(map(float, "|".join(nums).replace(",", "").split("|")) if nums else (),
-                             dtype=np.float64, count=len(nums))
+            t0, t1 = ([x for x, keep in zip(xs, ok) if keep] for xs in (t0, t1))
+            okm = np.array(ok, dtype=bool)
+            values = values[okm]
+            counts = np.bincount(rec[okm], minlength=n)
         return counts, t0, t1, values
 
     def _columns(self, items, exs, ids_list, lengths, first, span_counts, s_start, s_end, s_value) -> pa.RecordBatch:
