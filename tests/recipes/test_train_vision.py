@@ -183,3 +183,56 @@ def test_two_rank_zero3_trains_a_tiny_vision_language_model_and_evaluates_it(tin
 
     res = evaluate(str(final), tiny_vl["test"], batch_size=3, max_new_tokens=4, answer_format="time")
     assert res["settings"]["vision"] and res["metrics"]["n"] == 6
+
+
+def test_qwen2_5_vl_through_the_wrapper_matches_hf_and_the_chunked_head():
+    """The shipped VL recipes' backbone: mrope positions and `image_grid_thw` reach the model from
+    both heads. Inputs are built by hand (image placeholder tokens + patch vectors) because the Qwen
+    processor needs torchvision for its video half, which has no CPU wheel for this torch here."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from numloss import NumericVocab, Objective, ObjectiveConfig
+    from numloss.adapters.hf import NumericCausalLM
+
+    vocab_size, image, start, end, video = 64, 60, 61, 62, 63
+    config = AutoConfig.for_model(
+        "qwen2_5_vl", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=1, eos_token_id=2,
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                       "fullatt_block_indexes": [0]},
+        image_token_id=image, video_token_id=video, vision_start_token_id=start, vision_end_token_id=end)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config)
+    # two rows, each a 56x56 image: a 4x4 patch grid merged 2x2 into 4 image tokens
+    rows = [([1, start] + [image] * 4 + [end, 5, 6, 7], [10, 11, 12, 2]),
+            ([1, start] + [image] * 4 + [end, 5], [13, 14, 2])]
+    width = max(len(p) + len(t) for p, t in rows)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    labels = torch.full((2, width), IGNORE)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for b, (prompt, target) in enumerate(rows):
+        n = len(prompt) + len(target)
+        ids[b, :n] = torch.tensor(prompt + target)
+        labels[b, len(prompt):n] = torch.tensor(target)
+        mask[b, :n] = 1
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+              "pixel_values": torch.randn(2 * 16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]] * 2)}
+    digits = NumericVocab(list(range(10, 20)), list(range(10)), vocab_size=vocab_size)
+
+    ce_only = NumericCausalLM(model, Objective(digits, ObjectiveConfig.from_dict({})), chunked=False)
+    assert ce_only(**inputs).loss.item() == pytest.approx(model(**inputs).loss.item(), rel=1e-6)
+    results = []
+    for chunked in (False, True):
+        model.zero_grad()
+        wrapper = NumericCausalLM(model, Objective(digits, ObjectiveConfig.from_dict({"terms": {"smmd": {}}})),
+                                  chunked=chunked, chunk_size=4)
+        out = wrapper(**inputs)
+        out.loss.backward()
+        results.append((out.loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(grads_a) == set(grads_b)
+    assert any("visual" in k and grads_a[k].abs().max() > 0 for k in grads_a)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
