@@ -4,11 +4,13 @@ generated arithmetic built through data_prep.
 - training lowers the loss; the exported safetensors model equals the checkpoint's fp32 weights
   (recovered independently with DeepSpeed's zero_to_fp32) and loads into a fresh model;
 - a run killed with SIGKILL at a random step, then restarted with the same command, logs exactly the
-  losses of the uninterrupted run, to the bit.
+  losses of the uninterrupted run, to the bit;
+- bf16 on CPU trains with either head and exports bf16 weights.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -110,3 +112,27 @@ def test_resume_after_kill_gives_the_uninterrupted_losses_to_the_bit(workspace, 
         for key in ("loss", "ce", "term/smmd", "term/ntl_was", "grad_norm", "lr"):
             assert got[key] == want[key], (f"step {got['step']} {key}: {got[key]!r} != {want[key]!r}"
                                            f" (killed after {kill_after} logged steps)")
+
+
+def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, reference_run):
+    """model.dtype bfloat16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights): the
+    loss falls, the chunked head follows the logits path within bf16 rounding, the export is bf16."""
+    from safetensors.torch import load_file
+
+    root, recipe = workspace
+    runs = {}
+    for head in ("logits", "chunked"):
+        out = root / f"bf16-{head}"
+        run_to_end(recipe, out, "model.dtype=bfloat16", f"loss.head={head}", "train.save_every=0",
+                   "train.tensorboard=false")
+        runs[head] = read_metrics(out)
+    logits, chunked = runs["logits"], runs["chunked"]
+    assert [r["step"] for r in logits] == [r["step"] for r in chunked] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in logits + chunked)
+    assert sum(r["loss"] for r in logits[-2:]) < sum(r["loss"] for r in logits[:2]) - 0.2
+    for a, b in zip(logits, chunked):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
+    # the fp32 run of the same recipe starts at the same loss, up to bf16 rounding
+    assert logits[0]["loss"] == pytest.approx(read_metrics(reference_run)[0]["loss"], rel=2e-2)
+    exported = load_file(str(root / "bf16-logits" / "final" / "model.safetensors"))
+    assert {v.dtype for v in exported.values()} == {torch.bfloat16}
