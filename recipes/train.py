@@ -93,6 +93,19 @@ def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     return dp
 
 
+def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
+    """AdamW with the recipe's settings. With `deepspeed.offload_optimizer` the step runs on the CPU in
+    DeepSpeed's vectorised CPU Adam (AdamW mode; a C++ op built on first use): DeepSpeed refuses a
+    client torch optimizer under ZeRO-Offload, which would be several times slower there."""
+    o = recipe.optim
+    kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+    if recipe.deepspeed.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
 def lr_lambda(recipe: Recipe):
     """Linear warmup to the peak, then cosine down to `min_lr_ratio` of it (or constant)."""
     warmup, total, floor = recipe.optim.warmup_steps, recipe.train.steps, recipe.optim.min_lr_ratio
@@ -324,9 +337,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     objective = Objective(vocab, recipe.objective_config())
     wrapper = NumericCausalLM(model, objective, chunked=recipe.loss.head == "chunked",
                               chunk_size=recipe.loss.chunk_size)
-    o = recipe.optim
-    optimizer = torch.optim.AdamW(wrapper.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay)
+    optimizer = build_optimizer(recipe, wrapper.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=wrapper, optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=ds_config)
@@ -410,9 +421,11 @@ def _save(checkpoints: Checkpoints, engine, step: int, dataset: ShardDataset, ho
         hooks.on_checkpoint(step, path)
 
 
-def _grad_norm(engine) -> float:
+def _grad_norm(engine) -> float | None:
+    """The global gradient norm before clipping, as DeepSpeed reports it; None (JSON null) where it
+    does not (ZeRO stage 0), rather than a NaN in the metrics."""
     norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
+    return float(norm) if norm is not None else None
 
 
 def _progress(recipe: Recipe, runtime: Runtime, start: int):
