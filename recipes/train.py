@@ -138,7 +138,9 @@ def load_tokenizer(recipe: Recipe):
 def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
     """The backbone, built under a live HfDeepSpeedConfig for ZeRO-3 so its weights are partitioned as
     they are created (and HF's own initialisation still runs). Vision recipes load the whole
-    image-text model (AutoModelForImageTextToText): tower, projector and language model all train."""
+    image-text model (AutoModelForImageTextToText): tower, projector and language model all train.
+    A model built from `model.config` with random weights gets different weights under ZeRO-3 (made
+    partition by partition) than under stages 0-2 from the same seed; pretrained weights are the same."""
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
