@@ -16,9 +16,9 @@ Training (`targets=True`) pads on the right and masks the prompt and the padding
 evaluation (`targets=False`) stops after the prompt and pads on the left for generation. Both call the
 same function, so the prompt a model is evaluated on is token for token the one it was trained on.
 
-Processor outputs that are per token (shape [B, T_prompt], e.g. `mm_token_type_ids`) are carried along
-each row and filled with 0 on target and padding positions; the rest (pixel values, image grids or
-sizes) are per image and passed through as the processor made them.
+Processor outputs that are per token (`PER_TOKEN_KEYS`: `token_type_ids`, `mm_token_type_ids`) are carried
+along each row and filled with 0 on target and padding positions; the rest (pixel values, image grids
+or sizes) are per image and passed through as the processor made them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from typing import Any, Sequence
 import torch
 
 IGNORE_INDEX = -100
+# Processor outputs that hold one value per prompt token (the rest are per image). Known by name: a
+# shape test could take an image tensor for one when its leading sizes happen to equal [B, T].
+PER_TOKEN_KEYS = frozenset({"token_type_ids", "mm_token_type_ids"})
 
 
 def load_processor(source: str, trust_remote_code: bool = False):
@@ -117,7 +120,7 @@ def vision_inputs(processor, prompts: Sequence[Sequence[int]], images: Sequence[
         tok.padding_side = side
     enc = dict(enc)
     prompt_ids, prompt_mask = enc.pop("input_ids"), enc.pop("attention_mask").bool()
-    per_token = {k: v for k, v in enc.items() if torch.is_tensor(v) and v.shape[:2] == prompt_ids.shape}
+    per_token = {k: v for k, v in enc.items() if k in PER_TOKEN_KEYS}
     per_image = {k: v for k, v in enc.items() if k not in per_token}
 
     rows = []

@@ -236,3 +236,48 @@ def test_qwen2_5_vl_through_the_wrapper_matches_hf_and_the_chunked_head():
     assert any("visual" in k and grads_a[k].abs().max() > 0 for k in grads_a)
     for k in grads_a:
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+class _Tok:
+    padding_side, pad_token_id, eos_token_id, bos_token = "left", 0, 2, None
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " " + " ".join(map(str, ids))
+
+
+class _Processor:
+    """Expands "<image>" to two image tokens (id 99, token type 1) and gives each image a pixel tensor."""
+
+    image_token = "<image>"
+
+    def __init__(self):
+        self.tokenizer = _Tok()
+
+    def __call__(self, text, images, return_tensors, padding, add_special_tokens):
+        assert self.tokenizer.padding_side == "right" and not add_special_tokens
+        rows = [[t for w in s.split() for t in ([99, 99] if w == "<image>" else [int(w)])] for s in text]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": (ids == 99).long(),
+                "pixel_values": torch.ones(len(images or []), 3, 2, 2)}
+
+
+def test_vision_inputs_reassemble_rows_by_hand(monkeypatch):
+    processor = _Processor()
+    images = [b"png-0", b"png-1"]
+    prompts, targets = [[5, 6], [7]], [([10, 11], [10, 11]), ([12], [12])]
+    decoded = []
+    monkeypatch.setattr("recipes.vision.decode_image", lambda data, where: decoded.append((data, where)) or data)
+    train = vision_inputs(processor, prompts, images, targets, pad_to_multiple_of=4, where=["r0", "r1"])
+    gen = vision_inputs(processor, prompts, images)
+    assert decoded[:2] == [(b"png-0", "r0"), (b"png-1", "r1")]
+    assert train["input_ids"].tolist() == [[99, 99, 5, 6, 10, 11, 0, 0], [99, 99, 7, 12, 0, 0, 0, 0]]
+    assert train["labels"].tolist() == [[IGNORE] * 4 + [10, 11, IGNORE, IGNORE], [IGNORE] * 3 + [12] + [IGNORE] * 4]
+    assert train["attention_mask"].tolist() == [[1] * 6 + [0] * 2, [1] * 4 + [0] * 4]
+    assert train["token_type_ids"].tolist() == [[1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0]]
+    assert train["pixel_values"].shape == (2, 3, 2, 2)
+    assert gen["input_ids"].tolist() == [[99, 99, 5, 6], [0, 99, 99, 7]] and "labels" not in gen
+    assert gen["attention_mask"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 1]]
+    assert gen["token_type_ids"].tolist() == [[1, 1, 0, 0], [0, 1, 1, 0]]
+    assert processor.tokenizer.padding_side == "left"  # restored
