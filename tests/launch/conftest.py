@@ -1,4 +1,4 @@
-"""Shared set-up for the launch tests: tiny data and recipe (as tests/recipes/test_train.py builds them)
+"""Shared set-up for the launch tests: tiny data and recipe (built with recipes.tiny, like tests/recipes/test_train.py)
 and one simulated 2-node Ray cluster (ray.cluster_utils.Cluster) on loopback in its own temp dir, shared
 by every test in the session (starting one costs seconds; `ray stop` is never used)."""
 
@@ -40,16 +40,14 @@ def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:
 
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory):
-    from data_prep.build import BuildConfig, build
     from data_prep.sources.base import SourceConfig
-    from data_prep.tokenize import TokenizeConfig
+    from recipes.tiny import build_plain_shards
 
     root = tmp_path_factory.mktemp("launch")
     recipe = tiny_recipe(root)
-    cfg = BuildConfig(sources=[SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 96,
-                                                                        "max_digits": 2, "negatives": False})],
-                      tokenize=TokenizeConfig(tokenizer=str(root / "tok"), template="plain", max_length=32))
-    build(cfg, str(root / "data"), workers=0, progress=False)
+    build_plain_shards(SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 96, "max_digits": 2,
+                                                                "negatives": False}),
+                       root / "tok", root / "data", max_length=32)
     path = root / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return root, path

@@ -29,17 +29,13 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from data_prep.build import BuildConfig, build
     from data_prep.sources.base import SourceConfig
-    from data_prep.tokenize import TokenizeConfig
-    from recipes.tiny import tiny_llama_config, train_tokenizer
+    from recipes.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
 
     root = tmp_path_factory.mktemp("train")
     tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
-    cfg = BuildConfig(sources=[SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 256,
-                                                                        "max_digits": 3, "negatives": False})],
-                      tokenize=TokenizeConfig(tokenizer=str(root / "tok"), template="plain", max_length=64))
-    build(cfg, str(root / "data"), workers=0, progress=False)
+    build_plain_shards(SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 256, "max_digits": 3,
+                                                                "negatives": False}), root / "tok", root / "data")
     recipe = {
         "name": "tiny", "model": {"config": tiny_llama_config(len(tok)), "tokenizer": str(root / "tok"),
                                   "dtype": "float32"},
