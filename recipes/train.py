@@ -8,9 +8,10 @@ The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.
 optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a
 consolidated Hugging Face safetensors model with its tokenizer, or processor).
 
-Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText and its AutoProcessor;
-each batch's images are expanded into the prompt by `recipes.vision.training_inputs`, the function
-evaluation uses too, and the whole model (tower, projector, language model) trains.
+Batches become model inputs in `recipes.batches`: packed shards get block-diagonal attention and
+per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
+and its AutoProcessor; each batch's images are expanded into the prompt by `recipes.vision`, as in
+evaluation, and the whole model (tower, projector, language model) trains.
 
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
@@ -39,7 +40,8 @@ from numloss.adapters.hf import NumericCausalLM
 
 from .config import Recipe, dump_recipe, load_recipe
 from .runtime import Runtime, setup_distributed, teardown
-from .vision import load_processor, training_inputs
+from .batches import model_inputs, packing_error
+from .vision import load_processor
 
 LATEST = "latest"
 
@@ -349,7 +351,12 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                            world_size=dp_size, seed=recipe.train.seed, shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=tokenizer.pad_token_id)
-    to_inputs = _model_inputs(recipe, processor, runtime.device)
+    batch_options = {"processor": processor, "attn_implementation": model.config._attn_implementation,
+                     "dtype": getattr(torch, recipe.model.dtype), "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
+                     "max_length": recipe.data.seq_len}
+    packing = packing_error(recipe.objective_config().terms, dataset.packed, recipe.data.train)
+    if packing:
+        raise ValueError(packing)
     checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime)
     step = checkpoints.load(engine, dataset)
     if runtime.is_main and step:
@@ -365,13 +372,14 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
             sums: dict[str, float] = {}
             tokens = 0
             for _ in range(recipe.train.grad_accum):
-                inputs = to_inputs(next(stream))
+                inputs, batch_tokens = model_inputs(next(stream), **batch_options)
+                inputs = {k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
                 result = engine(**inputs)
                 engine.backward(result.loss)
                 engine.step()
                 for key, value in result.log_dict().items():
                     sums[key] = sums.get(key, 0.0) + value / recipe.train.grad_accum
-                tokens += int(inputs["attention_mask"].sum())
+                tokens += batch_tokens
             step += 1
             sums["tokens"] = tokens
             row = reduce_mean(sums, runtime.device)  # every rank, every step: one small all-reduce
@@ -398,23 +406,6 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
         if progress is not None:
             progress.close()
     return engine, last
-
-
-def _model_inputs(recipe: Recipe, processor, device: torch.device) -> Callable[[dict], dict]:
-    """A reader batch -> the wrapper's keyword arguments on `device`. Text: the batch's ids, labels and
-    mask as they are. Vision: `recipes.vision.training_inputs` (image tokens expanded by the processor,
-    pixel tensors added), in the model's dtype."""
-    if processor is None:
-        return lambda batch: {k: batch[k].to(device) for k in ("input_ids", "labels", "attention_mask")}
-    dtype = getattr(torch, recipe.model.dtype)
-
-    def vision(batch: dict) -> dict:
-        inputs = training_inputs(processor, batch, pad_to_multiple_of=recipe.data.pad_to_multiple_of,
-                                 max_length=recipe.data.seq_len)
-        return {k: (v.to(device, dtype) if torch.is_floating_point(v) else v.to(device)) if torch.is_tensor(v) else v
-                for k, v in inputs.items()}
-
-    return vision
 
 
 def _save(checkpoints: Checkpoints, engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:

@@ -395,6 +395,11 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                               f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
         if man.get("packed") and kind == "eval":
             rep.errors.append(f"{key}: {where} is packed; evaluation needs one example per row")
+        from recipes.batches import packing_error
+
+        packing = packing_error(terms, bool(man.get("packed")), where) if kind == "train" else None
+        if packing:
+            rep.errors.append(packing)
         want = m.tokenizer or m.name_or_path
         if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
             rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")

@@ -1,0 +1,82 @@
+"""A reader batch -> the keyword arguments of `NumericCausalLM`: the model's inputs and the labels.
+
+- Unpacked text rows: `input_ids`, `labels`, `attention_mask` [B, T] as the reader made them.
+- Packed text rows (data_prep `--pack-length`: several examples per row): the examples must not see
+  each other. Positions restart at 0 for every example (the reader's `position_ids`) and attention is
+  block-diagonal by segment, each block causal:
+  - sdpa: a boolean [B, 1, T, T] mask (True: may attend);
+  - eager: the same as an additive mask in the model's dtype (0 or the dtype's minimum);
+  - flash-attention: no mask can be passed, so the batch is flattened to one row [1, B*T] with the
+    position ids alone; transformers then runs variable-length attention, one sequence per restart
+    of the positions (its DataCollatorWithFlattening convention). Exact: every row starts at
+    position 0, and data_prep gives the first token of each example label -100, so no loss crosses
+    an example or a row.
+  Padding (segment 0) attends to itself only, so its softmax row stays finite; its labels are -100.
+- Image rows: `recipes.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
+
+`model_inputs` also returns the number of real tokens in the batch (for tokens per second).
+
+NTIL cannot train on packed rows: its loss is a mean over sequences, and a packed row is several
+examples, so each example would weigh by how it was packed (`packing_error` says so for the trainer
+and `recipes.validate`). Every other term is a mean over tokens and trains the same either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .vision import training_inputs
+
+
+PER_SEQUENCE_TERMS = frozenset({"ntil"})
+
+
+def packing_error(terms, packed: bool, where: str) -> str | None:
+    """The error message when objective `terms` cannot train on `where` (None: they can)."""
+    bad = sorted(PER_SEQUENCE_TERMS & set(terms or ()))
+    if packed and bad:
+        return (f"loss.objective.terms.{bad[0]}: {where} is packed, and {bad[0]} averages over sequences "
+                "(a packed row holds several examples); build the training data without --pack-length")
+    return None
+
+
+def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, 1, T, T] attention mask of packed rows from `segment_ids` [B, T] (1, 2, ... per example,
+    0 on padding): causal within each segment, nothing across. Boolean (True: may attend), or
+    additive in `dtype` (0 where allowed, the dtype's minimum elsewhere)."""
+    t = segment_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    allowed = same & causal & (segment_ids[:, None, :] > 0)
+    allowed |= torch.eye(t, dtype=torch.bool, device=segment_ids.device)  # padding: itself only
+    allowed = allowed[:, None]
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min)
+
+
+def model_inputs(batch: dict[str, Any], *, processor=None, attn_implementation: str = "sdpa",
+                 dtype: torch.dtype = torch.float32, pad_to_multiple_of: int = 1,
+                 max_length: int | None = None) -> tuple[dict[str, Any], int]:
+    """(keyword arguments for the wrapper, real tokens in the batch) on the batch's device; see the
+    module docstring. `attn_implementation` is the model's (`model.config._attn_implementation`)."""
+    if processor is not None:
+        inputs = training_inputs(processor, batch, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
+        inputs = {k: v.to(dtype) if torch.is_tensor(v) and torch.is_floating_point(v) else v
+                  for k, v in inputs.items()}
+        return inputs, int(inputs["attention_mask"].sum())
+    tokens = int(batch["attention_mask"].sum())
+    if "segment_ids" not in batch:
+        return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, tokens
+    if attn_implementation.startswith("flash_attention"):
+        return {"input_ids": batch["input_ids"].reshape(1, -1), "labels": batch["labels"].reshape(1, -1),
+                "position_ids": batch["position_ids"].reshape(1, -1), "attention_mask": None}, tokens
+    if attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"packed shards need attention that takes a 4-D mask (sdpa, eager) or "
+                         f"flash-attention; the model uses {attn_implementation!r}")
+    mask = packed_attention_mask(batch["segment_ids"], None if attn_implementation == "sdpa" else dtype)
+    return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"],
+            "attention_mask": mask}, tokens
