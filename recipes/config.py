@@ -286,34 +286,46 @@ def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
     return recipe
 
 
-def read_recipe_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
-    """A recipe file as a plain dict with its `base` chain merged in (see the module docstring)."""
+def recipe_chain(path: str | Path) -> list[tuple[Path, dict]]:
+    """A recipe file and its `base` chain, nearest first: [(file, its mapping without `base`), ...]."""
+    chain: list[tuple[Path, dict]] = []
     path = Path(path)
-    if not path.is_file():
-        where = f" (the base of {_chain[-1]})" if _chain else ""
-        raise FileNotFoundError(f"recipe {path}{where} does not exist")
-    if path.resolve() in _chain:
-        raise ValueError(f"recipe {path}: base cycle {' -> '.join(map(str, _chain + (path.resolve(),)))}")
-    with path.open() as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
-    base = data.pop("base", None)
-    own_out_dir = (data.get("train") or {}).get("out_dir") if isinstance(data.get("train"), dict) else None
-    data.setdefault("name", path.stem)
-    if base is not None:
+    while True:
+        if not path.is_file():
+            where = f" (the base of {chain[-1][0]})" if chain else ""
+            raise FileNotFoundError(f"recipe {path}{where} does not exist")
+        seen = [p.resolve() for p, _ in chain]
+        if path.resolve() in seen:
+            raise ValueError(f"recipe {path}: base cycle {' -> '.join(map(str, seen + [path.resolve()]))}")
+        with path.open() as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
+        base = data.pop("base", None)
+        chain.append((path, data))
+        if base is None:
+            return chain
         if not isinstance(base, str):
             raise ValueError(f"recipe {path}: base: expected a file name, got {base!r}")
-        merged = read_recipe_file(path.parent / base, _chain + (path.resolve(),))
+        path = path.parent / base
+
+
+def read_recipe_file(path: str | Path) -> dict:
+    """A recipe file as a plain dict with its `base` chain merged in (see the module docstring)."""
+    chain = recipe_chain(path)
+    merged: dict = {}
+    for _, data in reversed(chain):  # the farthest base first, the file itself last
         for key, value in data.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
                 merged[key] = {**merged[key], **value}  # a section: key by key
             else:
                 merged[key] = value
-        data = merged
-    if isinstance(data.get("train"), dict):  # the run directory belongs to this file, not its base
-        data["train"] = {**data["train"], "out_dir": own_out_dir or ""}
-    return data
+    own_path, own = chain[0]  # a run's identity is the file's own, never its base's
+    merged["name"] = own.get("name", own_path.stem)
+    if isinstance(merged.get("train"), dict):
+        own_out_dir = own["train"].get("out_dir") if isinstance(own.get("train"), dict) else None
+        merged["train"] = {**merged["train"], "out_dir": own_out_dir or ""}
+    return merged
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple = ()) -> Recipe:

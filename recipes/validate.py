@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 # ---- offline fallback metadata ------------------------------------------------------------------------
 #
 # Architecture of the papers' backbones, used only when the hub cannot be reached and the config is not
@@ -254,23 +252,14 @@ _HINT_RE = re.compile(r"^\s*#\s*data_prep\s+(train|eval)\s*:\s*(.+?)\s*$")
 def build_hints(recipe_path: str | Path) -> dict[str, str]:
     """`# data_prep train: <command>` / `# data_prep eval: <command>` comments of a recipe file, then of
     its `base` chain (the file's own come first)."""
+    from recipes.config import recipe_chain
+
     hints: dict[str, str] = {}
-    path, seen = Path(recipe_path), set()
-    while path not in seen:
-        seen.add(path)
-        try:
-            text = path.read_text()
-        except OSError:
-            break
-        for line in text.splitlines():
+    for path, _ in recipe_chain(recipe_path):
+        for line in path.read_text().splitlines():
             m = _HINT_RE.match(line)
             if m:
                 hints.setdefault(m.group(1), m.group(2))
-        data = yaml.safe_load(text)
-        base = data.get("base") if isinstance(data, dict) else None
-        if not isinstance(base, str):
-            break
-        path = (path.parent / base).resolve()
     return hints
 
 
@@ -374,6 +363,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
 
     # 7: data
+    from recipes.batches import packing_error
+
     hints = build_hints(path)
     eval_dir = recipe.eval.data or recipe.data.eval
     for key, where, kind in (("data.train", recipe.data.train, "train"),
@@ -395,8 +386,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                               f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
         if man.get("packed") and kind == "eval":
             rep.errors.append(f"{key}: {where} is packed; evaluation needs one example per row")
-        from recipes.batches import packing_error
-
         packing = packing_error(terms, bool(man.get("packed")), where) if kind == "train" else None
         if packing:
             rep.errors.append(packing)
