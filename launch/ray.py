@@ -8,8 +8,8 @@
     project's environment)
 
 Placement: one worker per GPU (`cluster.nodes` x `cluster.gpus_per_node`), or on CPU
-`cluster.cpu_ranks_per_node` workers per node, each with `cluster.cpus_per_worker` CPUs; a placement group with strategy PACK (`--placement` to change it)
-fills a node before the next. Ray's TorchTrainer initialises torch.distributed (NCCL on GPUs, gloo on the
+`cluster.cpu_ranks_per_node` workers per node, each with `cluster.cpus_per_worker` CPUs; a placement
+group with strategy PACK (`--placement` to change it) fills a node before the next. Ray's TorchTrainer initialises torch.distributed (NCCL on GPUs, gloo on the
 CPU) and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR; `recipes.train.train` runs unchanged in every
 worker (DeepSpeed reuses that process group; `prepare_model` is not used).
 

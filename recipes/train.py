@@ -352,9 +352,9 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=tokenizer.pad_token_id)
     batch_options = {"processor": processor, "attn_implementation": model.config._attn_implementation,
-                     "dtype": getattr(torch, recipe.model.dtype), "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
-                     "max_length": recipe.data.seq_len}
-    packing = packing_error(recipe.objective_config().terms, dataset.packed, recipe.data.train)
+                     "dtype": getattr(torch, recipe.model.dtype),
+                     "pad_to_multiple_of": recipe.data.pad_to_multiple_of, "max_length": recipe.data.seq_len}
+    packing = packing_error(objective.config.terms, dataset.packed, recipe.data.train)
     if packing:
         raise ValueError(packing)
     checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime)
