@@ -9,9 +9,10 @@
 
 Placement: one worker per GPU (`cluster.nodes` x `cluster.gpus_per_node`), or on CPU
 `cluster.cpu_ranks_per_node` workers per node, each with `cluster.cpus_per_worker` CPUs; a placement
-group with strategy PACK (`--placement` to change it) fills a node before the next. Ray's TorchTrainer initialises torch.distributed (NCCL on GPUs, gloo on the
-CPU) and sets RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR; `recipes.train.train` runs unchanged in every
-worker (DeepSpeed reuses that process group; `prepare_model` is not used).
+group with strategy PACK (`--placement` to change it) fills a node before the next. Ray's TorchTrainer
+initialises torch.distributed (NCCL on GPUs, gloo on the CPU) and sets RANK/LOCAL_RANK/WORLD_SIZE/
+MASTER_ADDR; `recipes.train.train` runs unchanged in every worker (DeepSpeed reuses that process
+group; `prepare_model` is not used).
 
 Ranks: Ray numbers workers in the order its actors came up, which can change across a restart. The
 workers re-number themselves by (node IP, Ray node id, local rank) and re-form the process group when
