@@ -129,18 +129,25 @@ class _Part:
                                         self.cfg)
         self.writer.write(piece)
         self.rows += piece.num_rows
-        self.tokens += _int_sum(piece.column("num_tokens"))
-        labels = _np(piece.column("labels").flatten(), np.int32)
-        self.label_tokens += int(np.count_nonzero(labels != IGNORE_INDEX))
-        self.numeric_tokens += _int_sum(piece.column("numeric_mask").flatten())
+        tokens, label_tokens, numeric_tokens = _token_counts(piece)
+        self.tokens += tokens
+        self.label_tokens += label_tokens
+        self.numeric_tokens += numeric_tokens
 
     def abort(self) -> None:
         if self.writer is not None:
-            self.writer.writer.close()
+            self.writer.abort()
 
 
 def _int_sum(arr) -> int:
     return int(pc.sum(arr).as_py() or 0)
+
+
+def _token_counts(rows: pa.RecordBatch | pa.Table) -> tuple[int, int, int]:
+    """(tokens, label tokens, numeric tokens) of shard rows, packed or not: the manifest's counts."""
+    labels = pc.list_flatten(rows.column("labels"))
+    return (_int_sum(rows.column("num_tokens")), _int_sum(pc.not_equal(labels, IGNORE_INDEX)),
+            _int_sum(pc.list_flatten(rows.column("numeric_mask"))))
 
 
 def _np(arr: pa.Array, dtype) -> np.ndarray:
@@ -351,12 +358,10 @@ class Builder:
             examples = table.num_rows
             table = pack_table(table, self.cfg.shards.pack_length, self.cfg.shards.max_open_rows)
             S.write_shard(table, path, self.cfg.shards)
-            labels = pc.list_flatten(table.column("labels"))
+            tokens, label_tokens, numeric_tokens = _token_counts(table)
             entry["shard"] = {
-                "file": name, "rows": table.num_rows, "examples": examples,
-                "tokens": _int_sum(table.column("num_tokens")),
-                "label_tokens": _int_sum(pc.not_equal(labels, -100)),
-                "numeric_tokens": _int_sum(pc.list_flatten(table.column("numeric_mask"))),
+                "file": name, "rows": table.num_rows, "examples": examples, "tokens": tokens,
+                "label_tokens": label_tokens, "numeric_tokens": numeric_tokens,
                 "bytes": os.path.getsize(path), "sha256": S.sha256_file(path),
             }
         return entry

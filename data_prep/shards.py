@@ -133,6 +133,12 @@ class ShardWriter:
         self.pending = rest.to_batches()
         self.pending_rows = rest.num_rows
 
+    def abort(self) -> None:
+        """Stop without a shard: the writer is closed and its temporary file removed."""
+        self.writer.close()
+        if os.path.exists(self.tmp):
+            os.remove(self.tmp)
+
     def close(self) -> None:
         try:
             if self.pending_rows:

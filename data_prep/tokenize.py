@@ -52,7 +52,6 @@ NUMBER_RE = re.compile(
 )
 # The same pattern as one capturing group: `split` returns [gap, number, gap, number, ..., gap], the
 # numbers and (through the lengths) their positions, without a Match object per number.
-_NUMBER_SPLIT = re.compile(f"({NUMBER_RE.pattern})")
 
 # The shard schema of unpacked rows (see shards.py for the packed one).
 ROW_SCHEMA = pa.schema([
@@ -128,13 +127,10 @@ _EXACT_DIGITS = 15  # numbers of at most 15 digits are exact int64 -> float64 an
 
 
 def _numbers_regex(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    parts = _NUMBER_SPLIT.split(text)
-    k = len(parts) // 2
-    cum = np.cumsum(np.fromiter(map(len, parts), dtype=np.int64, count=len(parts)))
-    nums = parts[1::2]
-    values = np.fromiter(map(float, "|".join(nums).replace(",", "").split("|")) if k else (),
-                         dtype=np.float64, count=k)
-    return cum[0::2][:k], cum[1::2], values
+    spans = number_spans(text)
+    return (np.fromiter((a for a, _, _ in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((b for _, b, _ in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((v for *_, v in spans), dtype=np.float64, count=len(spans)))
 
 
 def find_numbers(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
