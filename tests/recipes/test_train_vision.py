@@ -94,16 +94,34 @@ def test_a_row_without_image_or_too_long_is_an_error_naming_the_record(tiny_vl):
         training_inputs(processor, batch)
 
 
-def _objective(tokenizer, width, terms):
-    from numloss import NumericVocab, Objective, ObjectiveConfig
+def _heads_agree(model, vocab, inputs, terms: dict, chunk_size: int, tower: str, rel: float):
+    """CE alone through `NumericCausalLM` is Hugging Face's own loss; with `terms`, the chunked head gives
+    the logits path's loss, terms and every gradient, and the images reach the loss (a gradient of the
+    `tower` parameters is nonzero). Returns the logits path's output."""
+    from numloss import Objective
+    from numloss.adapters.hf import NumericCausalLM
 
-    vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits", vocab_size=width)
-    assert vocab.size == 10
-    return Objective(vocab, ObjectiveConfig.from_dict({"terms": terms}))
+    ce_only = NumericCausalLM(model, Objective(vocab, {}), chunked=False)
+    assert ce_only(**inputs).loss.item() == pytest.approx(model(**inputs).loss.item(), rel=1e-6)
+    results = []
+    for chunked in (False, True):
+        model.zero_grad()
+        out = NumericCausalLM(model, Objective(vocab, {"terms": terms}), chunked=chunked, chunk_size=chunk_size)(**inputs)
+        out.loss.backward()
+        results.append((out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (logits, grads_a), (chunked, grads_b) = results
+    assert chunked.loss.item() == pytest.approx(logits.loss.item(), rel=rel)
+    for name in terms:
+        assert chunked.terms[name].item() == pytest.approx(logits.terms[name].item(), rel=rel), name
+    assert set(grads_a) == set(grads_b)
+    assert any(tower in k and grads_a[k].abs().max() > 0 for k in grads_a)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+    return logits
 
 
 def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(tiny_vl):
-    from numloss.adapters.hf import NumericCausalLM
+    from numloss import NumericVocab
     from recipes.config import Recipe
     from recipes.train import build_model
 
@@ -114,28 +132,12 @@ def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(
     model, _ = build_model(recipe, {"zero_optimization": {"stage": 0}}, torch.device("cpu"))  # the config path
     assert type(model).__name__ == "LlavaForConditionalGeneration"
     width = model.get_output_embeddings().weight.shape[0]
+    vocab = NumericVocab.from_tokenizer(processor.tokenizer, policy="digits", vocab_size=width)
+    assert vocab.size == 10
     inputs = training_inputs(processor, _batch(tiny_vl))
-
-    ce_only = NumericCausalLM(model, _objective(processor.tokenizer, width, {}), chunked=False)
-    assert ce_only(**inputs).loss.item() == pytest.approx(model(**inputs).loss.item(), rel=1e-6)
-
-    terms = {"smmd": {}, "ntl_was": {}}
-    results = []
-    for chunked in (False, True):
-        model.zero_grad()
-        wrapper = NumericCausalLM(model, _objective(processor.tokenizer, width, terms), chunked=chunked,
-                                  chunk_size=16)
-        out = wrapper(**inputs)
-        out.loss.backward()
-        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        results.append((out.loss.item(), out.terms["smmd"].item(), grads))
-    (loss_a, smmd_a, grads_a), (loss_b, smmd_b, grads_b) = results
-    assert smmd_a > 0 and loss_a == pytest.approx(loss_b, rel=1e-5) and smmd_a == pytest.approx(smmd_b, rel=1e-5)
-    assert set(grads_a) == set(grads_b)
-    tower = [k for k in grads_a if "vision_tower" in k]
-    assert tower and any(grads_a[k].abs().max() > 0 for k in tower)  # the images reach the loss
-    for k in grads_a:
-        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+    out = _heads_agree(model, vocab, inputs, {"smmd": {}, "ntl_was": {}}, chunk_size=16, tower="vision_tower",
+                       rel=1e-5)
+    assert out.terms["smmd"] > 0
 
 
 def test_two_rank_zero3_trains_a_tiny_vision_language_model_and_evaluates_it(tiny_vl, tmp_path):
@@ -191,8 +193,7 @@ def test_qwen2_5_vl_through_the_wrapper_matches_hf_and_the_chunked_head():
     processor needs torchvision for its video half, which has no CPU wheel for this torch here."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from numloss import NumericVocab, Objective, ObjectiveConfig
-    from numloss.adapters.hf import NumericCausalLM
+    from numloss import NumericVocab
 
     vocab_size, image, start, end, video = 64, 60, 61, 62, 63
     config = AutoConfig.for_model(
@@ -221,21 +222,7 @@ def test_qwen2_5_vl_through_the_wrapper_matches_hf_and_the_chunked_head():
               "pixel_values": torch.randn(2 * 16, 3 * 2 * 14 * 14), "image_grid_thw": torch.tensor([[1, 4, 4]] * 2)}
     digits = NumericVocab(list(range(10, 20)), list(range(10)), vocab_size=vocab_size)
 
-    ce_only = NumericCausalLM(model, Objective(digits, ObjectiveConfig.from_dict({})), chunked=False)
-    assert ce_only(**inputs).loss.item() == pytest.approx(model(**inputs).loss.item(), rel=1e-6)
-    results = []
-    for chunked in (False, True):
-        model.zero_grad()
-        wrapper = NumericCausalLM(model, Objective(digits, ObjectiveConfig.from_dict({"terms": {"smmd": {}}})),
-                                  chunked=chunked, chunk_size=4)
-        out = wrapper(**inputs)
-        out.loss.backward()
-        results.append((out.loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a == pytest.approx(loss_b, rel=1e-6) and set(grads_a) == set(grads_b)
-    assert any("visual" in k and grads_a[k].abs().max() > 0 for k in grads_a)
-    for k in grads_a:
-        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-4, atol=1e-6, msg=k)
+    _heads_agree(model, digits, inputs, {"smmd": {}}, chunk_size=4, tower="visual", rel=1e-6)
 
 
 class _Tok:
