@@ -6,6 +6,11 @@
 All terms share one pass over the logits (`compute_logit_stats`), so adding a term costs only its
 [M, N] math at the M numeric positions. A term listed with weight 0 is still computed and reported but
 adds exactly nothing: every weight 0 gives plain CE, value and gradient.
+
+Normalisation: each term divides its sum by a count of its kind (valid tokens, numeric positions,
+sequences, ...). By default these are the batch's own counts; with `counts=` (the whole optimizer step's,
+from `Objective.counts` and `numloss.normalization.reduce_counts`) each micro-batch's output is its
+share of the step's loss, and the shares add up to the loss of the whole global batch at any layout.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .chunked_head import DEFAULT_CHUNK_SIZE, chunked_logit_stats
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses import TERMS, cross_entropy_term
 from .losses.cross_entropy import z_loss_term
+from .normalization import LossCounts, batch_counts, denominator_key
 from .vocab import NumericVocab
 
 # LOSSES.md's default weights (GCE's 1.0 means it fully replaces CE).
@@ -80,8 +86,13 @@ def _term_from_dict(name: str, spec: dict) -> TermConfig:
     return TermConfig(weight=None if weight is None else float(weight), options=options, rescale_to_ce=bool(rescale))
 
 
+# Arguments that come with each batch, not from the config: the step's denominator and packed rows'
+# sequence ids (for the terms that take them).
+_PER_BATCH = {"denominator", "sequence_ids"}
+
+
 def _check_options(name: str, options: dict) -> None:
-    allowed = set(inspect.signature(TERMS[name]).parameters) - {"stats", "vocab"}
+    allowed = set(inspect.signature(TERMS[name]).parameters) - {"stats", "vocab"} - _PER_BATCH
     unknown = set(options) - allowed
     if unknown:
         raise ValueError(f"objective: term {name!r} has no option(s) {sorted(unknown)}; options: {sorted(allowed)}")
@@ -126,23 +137,55 @@ class Objective:
         self.vocab = vocab
         self.config = config
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0) -> ObjectiveOutput:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0, *,
+                 counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+        """`counts`: the step's denominators (see `numloss.normalization`); None: this batch's own.
+        `sequence_ids` (labels-shaped): which example each position belongs to in packed rows (NTIL
+        averages over examples); None: each row is one sequence."""
         stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
                                     numeric=bool(self.config.terms))
-        return self.from_stats(stats)
+        return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
-                    vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE) -> ObjectiveOutput:
+                    vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *, counts: LossCounts | None = None,
+                    sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed chunk by chunk (`numloss.chunked_head`)."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
                                     self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size)
-        return self.from_stats(stats)
+        return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)
 
-    def from_stats(self, stats: LogitStats) -> ObjectiveOutput:
-        ce = cross_entropy_term(stats, self.vocab)
+    def denominator_keys(self) -> dict[str, str]:
+        """{"ce": key, term: key, ...}: which count (`numloss.normalization`) each part divides by."""
+        keys = {"ce": denominator_key("ce")}
+        keys.update({name: denominator_key(name, term.options) for name, term in self.config.terms.items()})
+        return keys
+
+    def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
+        """This batch's denominators, from its labels alone (aligned with the logits: shifted for a
+        causal LM). Sum them over a step's micro-batches and data-parallel ranks with
+        `numloss.normalization.reduce_counts` and pass the total as `counts=`."""
+        weights = {key: self.config.terms[name].options["position_weights"]
+                   for name, key in self.denominator_keys().items() if key.endswith(".position_weights")}
+        return batch_counts(labels, self.vocab, set(self.denominator_keys().values()), self.config.ignore_index,
+                            sequence_ids=sequence_ids, position_weights=weights)
+
+    def from_stats(self, stats: LogitStats, counts: LossCounts | None = None,
+                   sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+        keys = self.denominator_keys()
+
+        def per_batch(name: str) -> dict:
+            """The term's per-batch arguments: its step denominator, and packed sequence ids."""
+            extra = {} if counts is None else {"denominator": counts.denominator(keys[name])}
+            if sequence_ids is not None and "sequence_ids" in inspect.signature(TERMS[name]).parameters:
+                extra["sequence_ids"] = sequence_ids
+            return extra
+
+        ce_denominator = None if counts is None else counts.denominator(keys["ce"])
+        ce = cross_entropy_term(stats, self.vocab, denominator=ce_denominator)
         terms = self.config.terms
-        values = {name: TERMS[name](stats, self.vocab, **term.options) for name, term in terms.items()}
+        values = {name: TERMS[name](stats, self.vocab, **term.options, **per_batch(name))
+                  for name, term in terms.items()}
         scaled = {name: _rescaled(values[name], ce) if term.rescale_to_ce else values[name]
                   for name, term in terms.items()}
         # GCE replaces CE: (1 - w)·CE + w·GCE, exactly CE at w = 0 and exactly GCE at w = 1.
@@ -152,6 +195,6 @@ class Objective:
             if name != "gce":
                 total = total + term.weight * scaled[name]
         if self.config.z_loss:  # a penalty on the normaliser, kept whether CE or GCE scores the tokens
-            z = z_loss_term(stats, self.config.z_loss)
+            z = z_loss_term(stats, self.config.z_loss, ce_denominator)
             ce, total = ce + z, total + z
         return ObjectiveOutput(loss=total, ce=ce, terms=values, numeric_positions=stats.numeric.count)

@@ -138,11 +138,10 @@ def ntl_was(logits, labels, ids, values, squash_factor=None, reweigh=False, posi
         if reweigh:
             mass = _numeric_mass(x[b, s], ids)
             loss = loss * mass + 1.01 * max_d * (1 - mass)
-        if pw is not None:
-            loss = loss * pw[b, s]
-        total = total + loss
-        m += 1
-    return total / max(m, 1)
+        w = 1.0 if pw is None else float(pw[b, s])
+        total = total + w * loss
+        m += w  # the ntloss package's reduction: sum(w * l) / sum(w)
+    return total / (m if m > 0 else 1)
 
 
 def _regress(e, kind):
@@ -167,11 +166,10 @@ def ntl_mse(logits, labels, ids, values, loss="mse", reweigh=False, position_wei
         if reweigh:
             mass = _numeric_mass(x[b, s], ids)
             l = l * mass + 1.01 * _regress(torch.tensor(float(span), dtype=torch.float64), loss) * (1 - mass)
-        if pw is not None:
-            l = l * pw[b, s]
-        total = total + l
-        m += 1
-    return total / max(m, 1)
+        w = 1.0 if pw is None else float(pw[b, s])
+        total = total + w * l
+        m += w
+    return total / (m if m > 0 else 1)
 
 
 # ---- GCE ------------------------------------------------------------------------------------------------
@@ -220,7 +218,7 @@ def dist2(logits, labels, ids, values, tau=1.0, normalize="full", weighting="non
             kl = sum(pd[j] * (math.log(pd[j]) - logq[j]) for j in range(len(ids)) if pd[j] > 0)
             w = 1 + after[s] if weighting == "place_value" else 1
             total = total + w * kl
-            m += 1
+            m += w  # the released code's reduction: sum(w * KL) / sum(w)
     return total / max(m, 1)
 
 

@@ -77,10 +77,11 @@ def test_ntl_was_hand(vocab):
     assert float(F.ntl_was(logits, labels, vocab)) == pytest.approx((4.3 + 5.2) / 2, rel=1e-6)
     # squash 9: distances 1.5, 8, 9.5 -> 1, 7.5, 9 ; y=2: 0.2*1 + 0.5*7.5 = 3.95 ; y=0.5: 0.3*1 + 0.5*9 = 4.8
     assert float(F.ntl_was(logits, labels, vocab, squash_factor=9.0)) == pytest.approx((3.95 + 4.8) / 2, rel=1e-6)
-    # per-position weights (labels-shaped): sum(w * l) / M
+    # per-position weights (labels-shaped): sum(w * l) / sum(w) over the numeric positions, as the
+    # ntloss package reduces (the 7.0 sits on a non-numeric label and counts nowhere)
     w = torch.tensor([[2.0, 0.5, 7.0]])
     assert float(F.ntl_was(logits, labels, vocab, position_weights=w)) == pytest.approx(
-        (2 * 4.3 + 0.5 * 5.2) / 2, rel=1e-6
+        (2 * 4.3 + 0.5 * 5.2) / 2.5, rel=1e-6
     )
 
 
@@ -178,7 +179,9 @@ def test_dist2_place_value_hand(vocab):
     labels = torch.tensor([[3, 3, 3, NONNUM, 3, -100]])
     single = float(F.dist2(logits[:, :1], labels[:, :1], vocab, tau=2.0, normalize="numeric"))
     out = F.dist2(logits, labels, vocab, tau=2.0, normalize="numeric", weighting="place_value")
-    assert float(out) == pytest.approx(single * (3 + 2 + 1 + 1) / 4, rel=1e-5)
+    # the released code divides by the sum of the weights: every position has the same KL here, so
+    # the weighted mean is that KL (dividing by the 4 positions would give 7/4 of it)
+    assert float(out) == pytest.approx(single * (3 + 2 + 1 + 1) / (3 + 2 + 1 + 1), rel=1e-5)
     plain = F.dist2(logits, labels, vocab, tau=2.0, normalize="numeric")
     assert float(plain) == pytest.approx(single, rel=1e-5)
 
@@ -238,8 +241,13 @@ def _random_batch(ids, width, shape=(3, 7), seed=0, scale=3.0, extra_labels=()):
     return logits, labels
 
 
+# per-position weights for the (3, 7) random batches: uneven, so sum(w * l) / sum(w) differs from / M
+W37 = torch.linspace(0.25, 3.0, 21).reshape(3, 7)
+
 CASES = [
     ("ntl_was", {}, {}),
+    ("ntl_was", {"position_weights": W37}, {"position_weights": W37}),
+    ("ntl_mse", {"position_weights": W37, "loss": "huber"}, {"position_weights": W37, "loss": "huber"}),
     ("ntl_was", {"squash_factor": 9.0}, {"squash_factor": 9.0}),
     ("ntl_was", {"reweigh": True}, {"reweigh": True}),
     ("ntl_mse", {}, {}),

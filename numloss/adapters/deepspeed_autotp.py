@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..logit_stats import IGNORE_INDEX
+from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
 
 
@@ -109,13 +110,15 @@ def causal_lm_objective(
     shard: VocabShard | None = None,
     *,
     shifted_labels: torch.Tensor | None = None,
+    counts: LossCounts | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
     """The objective on a causal LM's logits `[b, s, V_local]` (this rank's vocab shard).
 
     Give `labels` [b, s] as the model's inputs (unshifted; shifted here as HF does) or `shifted_labels`
     already aligned with the logits. `shard` (from `find_vocab_shard`) names the TP group and this
     rank's `vocab_start`; None means full logits. The result is identical on every TP rank and equals
-    the dense objective on the gathered logits.
+    the dense objective on the gathered logits. `counts` and `sequence_ids` as `Objective.__call__`.
     """
     if (labels is None) == (shifted_labels is None):
         raise ValueError("give exactly one of labels (unshifted) and shifted_labels")
@@ -128,7 +131,8 @@ def causal_lm_objective(
     if shard.group is not None and shard.vocab_size != objective.vocab.vocab_size:
         raise ValueError(f"the model's vocabulary has {shard.vocab_size} rows but the objective's numeric"
                          f" vocabulary was built for {objective.vocab.vocab_size}")
-    return objective(logits, shifted_labels.to(logits.device), group=shard.group, vocab_start=shard.start)
+    return objective(logits, shifted_labels.to(logits.device), group=shard.group, vocab_start=shard.start,
+                     counts=counts, sequence_ids=sequence_ids)
 
 
 class NumericCausalLMLoss:
@@ -139,10 +143,16 @@ class NumericCausalLMLoss:
     shift_labels=None, **kwargs) -> loss`. The last `ObjectiveOutput` is kept in `.last` for logging
     (`.last.log_dict()`).
 
-    `num_items_in_batch` (HF Trainer's gradient-accumulation normaliser: the valid tokens of the whole
-    accumulated batch) rescales the total by `valid_here / num_items_in_batch`, so the CE part sums to
-    the token mean over the accumulated batch exactly; numeric terms (means over this micro-batch's
-    numeric positions) are then weighted by the micro-batch's share of valid tokens.
+    `num_items_in_batch`, the step's normaliser:
+    - a `LossCounts` (every denominator of the step, `numloss.normalization`): every term divides by
+      its own count over the step, so the micro-batches' losses add up to the whole batch's exactly.
+      With the HF Trainer, return `reduce_counts([model.loss_function.objective.counts(shifted labels)
+      for each micro-batch], group)` from an override of `Trainer._get_num_items_in_batch`; the Trainer
+      (transformers 5, `average_tokens_across_devices`) passes it here unchanged and scales the loss
+      by the data-parallel size as for a token count (read from its source; not run in the tests);
+    - a number (the HF Trainer's own: the valid tokens of the whole accumulated batch): CE divides by
+      it exactly; the numeric terms, which need counts the Trainer does not make, are divided by this
+      micro-batch's own counts and weighted by its share of the valid tokens.
     """
 
     def __init__(self, objective: Objective, shard: VocabShard):
@@ -155,10 +165,12 @@ class NumericCausalLMLoss:
         if ignore_index != self.objective.config.ignore_index:
             raise ValueError(f"ignore_index {ignore_index} differs from the objective's"
                              f" {self.objective.config.ignore_index}")
-        out = causal_lm_objective(self.objective, logits, labels, self.shard, shifted_labels=shift_labels)
+        step_counts = num_items_in_batch if isinstance(num_items_in_batch, LossCounts) else None
+        out = causal_lm_objective(self.objective, logits, labels, self.shard, shifted_labels=shift_labels,
+                                  counts=step_counts)
         self.last = out
         loss = out.loss
-        if num_items_in_batch is not None:
+        if num_items_in_batch is not None and step_counts is None:
             aligned = shift_labels if shift_labels is not None else labels[..., 1:]
             valid = (aligned != ignore_index).sum().to(loss.dtype)
             loss = loss * valid / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype).clamp_min(1)

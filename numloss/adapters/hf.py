@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..chunked_head import DEFAULT_CHUNK_SIZE
+from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
 from .deepspeed_autotp import causal_lm_objective, find_vocab_shard, shift_labels
 
@@ -68,14 +69,26 @@ class NumericCausalLM(nn.Module):
     def backbone(self) -> nn.Module:
         return getattr(self.model, self.model.base_model_prefix)
 
+    def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
+        """The loss denominators of one batch of `forward`'s arguments (unshifted labels, as given to
+        forward; labels alone, no model call). Sum them over a step with
+        `numloss.normalization.reduce_counts` and pass the total to forward as `loss_counts`."""
+        return self.objective.counts(shift_labels(labels, self.objective.config.ignore_index), sequence_ids)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                *, loss_counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
                 **model_kwargs) -> NumericLMOutput:
+        """`loss_counts`: the step's denominators (the output is then this batch's share of the step's
+        loss); None: this batch's own. `sequence_ids` ([B, T], packed rows' segment ids): NTIL averages
+        over the examples of packed rows."""
         shard = find_vocab_shard(self.model)
+        per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids}
         if not self.chunked:
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
-            return NumericLMOutput.of(causal_lm_objective(self.objective, logits, labels, shard))
+            return NumericLMOutput.of(causal_lm_objective(self.objective, logits, labels, shard, **per_batch))
         targets = shift_labels(labels, self.objective.config.ignore_index)
         hidden = self.backbone()(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
         weight = self.model.get_output_embeddings().weight
         return NumericLMOutput.of(self.objective.from_hidden(
-            hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=self.chunk_size))
+            hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=self.chunk_size,
+            **per_batch))

@@ -7,15 +7,20 @@ import torch
 from ..logit_stats import LogitStats
 
 
-def mean_or_zero(per_item: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """sum(w * x) / len(x), and exactly 0 (still attached to the graph) when there is no item.
+def mean_or_zero(per_item: torch.Tensor, weights: torch.Tensor | None = None,
+                 denominator: float | None = None) -> torch.Tensor:
+    """sum(x) / len(x), or sum(w * x) / sum(w) with weights (as the NTL and DIST2 releases reduce);
+    divided by `denominator` instead when given (a count over the whole step, `numloss.normalization`).
+    Exactly 0 (still attached to the graph) when there is no item.
 
     The sum of an empty tensor is 0 with a gradient path to the logits, so a batch without numeric
     positions trains the other terms and never produces NaN.
     """
+    if denominator is None:
+        denominator = float(per_item.numel()) if weights is None else float(weights.sum())
     if weights is not None:
         per_item = per_item * weights
-    return per_item.sum() / max(per_item.numel(), 1)
+    return per_item.sum() / (denominator if denominator > 0 else 1.0)
 
 
 def numeric_position_weights(stats: LogitStats, position_weights: torch.Tensor | None) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import torch
 from ..logit_stats import LogitStats
 from ..vocab import NumericVocab
 from .common import full_log_probs, numeric_log_probs
+from .cross_entropy import token_denominator
 
 
 def gaussian_targets(vocab: NumericVocab, target: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -21,8 +22,10 @@ def gaussian_targets(vocab: NumericVocab, target: torch.Tensor, sigma: float) ->
     return torch.softmax(-0.5 * z.square(), dim=-1)
 
 
-def gce_term(stats: LogitStats, vocab: NumericVocab, sigma: float = 1.0, renormalize: bool = False) -> torch.Tensor:
-    """The whole GCE loss (it replaces CE). `renormalize` scores with the numeric-only softmax."""
+def gce_term(stats: LogitStats, vocab: NumericVocab, sigma: float = 1.0, renormalize: bool = False,
+             denominator: float | None = None) -> torch.Tensor:
+    """The whole GCE loss (it replaces CE). `renormalize` scores with the numeric-only softmax.
+    `denominator`: the step's valid tokens (`numloss.normalization`); default this batch's."""
     if sigma < 0:
         raise ValueError(f"gce: sigma must be >= 0, got {sigma}")
     num = stats.numeric
@@ -32,4 +35,4 @@ def gce_term(stats: LogitStats, vocab: NumericVocab, sigma: float = 1.0, renorma
     else:
         numeric_loss = -(gaussian_targets(vocab, num.target, sigma) * log_probs).sum(dim=-1)
     per_token = stats.ce_per_token.index_put((num.rows,), numeric_loss)
-    return per_token.sum() / max(stats.valid_count, 1)
+    return per_token.sum() / token_denominator(stats, denominator)

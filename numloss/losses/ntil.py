@@ -11,6 +11,10 @@ sequence (`numloss.runs`). With `p` renormalised over the digit tokens:
 - per sequence: `digit_alpha · mean_t(token) + abs_alpha · mean_runs(rel) + mag_alpha · mean_runs(mag)`,
   0 for a sequence without digits; then the mean over sequences that have at least one valid label.
 
+A sequence is a row of the labels, or with `sequence_ids` (labels-shaped; a packed row's segment ids)
+each example of a packed row. `denominator` replaces this batch's count of sequences with a valid label
+by the step's (`numloss.normalization`).
+
 Everything is segment sums over run and sequence ids: no Python loop over tokens or sequences. The
 numbers are rebuilt in float64, since 10^k overflows fp32's exact integers past seven digits.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..logit_stats import LogitStats
+from ..normalization import sequence_index, sequences_with_labels
 from ..vocab import NumericVocab
 
 
@@ -54,6 +59,8 @@ def ntil_term(
     tau: float = 0.1,
     noise_scale: float = 0.01,
     generator: torch.Generator | None = None,
+    sequence_ids: torch.Tensor | None = None,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     if not vocab.is_digits():
         raise ValueError(f"ntil needs a digits vocabulary (values 0..9); {vocab!r} is not one")
@@ -80,13 +87,19 @@ def ntil_term(
     relative = (x_hat - x).abs() / (high + 1)
     magnitude = torch.log((high + 1) / (low + 1))
 
-    n_seq = runs.num_sequences
+    # sequences: rows, or the examples of packed rows (runs never cross them: an example's first
+    # label is ignored)
+    seq_index, n_seq = sequence_index(stats.shape, sequence_ids, device)
+    seq_of_position = seq_index[num.rows]
+    seq_of_run = torch.zeros(runs.num_runs, dtype=torch.long, device=device)
+    seq_of_run[runs.run_id] = seq_of_position
     per_sequence = (
-        digit_alpha * _segment_mean(token_loss, runs.seq_of_position, n_seq).double()
-        + abs_alpha * _segment_mean(relative, runs.seq_of_run, n_seq)
-        + mag_alpha * _segment_mean(magnitude, runs.seq_of_run, n_seq)
+        digit_alpha * _segment_mean(token_loss, seq_of_position, n_seq).double()
+        + abs_alpha * _segment_mean(relative, seq_of_run, n_seq)
+        + mag_alpha * _segment_mean(magnitude, seq_of_run, n_seq)
     )
-    seq_len = stats.shape[-1] if len(stats.shape) else 1
-    has_valid = stats.valid.view(-1, seq_len).any(dim=-1)
-    loss = (per_sequence * has_valid).sum() / max(int(has_valid.sum()), 1)
+    has_valid = sequences_with_labels(stats.valid, seq_index, n_seq)
+    if denominator is None:
+        denominator = float(has_valid.sum())
+    loss = (per_sequence * has_valid).sum() / (denominator if denominator > 0 else 1.0)
     return loss.to(torch.float32)

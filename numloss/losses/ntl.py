@@ -1,7 +1,9 @@
 """NTL, the Number Token Loss: Wasserstein-1 and regression losses on the numeric distribution.
 
 Both use `p`, the distribution renormalised over the N numeric tokens, at numeric positions only, and
-take the mean over those positions (optionally weighted per position).
+take the mean over those positions; with per-position weights `w` the weighted mean Σ w·l / Σ w (as
+the `ntloss` package reduces). `denominator` replaces the batch's own count (or Σ w) with the step's
+(`numloss.normalization`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def ntl_was_term(
     squash_factor: float | None = None,
     reweigh: bool = False,
     position_weights: torch.Tensor | None = None,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """NTL-WAS: `sum_j p_j |v_j - y|`, the Wasserstein-1 distance from p to the one-hot target.
 
@@ -41,7 +44,7 @@ def ntl_was_term(
     per_position = (p * distances[num.target]).sum(dim=-1)
     if reweigh:
         per_position = _reweigh(per_position, stats, distances.max())
-    return mean_or_zero(per_position, numeric_position_weights(stats, position_weights))
+    return mean_or_zero(per_position, numeric_position_weights(stats, position_weights), denominator)
 
 
 def _regression(error: torch.Tensor, loss: str) -> torch.Tensor:
@@ -60,6 +63,7 @@ def ntl_mse_term(
     loss: str = "mse",
     reweigh: bool = False,
     position_weights: torch.Tensor | None = None,
+    denominator: float | None = None,
 ) -> torch.Tensor:
     """NTL-MSE: `(sum_j p_j v_j - y)^2` on the expected number; `loss` "mae" or "huber" instead."""
     num = stats.numeric
@@ -69,4 +73,4 @@ def ntl_mse_term(
     if reweigh:
         span = values.max() - values.min()
         per_position = _reweigh(per_position, stats, _regression(span.reshape(1), loss)[0])
-    return mean_or_zero(per_position, numeric_position_weights(stats, position_weights))
+    return mean_or_zero(per_position, numeric_position_weights(stats, position_weights), denominator)

@@ -43,8 +43,10 @@ def smmd_term(
     kernel: str = "gaussian",
     alpha: float | None = None,
     mode: str = "smmd",
+    denominator: float | None = None,
 ) -> torch.Tensor:
-    """SMMD over the numeric positions. `alpha` None is `1 / (2 · mean degree of K)`."""
+    """SMMD over the numeric positions. `alpha` None is `1 / (2 · mean degree of K)`. `denominator`:
+    the step's numeric positions (`numloss.normalization`); default this batch's."""
     if mode not in MODES:
         raise ValueError(f"smmd: mode must be one of {MODES}, got {mode!r}")
     sigmas = tuple(float(s) for s in sigmas)
@@ -66,4 +68,4 @@ def smmd_term(
     else:
         smooth = (degree * r.square()).sum(dim=-1) - mmd
         per_position = alpha * smooth if mode == "smooth" else mmd + alpha * smooth
-    return mean_or_zero(torch.relu(per_position))
+    return mean_or_zero(torch.relu(per_position), denominator=denominator)
