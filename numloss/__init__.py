@@ -3,11 +3,17 @@
     vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits")
     objective = Objective(vocab, {"terms": {"smmd": {}}})      # CE + 3.0 · SMMD
     out = objective(logits, labels)                            # out.loss, out.ce, out.terms
+
+Over a step of several micro-batches and data-parallel ranks (`numloss.normalization`):
+
+    step = reduce_counts([objective.counts(labels) for labels in window], group=dp_group)
+    out = objective(logits, labels, counts=step)               # this micro-batch's share of the step
 """
 
 from . import functional
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .objective import DEFAULT_WEIGHTS, Objective, ObjectiveConfig, ObjectiveOutput, TermConfig
+from .normalization import LossCounts, reduce_counts
 from .parallel import count_comm
 from .vocab import NumericVocab
 
@@ -22,5 +28,7 @@ __all__ = [
     "LogitStats",
     "compute_logit_stats",
     "count_comm",
+    "LossCounts",
+    "reduce_counts",
     "IGNORE_INDEX",
 ]

@@ -192,3 +192,26 @@ def test_loss_function_hook_on_a_plain_hf_model():
     torch.testing.assert_close(scaled, direct.loss / 3, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="exactly one"):
         causal_lm_objective(objective, out.logits, labels, shifted_labels=labels)
+
+
+def test_loss_function_with_step_counts_adds_up_to_the_whole_batch():
+    """num_items_in_batch as `LossCounts` (the step's every denominator): the two rows as two
+    micro-batches add up to the objective on both rows at once, numeric terms included; a plain token
+    count (HF's own) gets CE right only."""
+    from transformers import LlamaForCausalLM
+
+    from numloss.adapters.deepspeed_autotp import causal_lm_objective, install_numeric_loss, shift_labels
+    from numloss.normalization import LossCounts
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama_config())
+    objective = Objective(NumericVocab(DIGIT_IDS, DIGIT_VALUES, vocab_size=V), CONFIG)
+    install_numeric_loss(model, objective)
+    ids, labels = _batch()
+    whole = causal_lm_objective(objective, model(input_ids=ids).logits, labels)
+    step = LossCounts.total(objective.counts(shift_labels(labels[i:i + 1])) for i in range(2))
+    parts = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1], num_items_in_batch=step).loss for i in range(2)]
+    torch.testing.assert_close(parts[0] + parts[1], whole.loss, rtol=1e-6, atol=1e-6)
+    tokens = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1],
+                    num_items_in_batch=torch.tensor(step["tokens"])).loss for i in range(2)]
+    assert abs(float(tokens[0] + tokens[1] - whole.loss)) > 1e-4
