@@ -5,20 +5,29 @@ Order of an epoch (the same on every rank, computed, never communicated):
 2. Their rows, concatenated in that order, are cut into windows of `shuffle_window` positions and each
    window is permuted with `rng(seed, epoch, window)`. The result is a permutation of all N rows with
    locality: a window touches about shuffle_window / row_group_rows row groups.
-3. Rank r takes a contiguous slice of that order, so each rank reads only its own row groups:
-   - drop_last=True (training): every rank gets L = floor(N / (world * batch)) * batch rows, the same
+3. Training (`global_batch_size` G given): one sample order for every layout. Optimizer step s of the
+   epoch trains on positions [s*G, (s+1)*G) of that order, whatever the number of data-parallel
+   ranks and the micro-batch split (as Megatron's pretraining sampler): micro-batch a of the step
+   (a < G / (world * batch)) is positions s*G + a*world*batch + [0, world*batch), rank r taking its
+   r-th `batch_size` rows. The last N mod G rows of an epoch are left out (a different set each
+   epoch). Every rank reads from the whole window, not from row groups of its own.
+   Otherwise rank r takes a contiguous slice of that order, so each rank reads only its own row groups:
+   - drop_last=True: every rank gets L = floor(N / (world * batch)) * batch rows, the same
      number of full batches (ranks must run the same number of steps); fewer than world * batch rows
      are left out, a different set each epoch.
    - drop_last=False (evaluation): the N rows are split as evenly as possible (sizes differ by at most
      one) and the last batch may be short; every row is read exactly once over all ranks.
 4. Batches are consecutive `batch_size` rows of the slice.
 
-State: `state_dict()` is {epoch, batch (batches consumed in this epoch), and what must match to resume:
-seed, world size, rank, batch size, drop_last, shuffle settings, the shards' checksums}. After
-`load_state_dict` the next batch is exactly the one an uninterrupted run would have produced. A changed
-world size or batch size is refused rather than silently reshuffled. The state lives in this object:
-use it directly or in `DataLoader(ds, batch_size=None, num_workers=0)` (the Parquet decoding runs in
-C++ threads already); with DataLoader workers the state would live in the workers.
+State: `state_dict()` says where in which epoch, and what must match to resume (seed, shuffle
+settings, the shards' checksums, and the layout). Training (G given): the position is the count of
+samples consumed in the epoch, and only G must match, so a run may resume onto another number of
+data-parallel ranks or another micro-batch x accumulation split of the same global batch, from a step
+boundary. Otherwise the position is the batches consumed, and a changed world size or batch size is
+refused rather than silently reshuffled. After `load_state_dict` the next batch is exactly the one
+an uninterrupted run would have produced. The state lives in this object: use it directly or in
+`DataLoader(ds, batch_size=None, num_workers=0)` (the Parquet decoding runs in C++ threads already);
+with DataLoader workers the state would live in the workers.
 
 Batches are dicts of tensors. Unpacked shards: input_ids, labels, attention_mask, position_ids,
 numeric_mask [B, T] (T = longest row, rounded up to `pad_to_multiple_of`, or `seq_len` when given),
@@ -54,11 +63,18 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def __init__(self, path: str, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, shuffle_window: int = 8192,
                  seq_len: int | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
-                 cache_row_groups: int | None = None):
+                 cache_row_groups: int | None = None, global_batch_size: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if batch_size < 1 or shuffle_window < 1:
             raise ValueError("batch_size and shuffle_window must be >= 1")
+        if global_batch_size is not None:
+            if global_batch_size < 1 or global_batch_size % (batch_size * world_size):
+                raise ValueError(f"global_batch_size {global_batch_size} is not a multiple of batch_size"
+                                 f" {batch_size} x world_size {world_size}")
+            if not drop_last:
+                raise ValueError("global_batch_size (the training order) needs drop_last=True")
+        self.global_batch_size = global_batch_size
         self.path = path
         self.manifest = read_manifest(path)
         self.packed = bool(self.manifest["packed"])
@@ -92,6 +108,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
             cache_row_groups = 2 * math.ceil(shuffle_window / rg) + 4
         self._cache: collections.OrderedDict = collections.OrderedDict()
         self._cache_size = cache_row_groups
+        self._windows: collections.OrderedDict = collections.OrderedDict()
         self.epoch, self.batch = 0, 0
 
     # ---- order ----------------------------------------------------------------------------------
@@ -104,8 +121,15 @@ class ShardDataset(torch.utils.data.IterableDataset):
         lo = self.rank * base + min(self.rank, extra)
         return lo, lo + base + (1 if self.rank < extra else 0)
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Training order: the micro-batches each rank reads per global batch."""
+        return self.global_batch_size // (self.batch_size * self.world_size)
+
     def __len__(self) -> int:
         """Batches per epoch on this rank."""
+        if self.global_batch_size is not None:
+            return (self.num_rows // self.global_batch_size) * self.micro_batches_per_step
         n = self._hi - self._lo
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
@@ -120,25 +144,48 @@ class ShardDataset(torch.utils.data.IterableDataset):
         np.cumsum(sizes, out=starts[1:])
         return order, starts
 
-    def _rows(self, epoch: int, first: int) -> Iterator[int]:
-        """Global row ids of this rank's slice, from position `first` of the slice on."""
+    def _window(self, epoch: int, win: int) -> np.ndarray:
+        """The epoch positions of window `win`, in the order its slots are read (permuted when shuffling)."""
+        key = (epoch, win)
+        cached = self._windows.get(key)
+        if cached is not None:
+            return cached
+        w = self.shuffle_window
+        positions = np.arange(win * w, min((win + 1) * w, self.num_rows), dtype=np.int64)
+        if self.shuffle:
+            positions = np.random.default_rng([self.seed, epoch, win]).permutation(positions)
+        self._windows[key] = positions
+        if len(self._windows) > 4:
+            self._windows.popitem(last=False)
+        return positions
+
+    def _rows_at(self, epoch: int, slots: np.ndarray) -> np.ndarray:
+        """Global row ids at slots `slots` of the epoch's order."""
         order, starts = self._epoch_layout(epoch)
+        w = self.shuffle_window
+        positions = np.empty_like(slots)
+        for win in np.unique(slots // w):
+            pick = slots // w == win
+            positions[pick] = self._window(epoch, int(win))[slots[pick] - win * w]
+        # position in the epoch sequence -> (unit, offset) -> global row id
+        k = np.searchsorted(starts, positions, side="right") - 1
+        return self._unit_starts[order[k]] + (positions - starts[k])
+
+    def _rows(self, epoch: int, first: int) -> Iterator[int]:
+        """Global row ids of this rank's contiguous slice, from position `first` of the slice on."""
         w = self.shuffle_window
         pos = self._lo + first
         while pos < self._hi:
-            win = pos // w
-            a, b = win * w, min((win + 1) * w, self.num_rows)
-            positions = np.arange(a, b, dtype=np.int64)
-            if self.shuffle:
-                positions = np.random.default_rng([self.seed, epoch, win]).permutation(positions)
-            # position in the epoch sequence -> (unit, offset) -> global row id
-            k = np.searchsorted(starts, positions, side="right") - 1
-            unit_ids = order[k]
-            rows = self._unit_starts[unit_ids] + (positions - starts[k])
-            stop = min(b, self._hi)
-            for row in rows[pos - a: stop - a]:
+            stop = min((pos // w + 1) * w, self._hi)
+            for row in self._rows_at(epoch, np.arange(pos, stop, dtype=np.int64)):
                 yield int(row)
             pos = stop
+
+    def _micro_batch_rows(self, epoch: int, k: int) -> np.ndarray:
+        """Training order: the rows of this rank's k-th micro-batch of the epoch (see the module docstring)."""
+        step, a = divmod(k, self.micro_batches_per_step)
+        start = step * self.global_batch_size + (a * self.world_size + self.rank) * self.batch_size
+        return self._rows_at(epoch, np.arange(start, start + self.batch_size, dtype=np.int64))
 
     # ---- I/O ------------------------------------------------------------------------------------
     def _row_group(self, unit: int) -> dict[str, Any]:
@@ -227,6 +274,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
         """The rest of the current epoch, from the saved position; then the epoch counter advances."""
         epoch, start = self.epoch, self.batch
         n_batches = len(self)
+        if self.global_batch_size is not None:
+            for k in range(start, n_batches):
+                batch = self._collate([self._fetch(int(r)) for r in self._micro_batch_rows(epoch, k)])
+                self.batch = k + 1  # consumed once yielded: a state saved now resumes after this batch
+                yield batch
+            self.epoch, self.batch = epoch + 1, 0
+            return
         rows: list[dict] = []
         k = start
         for row in self._rows(epoch, start * self.batch_size):
@@ -250,11 +304,17 @@ class ShardDataset(torch.utils.data.IterableDataset):
 
     # ---- resume ---------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        return {"seed": self.seed, "world_size": self.world_size, "rank": self.rank,
-                "batch_size": self.batch_size, "drop_last": self.drop_last, "shuffle": self.shuffle,
-                "shuffle_window": self.shuffle_window, "fingerprint": self.fingerprint}
+        common = {"seed": self.seed, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
+                  "fingerprint": self.fingerprint}
+        if self.global_batch_size is not None:  # the layout may change; the global batch may not
+            return {**common, "global_batch_size": self.global_batch_size}
+        return {**common, "world_size": self.world_size, "rank": self.rank, "batch_size": self.batch_size,
+                "drop_last": self.drop_last}
 
     def state_dict(self) -> dict[str, Any]:
+        if self.global_batch_size is not None:
+            return {"epoch": self.epoch, "samples": self.batch * self.batch_size * self.world_size,
+                    **self._identity()}
         return {"epoch": self.epoch, "batch": self.batch, **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -262,4 +322,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
         diff = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if diff:
             raise ValueError(f"cannot resume this reader from that state; differences (saved, now): {diff}")
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        if self.global_batch_size is None:
+            self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+            return
+        samples, per_micro_batch = int(state["samples"]), self.batch_size * self.world_size
+        if samples % per_micro_batch:  # a step boundary (a multiple of G) always resumes
+            raise ValueError(f"cannot resume at sample {samples} of the epoch with micro-batches of {per_micro_batch}"
+                             f" samples over all ranks: resume from a step boundary (a multiple of"
+                             f" {self.global_batch_size})")
+        self.epoch, self.batch = int(state["epoch"]), samples // per_micro_batch

@@ -16,9 +16,9 @@
 
 `model_inputs` also returns the number of real tokens in the batch (for tokens per second).
 
-NTIL cannot train on packed rows: its loss is a mean over sequences, and a packed row is several
-examples, so each example would weigh by how it was packed (`packing_error` says so for the trainer
-and `recipes.validate`). Every other term is a mean over tokens and trains the same either way.
+Packed rows also give the wrapper `sequence_ids` (the segment ids; made unique across rows when the
+batch is flattened for flash-attention): NTIL averages over sequences, and with them each packed
+example counts as one sequence, as it would unpacked. Every other term is a mean over tokens.
 """
 
 from __future__ import annotations
@@ -28,18 +28,6 @@ from typing import Any
 import torch
 
 from .vision import training_inputs
-
-
-PER_SEQUENCE_TERMS = frozenset({"ntil"})
-
-
-def packing_error(terms, packed: bool, where: str) -> str | None:
-    """The error message when objective `terms` cannot train on `where` (None: they can)."""
-    bad = sorted(PER_SEQUENCE_TERMS & set(terms or ()))
-    if packed and bad:
-        return (f"loss.objective.terms.{bad[0]}: {where} is packed, and {bad[0]} averages over sequences "
-                "(a packed row holds several examples); build the training data without --pack-length")
-    return None
 
 
 def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -72,11 +60,14 @@ def model_inputs(batch: dict[str, Any], *, processor=None, attn_implementation: 
     if "segment_ids" not in batch:
         return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, tokens
     if attn_implementation.startswith("flash_attention"):
+        segments = batch["segment_ids"]
+        rows = torch.arange(segments.shape[0], device=segments.device)[:, None] * (int(segments.max()) + 1)
         return {"input_ids": batch["input_ids"].reshape(1, -1), "labels": batch["labels"].reshape(1, -1),
-                "position_ids": batch["position_ids"].reshape(1, -1), "attention_mask": None}, tokens
+                "position_ids": batch["position_ids"].reshape(1, -1), "attention_mask": None,
+                "sequence_ids": (segments + rows).reshape(1, -1)}, tokens
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"packed shards need attention that takes a 4-D mask (sdpa, eager) or "
                          f"flash-attention; the model uses {attn_implementation!r}")
     mask = packed_attention_mask(batch["segment_ids"], None if attn_implementation == "sdpa" else dtype)
     return {"input_ids": batch["input_ids"], "labels": batch["labels"], "position_ids": batch["position_ids"],
-            "attention_mask": mask}, tokens
+            "attention_mask": mask, "sequence_ids": batch["segment_ids"]}, tokens

@@ -1,7 +1,13 @@
 """What `deepspeed.initialize` receives for a recipe: the DeepSpeed config, the optimizer and the LR schedule.
 
 Batch bookkeeping: one optimizer step is `grad_accum` micro-batches of `micro_batch_size` rows on each
-data-parallel rank; tensor-parallel ranks of one group see the same rows.
+data-parallel rank; tensor-parallel ranks of one group see the same rows. DeepSpeed 0.19.8 checks
+`train_batch_size == micro_batch x grad_accum x world size` when it parses the config, before AutoTP has
+made its groups, so its "world size" is every rank, the tensor-parallel ones too
+(`DeepSpeedConfig.__init__`: `dist.get_world_size()` without an mpu). Under AutoTP the config therefore
+says `micro_batch x grad_accum x world` (tp times the rows actually trained per step); DeepSpeed uses
+that number only for its own sample counters. The recipe's `train.global_batch_size` is the real one,
+`micro_batch x grad_accum x data-parallel size`.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": recipe.train.grad_accum,
-        "train_batch_size": recipe.train.micro_batch_size * recipe.train.grad_accum * dp,
+        # DeepSpeed's count, TP ranks included (see the module docstring); dp * tp == world_size
+        "train_batch_size": recipe.train.micro_batch_size * recipe.train.grad_accum * dp * ds.tp_size,
         "gradient_clipping": recipe.optim.grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": recipe.model.dtype == "bfloat16"},

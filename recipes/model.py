@@ -35,7 +35,12 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
     m = recipe.model
     dtype = getattr(torch, m.dtype)
     attn = m.attn_implementation or _default_attention(device)
-    live = HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
+    # The live config only tells transformers to build under zero.Init. Without `tensor_parallel` in
+    # it: transformers 5 refuses `from_pretrained` under ZeRO-3 when it sees AutoTP there ("Weight
+    # conversions ... with DeepSpeed Tensor Parallelism are not yet implemented"), while AutoTP itself
+    # shards the zero.Init-built model later, in deepspeed.initialize.
+    zero_init = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
+    live = HfDeepSpeedConfig(zero_init) if ds_config["zero_optimization"]["stage"] == 3 else None
     auto = AutoModelForImageTextToText if m.vision else AutoModelForCausalLM
     if m.config is not None:
         config = dict(m.config)

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .config import Recipe
 from .runtime import Runtime
@@ -54,15 +53,6 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def reduce_mean(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Mean over data-parallel ranks of a dict of floats (every rank holds the same keys)."""
-    keys = sorted(values)
-    t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    t /= dist.get_world_size()
-    return dict(zip(keys, t.tolist()))
 
 
 def progress_bar(recipe: Recipe, runtime: Runtime, start: int):

@@ -3,7 +3,11 @@
     torchrun --nproc_per_node 8 -m recipes.train recipes/configs/llama3-8b-gsm8k/smmd.yaml [key=value ...]
     python -m recipes.train RECIPE.yaml          # a world of one
 
-One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows on each data-parallel rank.
+One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows on each data-parallel rank,
+G = micro_batch_size x grad_accum x data-parallel ranks rows in all. Layouts compare: step s trains on
+samples [s*G, (s+1)*G) of one seeded order whatever the layout (`data_prep.reader`), and its loss is
+normalised over the whole global batch (`recipes.step`), so the same recipe logs the same losses and
+gradient norms on 1 rank or 8, with or without accumulation, tensor parallelism or packing.
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
 optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a
 consolidated Hugging Face safetensors model with its tokenizer, or processor).
@@ -15,7 +19,8 @@ evaluation, and the whole model (tower, projector, language model) trains.
 
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
-uninterrupted one to the bit.
+uninterrupted one to the bit. It may resume onto another number of data-parallel ranks or another
+micro-batch x grad_accum split of the same global batch (`recipes.checkpoints`).
 
 This file is the loop; its parts live beside it: `ds_config` (DeepSpeed config, optimizer, LR schedule),
 `model` (backbone and tokenizer), `checkpoints` (save, resume, export), `run_log` (metrics, progress).
@@ -31,19 +36,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from data_prep.reader import ShardDataset
 from numloss import NumericVocab, Objective
 from numloss.adapters.hf import NumericCausalLM
 
-from .batches import model_inputs, packing_error
+from .batches import model_inputs
 from .checkpoints import Checkpoints, export
 from .config import Recipe, dump_recipe, load_recipe
 from .ds_config import build_optimizer, deepspeed_config, lr_lambda
 from .model import build_model, load_tokenizer
-from .run_log import MetricsLog, progress_bar, reduce_mean
+from .run_log import MetricsLog, progress_bar
 from .runtime import Runtime, setup_distributed, teardown
+from .step import DataParallel, reduce_sum, train_step
 
 
 def batches(dataset: ShardDataset):
@@ -56,7 +61,7 @@ def batches(dataset: ShardDataset):
 class Hooks:
     """Callbacks for an orchestrator (the Ray launcher), called on every rank.
 
-    on_log(row): after each optimizer step, with the row logged to metrics.jsonl (DP-mean values).
+    on_log(row): after each optimizer step, with the row logged to metrics.jsonl (the global batch's values).
     on_checkpoint(step, path): after a checkpoint is complete on every rank and `latest` names it.
     """
 
@@ -86,7 +91,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
 
     ds_config = deepspeed_config(recipe, runtime.world_size)
     tp = recipe.deepspeed.tp_size
-    dp_rank, dp_size = runtime.rank // tp, runtime.world_size // tp  # AutoTP groups are consecutive ranks
+    dp = DataParallel.create(runtime.rank, runtime.world_size, tp)
 
     tokenizer, processor = load_tokenizer(recipe)
     model, live_ds_config = build_model(recipe, ds_config, runtime.device)
@@ -100,23 +105,25 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     objective = Objective(vocab, recipe.objective_config())
     wrapper = NumericCausalLM(model, objective, chunked=recipe.loss.head == "chunked",
                               chunk_size=recipe.loss.chunk_size)
+    checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime,
+                              {"data_parallel": dp.size, "tensor_parallel": tp,
+                               "zero_stage": recipe.deepspeed.zero_stage})
+    checkpoints.prepare_resume(ds_config)  # another data-parallel size: load a universal checkpoint
     optimizer = build_optimizer(recipe, wrapper.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=wrapper, optimizer=optimizer,
                                                            lr_scheduler=scheduler, config=ds_config)
     del live_ds_config  # only needed while the model was built
 
-    dataset = ShardDataset(recipe.data.train, batch_size=recipe.train.micro_batch_size, rank=dp_rank,
-                           world_size=dp_size, seed=recipe.train.seed, shuffle=True, drop_last=True,
+    global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum * dp.size
+    dataset = ShardDataset(recipe.data.train, batch_size=recipe.train.micro_batch_size, rank=dp.rank,
+                           world_size=dp.size, global_batch_size=global_batch, seed=recipe.train.seed,
+                           shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=tokenizer.pad_token_id)
     batch_options = {"processor": processor, "attn_implementation": model.config._attn_implementation,
                      "dtype": getattr(torch, recipe.model.dtype),
                      "pad_to_multiple_of": recipe.data.pad_to_multiple_of, "max_length": recipe.data.seq_len}
-    packing = packing_error(objective.config.terms, dataset.packed, recipe.data.train)
-    if packing:
-        raise ValueError(packing)
-    checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime)
     step = checkpoints.load(engine, dataset)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
@@ -128,24 +135,18 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
         while step < recipe.train.steps:
             started = time.perf_counter()
             lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            sums: dict[str, float] = {}
-            tokens = 0
-            for _ in range(recipe.train.grad_accum):
+            window, tokens = [], 0
+            for _ in range(recipe.train.grad_accum):  # the step's micro-batches, read ahead to count them
                 inputs, batch_tokens = model_inputs(next(stream), **batch_options)
-                inputs = {k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
-                result = engine(**inputs)
-                engine.backward(result.loss)
-                engine.step()
-                for key, value in result.log_dict().items():
-                    sums[key] = sums.get(key, 0.0) + value / recipe.train.grad_accum
+                window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
+            sums = train_step(engine, wrapper, window, dp)
             step += 1
             sums["tokens"] = tokens
-            row = reduce_mean(sums, runtime.device)  # every rank, every step: one small all-reduce
+            row = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
-                   "lr": lr, "grad_norm": _grad_norm(engine),
-                   "tokens_per_s": row["tokens"] * dist.get_world_size() / tp / elapsed}
+                   "lr": lr, "grad_norm": _grad_norm(engine), "tokens_per_s": row["tokens"] / elapsed}
             if step % recipe.train.log_every == 0 or step == recipe.train.steps:
                 metrics.log(row)
             if hooks.on_log is not None:

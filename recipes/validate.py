@@ -363,8 +363,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
 
     # 7: data
-    from recipes.batches import packing_error
-
     hints = build_hints(path)
     eval_dir = recipe.eval.data or recipe.data.eval
     for key, where, kind in (("data.train", recipe.data.train, "train"),
@@ -386,9 +384,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                               f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
         if man.get("packed") and kind == "eval":
             rep.errors.append(f"{key}: {where} is packed; evaluation needs one example per row")
-        packing = packing_error(terms, bool(man.get("packed")), where) if kind == "train" else None
-        if packing:
-            rep.errors.append(packing)
         want = m.tokenizer or m.name_or_path
         if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
             rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")

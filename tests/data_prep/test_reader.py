@@ -154,3 +154,55 @@ def test_packed_batches(packed_dataset):
             assert int(seg.max()) == int(starts.sum()) == int((batch["segment_batch"] == j).sum())
         seen += batch["records"].tolist()
     assert sorted(seen) == list(range(N))
+
+
+# ---- the training order: one sample order for every layout ---------------------------------------------
+
+G = 24  # the global batch; 203 rows -> 8 steps per epoch, 11 rows left out
+
+
+def _steps(dataset, world, batch, epochs=2, seed=5):
+    """[[records of step s, in (micro-batch, rank, row) order]] over `epochs` epochs at this layout."""
+    readers = [ShardDataset(dataset, batch_size=batch, rank=r, world_size=world, seed=seed, shuffle_window=40,
+                            global_batch_size=G) for r in range(world)]
+    gas = G // (world * batch)
+    streams = [[b["record"].tolist() for _ in range(epochs) for b in ds] for ds in readers]
+    steps = len(streams[0]) // gas
+    return [[rec for a in range(gas) for r in range(world) for rec in streams[r][s * gas + a]] for s in range(steps)]
+
+
+def test_every_layout_reads_the_same_global_batches(dataset):
+    reference = _steps(dataset, world=1, batch=G)
+    assert len(reference) == 2 * (N // G)
+    assert all(len(set(step)) == G for step in reference)
+    epoch = [r for step in reference[:N // G] for r in step]
+    assert len(set(epoch)) == len(epoch) == (N // G) * G  # no row twice in an epoch
+    assert reference[:N // G] != reference[N // G:]  # the second epoch is another order
+    for world, batch in ((2, 12), (2, 3), (3, 4), (1, 6)):
+        assert _steps(dataset, world, batch) == reference, (world, batch)
+
+
+def test_resume_onto_another_layout_continues_the_same_order(dataset):
+    """Two ranks x micro-batch 4 (3 accumulated) stop after 3 steps; one rank x micro-batch 8 resumes
+    from rank 0's state and reads the global batches the uninterrupted run reads."""
+    reference = _steps(dataset, world=1, batch=G, epochs=1)
+    first = [ShardDataset(dataset, batch_size=4, rank=r, world_size=2, seed=5, shuffle_window=40,
+                          global_batch_size=G) for r in range(2)]
+    streams = [iter(ds) for ds in first]
+    for _ in range(3 * 3):
+        for s in streams:
+            next(s)
+    states = [ds.state_dict() for ds in first]
+    assert states[0] == states[1] and states[0]["samples"] == 3 * G
+    resumed = ShardDataset(dataset, batch_size=8, seed=5, shuffle_window=40, global_batch_size=G)
+    resumed.load_state_dict(states[0])
+    rest = [b["record"].tolist() for b in resumed]
+    assert [sum(rest[i:i + 3], []) for i in range(0, len(rest), 3)] == reference[3:]
+    other_g = ShardDataset(dataset, batch_size=8, seed=5, shuffle_window=40, global_batch_size=16)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        other_g.load_state_dict(states[0])
+    mid = ShardDataset(dataset, batch_size=16, seed=5, shuffle_window=40, global_batch_size=48)
+    with pytest.raises(ValueError, match="step boundary"):
+        mid.load_state_dict({**states[0], "global_batch_size": 48, "samples": 24})
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        ShardDataset(dataset, batch_size=5, world_size=2, global_batch_size=G)

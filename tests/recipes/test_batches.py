@@ -1,8 +1,8 @@
 """recipes.batches: packed rows train exactly what unpacked rows do.
 
 The same examples, built once unpacked and once packed by data_prep, read whole, go through a tiny
-random Llama and the numeric objective: the loss (CE + token-level numeric terms) and every gradient
-are the same, for sdpa, eager and the flattened rows flash-attention gets (checked here with sdpa and a
+random Llama and the numeric objective: the loss (CE + token-level numeric terms + NTIL, which averages
+over examples through the packed rows' sequence ids) and every gradient are the same, for sdpa, eager and the flattened rows flash-attention gets (checked here with sdpa and a
 mask from the position restarts, since flash-attn needs a GPU).
 """
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from data_prep.reader import ShardDataset
-from recipes.batches import model_inputs, packed_attention_mask, packing_error
+from recipes.batches import model_inputs, packed_attention_mask
 
-TERMS = {"smmd": {}, "ntl_was": {}, "dist2": {}}
+TERMS = {"smmd": {}, "ntl_was": {}, "dist2": {}, "ntil": {"noise_scale": 0.0}}
 
 
 @pytest.fixture(scope="module")
@@ -121,18 +121,15 @@ def test_packed_mask_by_hand():
     assert additive[0, 0, 2, 1] == torch.finfo(torch.bfloat16).min
 
 
-def test_ntil_is_refused_on_packed_data_only(packed_and_unpacked):
+def test_ntil_on_packed_data_is_accepted(packed_and_unpacked):
+    """NTIL averages over examples through the packed rows' sequence ids, so packed data is no longer
+    refused."""
     from pathlib import Path
 
     from recipes.validate import validate_recipe
 
-    assert packing_error({"ntil": 0.3}, False, "data/x") is None
-    assert packing_error({"smmd": {}, "dist2": {}}, True, "data/x") is None
     packed_dir = packed_and_unpacked[3]
     demo = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo.yaml"
     rep = validate_recipe(demo, [f"data.train={packed_dir}", "loss.objective={terms: {ntil: 0.3}}"], offline=True,
-                          size=False)
-    assert any(e.startswith(f"loss.objective.terms.ntil: {packed_dir} is packed") for e in rep.errors), rep.errors
-    rep = validate_recipe(demo, [f"data.train={packed_dir}", "loss.objective={terms: {smmd: {}}}"], offline=True,
                           size=False)
     assert not any("is packed" in e for e in rep.errors), rep.errors

@@ -1,0 +1,214 @@
+"""Layout invariance of recipes.train: the same recipe, data and initial weights train the same at every
+layout (real torchrun jobs on CPU, gloo, fp32).
+
+A tiny Llama is saved to disk once, so every layout (ZeRO-2 or ZeRO-3, 1 or 2 ranks, tensor-parallel
+or not) starts from the same weights. The objective is CE + SMMD + NTL-WAS + NTIL (noise 0) + DIST2
+(place value). Every layout trains 3 steps on the same global batch of 8 rows and must log the
+reference's loss and gradient norm at every step within 1e-5 relative.
+
+The matrix shares runs: one run per layout, each layout changing several axes at once, so that every
+axis value appears at least once (a full cartesian product would be ~100 runs of 20-40 s):
+
+| layout     | ranks | DP | TP | micro x accum | ZeRO | head    | data     |
+|------------|-------|----|----|---------------|------|---------|----------|
+| reference  | 1     | 1  | 1  | 8 x 1         | 2    | logits  | unpacked |
+| accum      | 1     | 1  | 1  | 2 x 4         | 3    | chunked | unpacked |
+| dp2        | 2     | 2  | 1  | 4 x 1         | 3    | logits  | unpacked |
+| dp2-accum  | 2     | 2  | 1  | 1 x 4         | 2    | chunked | unpacked |
+| tp2        | 2     | 1  | 2  | 4 x 2         | 3    | logits  | unpacked |
+| tp2-zero2  | 2     | 1  | 2  | 8 x 1         | 2    | chunked | unpacked |
+| packed     | 1     | 1  | 1  | 4 x 1         | 2    | logits  | packed   |
+| packed-dp2 | 2     | 2  | 1  | 1 x 2         | 3    | chunked | packed   |
+
+Packed rows hold several examples, so the packed layouts (global batch 4 rows) compare with each other.
+Also: the old per-micro-batch mean would give another loss at the 'accum' split (so the matrix can
+fail); a DP-2 run resumed on 1 rank continues the uninterrupted curve; a TP-2 run killed after a
+checkpoint resumes to the same losses to the bit and exports a model that loads in transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("deepspeed")
+
+from torchrun_helpers import launch, read_metrics, run_to_end  # noqa: E402
+
+STEPS = 3
+TERMS = {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0}, "dist2": {"weighting": "place_value"}}
+LAYOUTS = {
+    "reference": (1, ["train.micro_batch_size=8", "train.grad_accum=1", "deepspeed.zero_stage=2"]),
+    "accum": (1, ["train.micro_batch_size=2", "train.grad_accum=4", "deepspeed.zero_stage=3", "loss.head=chunked"]),
+    "dp2": (2, ["train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=3"]),
+    "dp2-accum": (2, ["train.micro_batch_size=1", "train.grad_accum=4", "deepspeed.zero_stage=2",
+                      "loss.head=chunked"]),
+    "tp2": (2, ["train.micro_batch_size=4", "train.grad_accum=2", "deepspeed.zero_stage=3", "deepspeed.tp_size=2"]),
+    "tp2-zero2": (2, ["train.micro_batch_size=8", "train.grad_accum=1", "deepspeed.zero_stage=2",
+                      "deepspeed.tp_size=2", "loss.head=chunked"]),
+}
+PACKED = {
+    "packed": (1, ["train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=2"]),
+    "packed-dp2": (2, ["train.micro_batch_size=1", "train.grad_accum=2", "deepspeed.zero_stage=3",
+                       "loss.head=chunked"]),
+}
+FAST = ("train.tensorboard=false", "train.export=false")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+    from recipes.tiny import tiny_llama_config, train_tokenizer
+
+    root = tmp_path_factory.mktemp("layouts")
+    train_tokenizer(["Calculate 0123456789 + - * / = . ( ) What is"], root / "tok", "digits")
+    source = SourceConfig("arithmetic", options={"n": 96, "max_digits": 3, "negatives": False})
+    tokenize = TokenizeConfig(str(root / "tok"), template="plain", max_length=48)
+    build(BuildConfig(sources=[source], tokenize=tokenize), str(root / "plain"), workers=0, progress=False)
+    build(BuildConfig(sources=[source], tokenize=tokenize, shards=ShardConfig(pack_length=96)), str(root / "packed"),
+          workers=0, progress=False)
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    cfg = dict(tiny_llama_config(len(tok), hidden=32))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(
+        str(root / "model"))
+    tok.save_pretrained(str(root / "model"))
+    recipe = {
+        "name": "layouts", "model": {"name_or_path": str(root / "model"), "dtype": "float32"},
+        "data": {"train": str(root / "plain"), "shuffle_window": 64},
+        "loss": {"objective": {"terms": TERMS}},
+        "optim": {"lr": 3e-3, "schedule": "constant", "grad_clip": 100.0},
+        "train": {"steps": STEPS, "save_every": 0, "progress": False, "seed": 7},
+    }
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return root, path
+
+
+def _run(workspace, name: str, nproc: int, overrides, *extra) -> list[dict]:
+    root, recipe = workspace
+    out = root / name
+    proc = launch(recipe, out, *overrides, *FAST, *extra, nproc=nproc)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
+    return read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def runs(workspace):
+    return {name: _run(workspace, name, nproc, overrides) for name, (nproc, overrides) in LAYOUTS.items()}
+
+
+@pytest.fixture(scope="module")
+def packed_runs(workspace):
+    root, _ = workspace
+    return {name: _run(workspace, name, nproc, overrides, f"data.train={root / 'packed'}")
+            for name, (nproc, overrides) in PACKED.items()}
+
+
+def _same_curve(got: list[dict], want: list[dict], name: str, keys=("loss", "ce", "grad_norm")) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1)), name
+    for a, b in zip(got, want):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=1e-5), f"{name} step {a['step']} {key}: {a[key]} != {b[key]}"
+
+
+def test_every_layout_logs_the_same_losses_and_grad_norms(runs):
+    reference = runs["reference"]
+    assert reference[-1]["loss"] < reference[0]["loss"]  # it trains
+    assert all(r["numeric_positions"] > 0 and r["term/ntil"] > 0 for r in reference)
+    for name, rows in runs.items():
+        _same_curve(rows, reference, name, keys=("loss", "ce", "grad_norm", "term/smmd", "term/ntil",
+                                                  "term/dist2", "numeric_positions"))
+
+
+def test_packed_layouts_agree(packed_runs):
+    _same_curve(packed_runs["packed-dp2"], packed_runs["packed"], "packed-dp2",
+                keys=("loss", "ce", "grad_norm", "term/ntil"))
+
+
+def test_the_old_per_micro_batch_mean_gives_another_loss(workspace, runs):
+    """The matrix can fail: step 1 of the 'accum' split (4 micro-batches of 2 rows) scored as the mean
+    of each micro-batch's own mean (what training did before) is off the logged loss by far more than
+    the matrix's tolerance, while the global normalisation reproduces the logged loss."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data_prep.reader import ShardDataset
+    from numloss import NumericVocab, Objective
+    from numloss.adapters.hf import NumericCausalLM
+    from numloss.normalization import LossCounts
+
+    root, _ = workspace
+    tok = AutoTokenizer.from_pretrained(str(root / "model"))
+    model = AutoModelForCausalLM.from_pretrained(str(root / "model"), attn_implementation="sdpa")
+    vocab = NumericVocab.from_tokenizer(tok, policy="digits", vocab_size=model.config.vocab_size)
+    wrapper = NumericCausalLM(model, Objective(vocab, {"terms": TERMS}), chunked=False)
+    reader = ShardDataset(str(root / "plain"), batch_size=2, seed=7, shuffle_window=64, global_batch_size=8,
+                          pad_id=tok.pad_token_id)
+    stream = iter(reader)
+    window = [next(stream) for _ in range(4)]
+    inputs = [{k: b[k] for k in ("input_ids", "labels", "attention_mask")} for b in window]
+    with torch.no_grad():
+        step = LossCounts.total(wrapper.counts(x["labels"]) for x in inputs)
+        global_loss = sum(float(wrapper(**x, loss_counts=step).loss) for x in inputs)
+        old_loss = sum(float(wrapper(**x).loss) for x in inputs) / 4
+    logged = runs["accum"][0]["loss"]
+    assert global_loss == pytest.approx(logged, rel=1e-5)
+    assert abs(old_loss - logged) > 1e-3 * logged, (old_loss, logged)
+
+
+def test_a_dp2_run_resumes_on_one_rank(workspace, runs):
+    """'dp2' saved after step 2 (a copy of its run), resumed on 1 rank with micro-batch 8: step 3 is the
+    uninterrupted run's step 3 (DeepSpeed's universal checkpoint carries ZeRO state across DP sizes)."""
+    root, _ = workspace
+    out = root / "dp2-then-1"
+    rows = _run(workspace, "dp2-then-1-first", 2, LAYOUTS["dp2"][1], "train.steps=2", f"train.out_dir={out}")
+    assert len(rows) == 2
+    proc = launch(root / "recipe.yaml", out, "train.micro_batch_size=8", "train.grad_accum=1",
+                  "deepspeed.zero_stage=3", *FAST, nproc=1)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-4000:]
+    assert "resumed layouts from step 2" in output
+    _same_curve(read_metrics(out), runs["dp2"], "dp2 resumed on 1 rank")
+
+
+def test_tp2_killed_resumes_to_the_same_losses_and_exports(workspace, runs):
+    """TP 2 (AutoTP, vocab-parallel head, ZeRO-3): checkpoint every step, SIGKILL after two logged
+    steps, restart: the losses of the uninterrupted 'tp2' run to the bit; the export loads."""
+    from transformers import AutoModelForCausalLM
+
+    root, recipe = workspace
+    out = root / "tp2-killed"
+    overrides = [*LAYOUTS["tp2"][1], "train.save_every=1", "train.tensorboard=false"]
+    proc = launch(recipe, out, *overrides, "train.export=false")
+    deadline = time.time() + 600
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(read_metrics(out)) < STEPS
+    output = run_to_end(recipe, out, *overrides)
+    assert "resumed layouts from step" in output, output[-3000:]
+    resumed = read_metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for got, want in zip(resumed, runs["tp2"]):
+        for key in ("loss", "ce", "term/smmd", "grad_norm"):
+            assert got[key] == want[key], f"step {got['step']} {key}: {got[key]!r} != {want[key]!r}"
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    reference = AutoModelForCausalLM.from_pretrained(str(root / "model"))
+    assert model.config.vocab_size == reference.config.vocab_size
+    moved = [name for name, p in model.state_dict().items() if not torch.equal(p, reference.state_dict()[name])]
+    assert "lm_head.weight" in moved and len(moved) > 5  # full (not sharded) trained weights
+    shutil.rmtree(out / "checkpoints")
