@@ -66,6 +66,17 @@ class NumericCausalLM(nn.Module):
 
             deepspeed.zero.register_external_parameter(self, head.weight)
 
+    @property
+    def loss_function(self):
+        """The wrapped model's HF `loss_function` hook. DeepSpeed AutoTP with a vocab-parallel lm_head
+        installs its CE there on the module it was given (this wrapper) and refuses a module without
+        one; the hook lives on the HF model, which this wrapper never asks for a loss."""
+        return self.model.loss_function
+
+    @loss_function.setter
+    def loss_function(self, fn) -> None:
+        self.model.loss_function = fn
+
     def backbone(self) -> nn.Module:
         return getattr(self.model, self.model.base_model_prefix)
 
