@@ -2,13 +2,13 @@
 
 Every loss value is a sum over its items divided by a count of its kind:
 
-| key                        | what is counted                                       | terms                     |
-|----------------------------|-------------------------------------------------------|---------------------------|
-| `tokens`                   | valid labels (not ignore_index)                       | CE, z-loss, GCE           |
-| `numeric`                  | numeric positions (valid labels that are numbers)     | SMMD, NTL-WAS/MSE, DIST2  |
-| `place_value`              | Σ (1 + numeric tokens after it in its run), numeric positions | DIST2 `weighting="place_value"` |
-| `sequences`                | sequences (packed rows: examples) with a valid label  | NTIL                      |
-| `<term>.position_weights`  | Σ of the caller's position weights, numeric positions | NTL with `position_weights` |
+| key                       | what is counted                                          | terms                       |
+|---------------------------|----------------------------------------------------------|-----------------------------|
+| `tokens`                  | valid labels (not ignore_index)                          | CE, z-loss, GCE             |
+| `numeric`                 | numeric positions (valid labels that are numbers)        | SMMD, NTL-WAS/MSE, DIST2    |
+| `place_value`             | Σ over numeric positions of 1 + numeric tokens after it  | DIST2 place-value weighting |
+| `sequences`               | sequences (packed rows: examples) with a valid label     | NTIL                        |
+| `<term>.position_weights` | Σ of the caller's position weights at numeric positions  | NTL with `position_weights` |
 
 One step often spans several micro-batches (gradient accumulation) and data-parallel ranks. If each
 micro-batch divides by its own count, a micro-batch with 3 numeric positions weighs as much as one

@@ -37,7 +37,8 @@ class TermConfig:
 
     `rescale_to_ce` is the NTIL release's normalisation, available for any term: the term enters as
     `stopgrad(CE / term) · w · term`, so the total's value stays `(1 + w) · CE` while the gradient
-    direction still comes from the term.
+    direction still comes from the term. The ratio is taken per micro-batch, so with step-global
+    counts (`numloss.normalization`) this option alone still depends on how a step is split.
     """
 
     weight: float | None = None
@@ -122,10 +123,13 @@ def _rescaled(value: torch.Tensor, ce: torch.Tensor) -> torch.Tensor:
 
 
 class Objective:
-    """`Objective(vocab, config)(logits, labels, group=None, vocab_start=0) -> ObjectiveOutput`.
+    """`Objective(vocab, config)(logits, labels, group=None, vocab_start=0, *, counts=None,
+    sequence_ids=None) -> ObjectiveOutput`.
 
     Parallel contract: as `numloss.functional` (with a TP group the logits are the local vocab shard
-    and the output is identical on every rank). `from_stats` takes a precomputed `LogitStats`, which is
+    and the output is identical on every rank). With `counts` (the optimizer step's, summed over
+    micro-batches and data-parallel ranks by `numloss.normalization.reduce_counts`) the output is this
+    micro-batch's share of the step's loss. `from_stats` takes a precomputed `LogitStats`, which is
     how the chunked head drives the same math.
     """
 
@@ -147,8 +151,8 @@ class Objective:
         return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
-                    vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *, counts: LossCounts | None = None,
-                    sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+                    vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                    counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed chunk by chunk (`numloss.chunked_head`)."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
