@@ -3,8 +3,8 @@ layout (real torchrun jobs on CPU, gloo, fp32).
 
 A tiny Llama is saved to disk once, so every layout (ZeRO-2 or ZeRO-3, 1 or 2 ranks, tensor-parallel
 or not) starts from the same weights. The objective is CE + SMMD + NTL-WAS + NTIL (noise 0) + DIST2
-(place value). Every layout trains 3 steps on the same global batch of 8 rows and must log the
-reference's loss and gradient norm at every step within 1e-5 relative.
+(place value). Every layout trains 4 steps on global batches of 8 rows and must log the reference's
+loss and gradient norm at every step within 1e-5 relative (measured: within 2e-7).
 
 The matrix shares runs: one run per layout, each layout changing several axes at once, so that every
 axis value appears at least once (a full cartesian product would be ~100 runs of 20-40 s):
@@ -41,7 +41,7 @@ pytest.importorskip("deepspeed")
 
 from torchrun_helpers import launch, read_metrics, run_to_end  # noqa: E402
 
-STEPS = 3
+STEPS = 4
 TERMS = {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0}, "dist2": {"weighting": "place_value"}}
 LAYOUTS = {
     "reference": (1, ["train.micro_batch_size=8", "train.grad_accum=1", "deepspeed.zero_stage=2"]),
@@ -58,7 +58,8 @@ PACKED = {
     "packed-dp2": (2, ["train.micro_batch_size=1", "train.grad_accum=2", "deepspeed.zero_stage=3",
                        "loss.head=chunked"]),
 }
-FAST = ("train.tensorboard=false", "train.export=false")
+FAST = ("train.tensorboard=false",)
+EXPORTS = {"dp2"}  # the layout whose final model the TP-2 export is compared with
 
 
 @pytest.fixture(scope="module")
@@ -96,22 +97,37 @@ def workspace(tmp_path_factory):
 def _run(workspace, name: str, nproc: int, overrides, *extra) -> list[dict]:
     root, recipe = workspace
     out = root / name
-    proc = launch(recipe, out, *overrides, *FAST, *extra, nproc=nproc)
+    export = f"train.export={str(name in EXPORTS).lower()}"
+    proc = launch(recipe, out, *overrides, *FAST, export, *extra, nproc=nproc)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
     return read_metrics(out)
 
 
+class Runs(dict):
+    """Each layout's logged rows, run on first use (a test selected alone runs only what it reads)."""
+
+    def __init__(self, workspace, layouts: dict, *extra: str):
+        super().__init__()
+        self.workspace, self.layouts, self.extra = workspace, layouts, extra
+
+    def __missing__(self, name: str) -> list[dict]:
+        nproc, overrides = self.layouts[name]
+        self[name] = _run(self.workspace, name, nproc, overrides, *self.extra)
+        return self[name]
+
+    def all(self) -> dict[str, list[dict]]:
+        return {name: self[name] for name in self.layouts}
+
+
 @pytest.fixture(scope="module")
 def runs(workspace):
-    return {name: _run(workspace, name, nproc, overrides) for name, (nproc, overrides) in LAYOUTS.items()}
+    return Runs(workspace, LAYOUTS)
 
 
 @pytest.fixture(scope="module")
 def packed_runs(workspace):
-    root, _ = workspace
-    return {name: _run(workspace, name, nproc, overrides, f"data.train={root / 'packed'}")
-            for name, (nproc, overrides) in PACKED.items()}
+    return Runs(workspace, PACKED, f"data.train={workspace[0] / 'packed'}")
 
 
 def _same_curve(got: list[dict], want: list[dict], name: str, keys=("loss", "ce", "grad_norm")) -> None:
@@ -125,7 +141,7 @@ def test_every_layout_logs_the_same_losses_and_grad_norms(runs):
     reference = runs["reference"]
     assert reference[-1]["loss"] < reference[0]["loss"]  # it trains
     assert all(r["numeric_positions"] > 0 and r["term/ntil"] > 0 for r in reference)
-    for name, rows in runs.items():
+    for name, rows in runs.all().items():
         _same_curve(rows, reference, name, keys=("loss", "ce", "grad_norm", "term/smmd", "term/ntil",
                                                   "term/dist2", "numeric_positions"))
 
@@ -162,18 +178,19 @@ def test_the_old_per_micro_batch_mean_gives_another_loss(workspace, runs):
         old_loss = sum(float(wrapper(**x).loss) for x in inputs) / 4
     logged = runs["accum"][0]["loss"]
     assert global_loss == pytest.approx(logged, rel=1e-5)
-    assert abs(old_loss - logged) > 1e-3 * logged, (old_loss, logged)
+    assert abs(old_loss - logged) > 1e-4 * logged, (old_loss, logged)  # 10x the matrix's tolerance; seen 9e-4
 
 
 def test_a_dp2_run_resumes_on_one_rank(workspace, runs):
-    """'dp2' saved after step 2 (a copy of its run), resumed on 1 rank with micro-batch 8: step 3 is the
-    uninterrupted run's step 3 (DeepSpeed's universal checkpoint carries ZeRO state across DP sizes)."""
+    """'dp2' stopped after step 2, resumed on 1 rank with micro-batch 8: steps 3 and 4 are the
+    uninterrupted run's (DeepSpeed's universal checkpoint carries the ZeRO-3 weights and Adam state
+    across DP sizes; step 4 shows the Adam state came along)."""
     root, _ = workspace
     out = root / "dp2-then-1"
     rows = _run(workspace, "dp2-then-1-first", 2, LAYOUTS["dp2"][1], "train.steps=2", f"train.out_dir={out}")
     assert len(rows) == 2
     proc = launch(root / "recipe.yaml", out, "train.micro_batch_size=8", "train.grad_accum=1",
-                  "deepspeed.zero_stage=3", *FAST, nproc=1)
+                  "deepspeed.zero_stage=3", *FAST, "train.export=false", nproc=1)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
     assert "resumed layouts from step 2" in output
@@ -182,7 +199,8 @@ def test_a_dp2_run_resumes_on_one_rank(workspace, runs):
 
 def test_tp2_killed_resumes_to_the_same_losses_and_exports(workspace, runs):
     """TP 2 (AutoTP, vocab-parallel head, ZeRO-3): checkpoint every step, SIGKILL after two logged
-    steps, restart: the losses of the uninterrupted 'tp2' run to the bit; the export loads."""
+    steps, restart: the losses of the uninterrupted 'tp2' run to the bit; the exported model loads in
+    transformers, whole (not a TP shard), and equals the model the DP-2 layout trained."""
     from transformers import AutoModelForCausalLM
 
     root, recipe = workspace
@@ -206,9 +224,11 @@ def test_tp2_killed_resumes_to_the_same_losses_and_exports(workspace, runs):
     for got, want in zip(resumed, runs["tp2"]):
         for key in ("loss", "ce", "term/smmd", "grad_norm"):
             assert got[key] == want[key], f"step {got['step']} {key}: {got[key]!r} != {want[key]!r}"
-    model = AutoModelForCausalLM.from_pretrained(str(out / "final"))
-    reference = AutoModelForCausalLM.from_pretrained(str(root / "model"))
-    assert model.config.vocab_size == reference.config.vocab_size
-    moved = [name for name, p in model.state_dict().items() if not torch.equal(p, reference.state_dict()[name])]
-    assert "lm_head.weight" in moved and len(moved) > 5  # full (not sharded) trained weights
+    model = AutoModelForCausalLM.from_pretrained(str(out / "final")).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(str(root / "model")).state_dict()
+    other = AutoModelForCausalLM.from_pretrained(str(root / "dp2" / "final")).state_dict()
+    assert set(model) == set(initial) and all(model[k].shape == initial[k].shape for k in model)
+    for name, value in model.items():
+        assert not torch.equal(value, initial[name]), f"{name} did not train"
+        torch.testing.assert_close(value, other[name], rtol=1e-4, atol=1e-5, msg=name)
     shutil.rmtree(out / "checkpoints")
