@@ -187,7 +187,7 @@ def test_a_dp2_run_resumes_on_one_rank(workspace, runs):
     across DP sizes; step 4 shows the Adam state came along)."""
     root, _ = workspace
     out = root / "dp2-then-1"
-    rows = _run(workspace, "dp2-then-1-first", 2, LAYOUTS["dp2"][1], "train.steps=2", f"train.out_dir={out}")
+    rows = _run(workspace, "dp2-then-1", 2, LAYOUTS["dp2"][1], "train.steps=2")
     assert len(rows) == 2
     proc = launch(root / "recipe.yaml", out, "train.micro_batch_size=8", "train.grad_accum=1",
                   "deepspeed.zero_stage=3", *FAST, "train.export=false", nproc=1)
