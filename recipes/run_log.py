@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 from .config import Recipe
 from .runtime import Runtime
