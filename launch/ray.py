@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[1]
 POINTER = "numloss_checkpoint.json"
 FAULT_ENV = "NUMLOSS_FAULT"  # test-only: "STEP:RANK" -> that rank SIGKILLs itself once after that step
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+HEAD_ARGS_ENV = "NUMLOSS_RAY_HEAD_ARGS"  # extra `ray start --head` options for --start-head
 DEFAULT_TEMP = os.environ.get("NUMLOSS_RAY_TMP", "/tmp/numloss-ray")  # short: Ray's socket paths live under it
 
 
@@ -76,6 +77,82 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     # address="local": never attach to some other Ray instance that happens to run on this host
     ray.init(address="local", _node_ip_address="127.0.0.1", _temp_dir=temp, include_dashboard=False,
              num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True)
+
+
+def ray_cli() -> list[str]:
+    """The `ray` command of this interpreter's environment (its script beside python, else the module)."""
+    script = Path(sys.executable).with_name("ray")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+class HeadNode:
+    """A Ray head started in *this* process's environment (`ray start --head --block` as a child), for
+    the SLURM template: under pyxis/enroot every `srun` step is its own container with a private /tmp,
+    and Ray's driver must reach its node's raylet through the unix sockets under the head's temp dir, so
+    the head and the driver have to live in one step. On exit the child is sent SIGTERM (`ray start
+    --block` then stops this node only; never `ray stop`, which ends every Ray process on the host).
+
+        with HeadNode("10.0.0.1:6379", num_cpus=96, num_gpus=8) as head:
+            head.wait_for_nodes(4, timeout_s=300)
+            run(...)
+    """
+
+    def __init__(self, address: str, num_cpus: int, num_gpus: int, temp_dir: str | None = None):
+        import subprocess
+
+        ip, _, port = address.rpartition(":")
+        if not ip or not port.isdigit():
+            raise ValueError(f"--start-head: expected IP:PORT, got {address!r}")
+        self.address = address
+        cmd = [*ray_cli(), "start", "--head", f"--node-ip-address={ip}", f"--port={port}",
+               f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--block"]
+        if temp_dir:
+            cmd.append(f"--temp-dir={temp_dir}")
+        # extra `ray start --head` options, e.g. other ports where another Ray already uses the defaults
+        cmd += shlex.split(os.environ.get(HEAD_ARGS_ENV, ""))
+        print(f"[launch.ray] starting the Ray head: {shlex.join(cmd)}", flush=True)
+        self.proc = subprocess.Popen(cmd)
+
+    def wait_for_nodes(self, nodes: int, timeout_s: float = 300.0) -> int:
+        """Connect this driver to the head, then wait until `nodes` Ray nodes are alive (RuntimeError
+        after `timeout_s`, or at once if the head process died)."""
+        deadline = time.monotonic() + timeout_s
+        while not ray.is_initialized():
+            self._check_alive()
+            try:
+                ray.init(address=self.address, log_to_driver=True)
+            except (ConnectionError, RuntimeError) as err:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the Ray head at {self.address} did not come up in {timeout_s:g}s: "
+                                       f"{err}") from None
+                time.sleep(2)
+        alive = 0
+        while time.monotonic() < deadline:
+            self._check_alive()
+            alive = sum(1 for n in ray.nodes() if n["Alive"])
+            if alive >= nodes:
+                print(f"[launch.ray] {alive} Ray nodes up", flush=True)
+                return alive
+            time.sleep(1)
+        raise RuntimeError(f"only {alive} of {nodes} Ray nodes joined {self.address} within {timeout_s:g}s")
+
+    def _check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the Ray head process exited with status {self.proc.returncode}")
+
+    def __enter__(self) -> "HeadNode":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except Exception:  # noqa: BLE001  (TimeoutExpired): it would not stop, so end it
+                self.proc.kill()
+                self.proc.wait(timeout=30)
 
 
 # ---- placement ---------------------------------------------------------------------------------------
@@ -369,6 +446,14 @@ def _parser(submit_mode: bool) -> argparse.ArgumentParser:
     else:
         p.add_argument("--name", default=None, help="Ray run name (default: the recipe's name)")
         p.add_argument("--temp-dir", default=None, help=f"local instance's temp dir (default {DEFAULT_TEMP})")
+        p.add_argument("--start-head", default=None, metavar="IP:PORT",
+                       help="start a Ray head at IP:PORT in this process's environment, wait for "
+                            "--expect-nodes nodes, run the job on it, stop the head (the SLURM template)")
+        p.add_argument("--expect-nodes", type=int, default=1, help="--start-head: nodes to wait for")
+        p.add_argument("--head-cpus", type=int, default=None, help="--start-head: CPUs the head offers")
+        p.add_argument("--head-gpus", type=int, default=0, help="--start-head: GPUs the head offers")
+        p.add_argument("--join-timeout", type=float, default=300.0,
+                       help="--start-head: seconds to wait for the head and every node")
     return p
 
 
@@ -386,9 +471,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, default=str), flush=True)
         return 0 if out["status"] in ("SUCCEEDED", "SUBMITTED") else 1
     args = _parser(False).parse_intermixed_args(argv)
-    summary = run(args.recipe, args.overrides, address=args.address, max_failures=args.max_failures,
-                  num_workers=args.num_workers, placement=args.placement, name=args.name,
-                  temp_dir=args.temp_dir)
+    kw = dict(max_failures=args.max_failures, num_workers=args.num_workers, placement=args.placement,
+              name=args.name)
+    if args.start_head:
+        if args.address:
+            raise SystemExit("launch.ray: give --start-head or --address, not both")
+        with HeadNode(args.start_head, num_cpus=args.head_cpus or os.cpu_count(), num_gpus=args.head_gpus,
+                      temp_dir=args.temp_dir) as head:
+            head.wait_for_nodes(args.expect_nodes, timeout_s=args.join_timeout)
+            summary = run(args.recipe, args.overrides, address=args.start_head, **kw)
+    else:
+        summary = run(args.recipe, args.overrides, address=args.address, temp_dir=args.temp_dir, **kw)
     print(RESULT_PREFIX + json.dumps(summary, default=str), flush=True)
     return 0
 

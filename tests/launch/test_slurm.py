@@ -48,7 +48,7 @@ def test_rendered_script_is_valid_bash_with_the_recipes_allocation(recipe, tmp_p
     assert "--container-image='nvcr.io#myorg/numloss:0.1.0'" in text
     assert "NODES=4" in text
     if mode == "ray":
-        assert "GPUS_PER_NODE=8" in text and "ray start --head" in text and "python -m launch.ray" in text
+        assert "GPUS_PER_NODE=8" in text and "--start-head" in text and "python -m launch.ray" in text
         assert not re.search(r"^[^#]*\bray stop", text, re.M)
     else:
         assert "WORKERS_PER_NODE=8" in text and "torchrun --nnodes" in text and "-m recipes.train" in text
