@@ -123,6 +123,11 @@ class ClusterSection:
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
+    mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
+    hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted
+    hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub
+    nccl_debug: str = "WARN"  # NCCL_DEBUG for the job (INFO when debugging a hang)
+    nccl_socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, e.g. "ib0" or "^lo,docker"; None: NCCL picks
 
     def ranks_per_node(self) -> int:
         """Training processes per node: one per GPU, or `cpu_ranks_per_node` on CPU."""
