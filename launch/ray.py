@@ -37,6 +37,7 @@ again continues it (Ray and `latest` agree on that).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
@@ -172,6 +173,15 @@ def scaling(recipe, num_workers: int | None = None, placement: str = "PACK"):
                          placement_strategy=placement)
 
 
+def torch_config(recipe):
+    """Ray's process group: NCCL on GPUs, gloo on CPU, with the recipe's collective timeout (the same
+    one recipes.train gives a group it creates itself)."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend="nccl" if recipe.cluster.gpus_per_node else "gloo",
+                       timeout_s=int(recipe.train.dist_timeout_minutes * 60))
+
+
 def _absolute_paths(data: dict, base: Path) -> dict:
     """Paths in the recipe made absolute on the driver: workers run in other directories."""
     def fix(section: str, key: str, must_exist: bool = False):
@@ -189,7 +199,7 @@ def _absolute_paths(data: dict, base: Path) -> dict:
 # ---- inside every worker -----------------------------------------------------------------------------
 
 
-def _stable_ranks(out_dir: Path) -> dict:
+def _stable_ranks(out_dir: Path, timeout=None) -> dict:
     """Re-number the workers by (node IP, Ray node id, local rank); re-form the process group if that
     differs from Ray's order. Returns this worker's entry of the rank map."""
     import torch.distributed as dist
@@ -217,7 +227,7 @@ def _stable_ranks(out_dir: Path) -> dict:
         dist.destroy_process_group()
         os.environ.update(RANK=str(rank), MASTER_ADDR=addr_port[0][0], MASTER_PORT=str(addr_port[0][1]))
         dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                world_size=len(everyone))
+                                world_size=len(everyone), timeout=timeout)
     ranks = {new_rank[r]: {k: v for k, v in e.items() if k != "ray_rank"} for r, e in enumerate(everyone)}
     if dist.get_rank() == 0:
         path = out_dir / "ranks.json"
@@ -267,7 +277,7 @@ def train_loop(config: dict) -> None:
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
-    _stable_ranks(out_dir)
+    _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
     setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
@@ -338,7 +348,7 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"recipe": recipe.to_dict(), "fault": fault},
-        torch_config=TorchConfig(backend="nccl" if recipe.cluster.gpus_per_node else "gloo"),
+        torch_config=torch_config(recipe),
         scaling_config=scaling(recipe, num_workers, placement),
         run_config=RunConfig(
             name=name or recipe.name,

@@ -97,7 +97,9 @@ class TrainSection:
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     out_dir: str = ""  # "" -> runs/<name>
-    export: bool = True  # a consolidated HF safetensors model + tokenizer at the end
+    export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
+    # collectives' timeout: a slow checkpoint save or export at 70B runs past torch's 10-minute default
+    dist_timeout_minutes: float = 60.0
     tensorboard: bool = True
     wandb_project: str | None = None
     progress: bool = True
@@ -171,6 +173,8 @@ class Recipe:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.train.dist_timeout_minutes <= 0:
+            raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
         for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,
                            "optim.warmup_steps": self.optim.warmup_steps}.items():
             if value < 0:

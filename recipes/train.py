@@ -35,13 +35,12 @@ import torch.distributed as dist
 
 from data_prep.reader import ShardDataset
 from numloss import NumericVocab, Objective
-from numloss.adapters.hf import NumericCausalLM
 
 from .batches import model_inputs, packing_error
 from .checkpoints import Checkpoints, export
 from .config import Recipe, dump_recipe, load_recipe
 from .ds_config import build_optimizer, deepspeed_config, lr_lambda
-from .model import build_model, load_tokenizer
+from .model import build_model, load_tokenizer, training_module
 from .run_log import MetricsLog, progress_bar, reduce_mean
 from .runtime import Runtime, setup_distributed, teardown
 
@@ -66,7 +65,7 @@ class Hooks:
 
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
-    runtime = setup_distributed()
+    runtime = setup_distributed(recipe.train.dist_timeout_minutes)
     engine = None
     try:
         engine, last = _train(recipe, runtime, hooks or Hooks())
@@ -98,8 +97,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                                         max_value=recipe.loss.numeric_max_value,
                                         space_variants=recipe.loss.space_variants, vocab_size=logits_width)
     objective = Objective(vocab, recipe.objective_config())
-    wrapper = NumericCausalLM(model, objective, chunked=recipe.loss.head == "chunked",
-                              chunk_size=recipe.loss.chunk_size)
+    wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
     optimizer = build_optimizer(recipe, wrapper.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
     engine, optimizer, _, scheduler = deepspeed.initialize(model=wrapper, optimizer=optimizer,
