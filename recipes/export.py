@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .runtime import Runtime
 
-PREFIX = "model."  # NumericCausalLM holds the HF model as `.model`
+PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.model.training_module)
 INDEX = "model.safetensors.index.json"
 
 
@@ -101,7 +101,9 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
     # tied weights: a Parameter seen by another rank's module first would be written twice; the key
     # kept is the one transformers expects (its tied-weight *targets* are dropped)
     tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
-    state = {k[len(PREFIX):]: v for k, v in mine.items() if k.startswith(PREFIX)}
+    # NumericCausalLM holds the HF model as `.model`; under AutoTP the engine's module is the HF model
+    prefix = "" if engine.module is model else PREFIX
+    state = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
     state = {k: v for k, v in state.items() if k not in tied_targets}
     if getattr(model, "_weight_conversions", None) is not None:
         # transformers 5 loading under ZeRO-3 records extra legacy renamings whose reverse writes keys such

@@ -71,40 +71,62 @@ def _default_attention(device: torch.device) -> str:
 
 
 
-class AutoTPNumericCausalLM(NumericCausalLM):
-    """NumericCausalLM as DeepSpeed's AutoTP must see it. AutoTP partitions the module given to
-    `deepspeed.initialize` and reads from it: `config` (attention and KV head counts; DeepSpeed 0.19.8
-    refuses a vocab-parallel head on a module without them), the HF `tp_plan` (`config.base_model_tp_plan`
-    and the class's `_tp_plan`; DeepSpeed matches its patterns with any prefix, so the wrapper's
-    `model.` in front of every name is fine) and the `loss_function` hook its vocab-parallel head
-    replaces. All three are the HF model's. Logits only: the chunked head needs the whole lm_head."""
 
-    def __init__(self, model, objective):
-        super().__init__(model, objective, chunked=False)
-        plan = getattr(type(model), "_tp_plan", None)
-        if plan:
-            self._tp_plan = dict(plan)  # the instance's plan, where DeepSpeed looks for it
+def numeric_autotp_model(model, objective):
+    """The HF model itself, its class swapped for a subclass whose forward returns the numeric objective
+    (`NumericLMOutput`, as NumericCausalLM's logits path): what DeepSpeed's AutoTP must partition.
 
-    @property
-    def config(self):
-        return self.model.config
+    Why not the NumericCausalLM wrapper: AutoTP reads the module given to `deepspeed.initialize` for
+    its `config` (attention and KV head counts), its HF `tp_plan` and its `loss_function` hook, and
+    DeepSpeed 0.19.8 recognises the output head by the module name `lm_head`; under the wrapper the
+    name is `model.lm_head` and, whenever the vocabulary is a multiple of the KV head count, the head is
+    split like attention, by KV heads: with fewer KV heads than TP ranks some ranks get no vocabulary
+    at all and DeepSpeed refuses the model (Qwen2.5-7B, 4 KV heads, at TP 8). The wrapper also has no
+    `config` or `loss_function` (DeepSpeed refuses a vocab-parallel head on it). Here every name, the
+    config and the plan are the HF model's own; checkpoint keys have no `model.` prefix."""
+    from numloss.adapters.hf import NumericLMOutput, causal_lm_objective, find_vocab_shard
 
-    @property
-    def loss_function(self):
-        return self.model.loss_function
+    base = type(model)
 
-    @loss_function.setter
-    def loss_function(self, fn):
-        self.model.loss_function = fn
+    class NumericObjectiveModel(base):
+        def forward(self, input_ids=None, labels=None, attention_mask=None, **kwargs):
+            logits = base.forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs).logits
+            objective = self.__dict__["_numloss_objective"]
+            return NumericLMOutput.of(causal_lm_objective(objective, logits, labels, find_vocab_shard(self)))
+
+    NumericObjectiveModel.__name__ = NumericObjectiveModel.__qualname__ = f"Numeric{base.__name__}"
+    model.__class__ = NumericObjectiveModel
+    model.__dict__["_numloss_objective"] = objective  # not a submodule: no state in the checkpoint
+    return model
 
 
-def training_module(model, objective, recipe: Recipe) -> NumericCausalLM:
-    """What `deepspeed.initialize` receives: the HF model wrapped with the numeric objective, as
-    `AutoTPNumericCausalLM` under AutoTP (`deepspeed.tp_size` > 1)."""
+def training_module(model, objective, recipe: Recipe):
+    """What `deepspeed.initialize` receives: the HF model wrapped with the numeric objective
+    (NumericCausalLM), or under AutoTP (`deepspeed.tp_size` > 1) the HF model itself computing it
+    (`numeric_autotp_model`). Either way its forward takes (input_ids, labels, attention_mask, ...)
+    and returns a NumericLMOutput."""
     chunked = recipe.loss.head == "chunked"
     if recipe.deepspeed.tp_size > 1:
         if chunked:
             raise ValueError("loss.head: chunked is not supported with deepspeed.tp_size > 1 (AutoTP shards the "
                              "lm_head along the vocabulary); use loss.head: logits")
-        return AutoTPNumericCausalLM(model, objective)
+        problem = autotp_problem(model.config, recipe.deepspeed.tp_size, recipe.deepspeed.zero_stage)
+        if problem:
+            raise ValueError(problem)
+        return numeric_autotp_model(model, objective)
     return NumericCausalLM(model, objective, chunked=chunked, chunk_size=recipe.loss.chunk_size)
+
+
+def autotp_problem(config, tp_size: int, zero_stage: int) -> str | None:
+    """Why AutoTP cannot run this model at this layout (None: it can). AutoTP splits attention by KV
+    heads: with fewer KV heads than TP ranks, the ranks past the head count hold empty q/k/v shards.
+    That is still correct at ZeRO 0-2 (their all-reduce adds zeros; checked on CPU: the loss equals
+    TP 1), but ZeRO-3 cannot partition an empty parameter and DeepSpeed 0.19.8 fails at the first
+    forward."""
+    text = getattr(config, "text_config", None) or config
+    kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if kv is not None and kv < tp_size and zero_stage == 3:
+        return (f"deepspeed.tp_size: the model has {kv} KV heads, fewer than tp_size {tp_size}: AutoTP leaves "
+                f"ranks {kv}..{tp_size - 1} without attention heads, which ZeRO-3 cannot partition; use "
+                f"deepspeed.zero_stage 2 or tp_size <= {kv}")
+    return None

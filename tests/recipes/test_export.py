@@ -1,6 +1,7 @@
 """The sharded Hugging Face export (recipes.export) at ZeRO-0/2/3 with TP 1 and 2 on 2 real gloo ranks.
 
-Per layout: a tiny Llama (vocab 101: AutoTP splits the lm_head 51 + 50) is loaded from a saved
+Per layout: a tiny Llama (vocab 101: AutoTP splits the lm_head 51 + 50; at TP 1 with tied
+embeddings, written once) is loaded from a saved
 directory through `recipes.model.build_model`, wrapped as in training, given one optimizer step on a
 fixed batch, and exported. Checked: every rank wrote its own shard (2 files + transformers' index),
 each rank held at most half the bytes plus one module, the directory loads with
@@ -35,11 +36,12 @@ def _save_source(root: Path) -> Path:
     from recipes.tiny import train_tokenizer
 
     train_tokenizer(["0123456789 + - = ."], root / "tok", "digits")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "source")
+    for name, tied in (("source", False), ("source-tied", True)):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=tied)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
     return root
 
 
@@ -62,12 +64,14 @@ def _rank(rank, world, root: str, tp: int):
     root = Path(root)
     runtime = Runtime(rank, world, rank, torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(root / "tok")
-    source = AutoModelForCausalLM.from_pretrained(root / "source").state_dict()
+    # TP 1 exports a model with tied embeddings (Qwen2.5-1.5B's layout): the shared weight is written once
+    name = "source-tied" if tp == 1 else "source"
+    source = AutoModelForCausalLM.from_pretrained(root / name).state_dict()
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(V, (2, 12), generator=g)
     for stage in (0, 2, 3):
         recipe = recipe_from_dict({
-            "model": {"name_or_path": str(root / "source"), "tokenizer": str(root / "tok"), "dtype": "float32",
+            "model": {"name_or_path": str(root / name), "tokenizer": str(root / "tok"), "dtype": "float32",
                       "attn_implementation": "eager"},
             "data": {"train": "unused"}, "loss": {"objective": {"terms": {"smmd": {}}}, "head": "logits"},
             "deepspeed": {"zero_stage": stage, "tp_size": tp},
@@ -94,19 +98,26 @@ def _rank(rank, world, root: str, tp: int):
             everyone = [None] * world
             dist.all_gather_object(everyone, mine[0])
             if rank == 0:
-                full = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+                if engine.module is not model:  # NumericCausalLM: the HF model is `.model`
+                    full = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+                if tp == 1:
+                    full.pop("lm_head.weight", None)  # the tied copy of model.embed_tokens.weight
                 total = sum(v.numel() * v.element_size() for v in full.values())
                 largest = max(v.numel() * v.element_size() for v in full.values())
                 index = json.loads((path / "model.safetensors.index.json").read_text())
                 files = sorted(p.name for p in path.glob("*.safetensors"))
                 assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], files
                 assert sorted({e["file"] for e in everyone}) == files  # each rank wrote one of them
-                assert index["metadata"]["total_size"] == total
-                assert set(index["weight_map"]) == set(full)
                 for e in everyone:
                     assert e["bytes"] <= total / 2 + largest, (e["bytes"], total)
+                on_disk = set(index["weight_map"])
+                assert index["metadata"]["total_size"] == total and on_disk == set(full)
+                if tp == 1:
+                    assert "lm_head.weight" not in on_disk and "model.embed_tokens.weight" in on_disk
                 loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
-                assert set(loaded) == set(full) == set(source)
+                assert set(loaded) == set(source)
+                if tp == 1:
+                    assert loaded["lm_head.weight"].data_ptr() == loaded["model.embed_tokens.weight"].data_ptr()
                 for key, value in full.items():
                     assert torch.equal(loaded[key], value), f"z{stage} tp{tp} {key}"
                 moved = [k for k in source if not torch.equal(loaded[k], source[k])]
