@@ -54,7 +54,6 @@ REPO = Path(__file__).resolve().parents[1]
 POINTER = "numloss_checkpoint.json"
 FAULT_ENV = "NUMLOSS_FAULT"  # test-only: "STEP:RANK" -> that rank SIGKILLs itself once after that step
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-HEAD_ARGS_ENV = "NUMLOSS_RAY_HEAD_ARGS"  # extra `ray start --head` options for --start-head
 DEFAULT_TEMP = os.environ.get("NUMLOSS_RAY_TMP", "/tmp/numloss-ray")  # short: Ray's socket paths live under it
 
 
@@ -78,82 +77,6 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     # address="local": never attach to some other Ray instance that happens to run on this host
     ray.init(address="local", _node_ip_address="127.0.0.1", _temp_dir=temp, include_dashboard=False,
              num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True)
-
-
-def ray_cli() -> list[str]:
-    """The `ray` command of this interpreter's environment (its script beside python, else the module)."""
-    script = Path(sys.executable).with_name("ray")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-class HeadNode:
-    """A Ray head started in *this* process's environment (`ray start --head --block` as a child), for
-    the SLURM template: under pyxis/enroot every `srun` step is its own container with a private /tmp,
-    and Ray's driver must reach its node's raylet through the unix sockets under the head's temp dir, so
-    the head and the driver have to live in one step. On exit the child is sent SIGTERM (`ray start
-    --block` then stops this node only; never `ray stop`, which ends every Ray process on the host).
-
-        with HeadNode("10.0.0.1:6379", num_cpus=96, num_gpus=8) as head:
-            head.wait_for_nodes(4, timeout_s=300)
-            run(...)
-    """
-
-    def __init__(self, address: str, num_cpus: int, num_gpus: int, temp_dir: str | None = None):
-        import subprocess
-
-        ip, _, port = address.rpartition(":")
-        if not ip or not port.isdigit():
-            raise ValueError(f"--start-head: expected IP:PORT, got {address!r}")
-        self.address = address
-        cmd = [*ray_cli(), "start", "--head", f"--node-ip-address={ip}", f"--port={port}",
-               f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--block"]
-        if temp_dir:
-            cmd.append(f"--temp-dir={temp_dir}")
-        # extra `ray start --head` options, e.g. other ports where another Ray already uses the defaults
-        cmd += shlex.split(os.environ.get(HEAD_ARGS_ENV, ""))
-        print(f"[launch.ray] starting the Ray head: {shlex.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd)
-
-    def wait_for_nodes(self, nodes: int, timeout_s: float = 300.0) -> int:
-        """Connect this driver to the head, then wait until `nodes` Ray nodes are alive (RuntimeError
-        after `timeout_s`, or at once if the head process died)."""
-        deadline = time.monotonic() + timeout_s
-        while not ray.is_initialized():
-            self._check_alive()
-            try:
-                ray.init(address=self.address, log_to_driver=True)
-            except (ConnectionError, RuntimeError) as err:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the Ray head at {self.address} did not come up in {timeout_s:g}s: "
-                                       f"{err}") from None
-                time.sleep(2)
-        alive = 0
-        while time.monotonic() < deadline:
-            self._check_alive()
-            alive = sum(1 for n in ray.nodes() if n["Alive"])
-            if alive >= nodes:
-                print(f"[launch.ray] {alive} Ray nodes up", flush=True)
-                return alive
-            time.sleep(1)
-        raise RuntimeError(f"only {alive} of {nodes} Ray nodes joined {self.address} within {timeout_s:g}s")
-
-    def _check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the Ray head process exited with status {self.proc.returncode}")
-
-    def __enter__(self) -> "HeadNode":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if ray.is_initialized():
-            ray.shutdown()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except Exception:  # noqa: BLE001  (TimeoutExpired): it would not stop, so end it
-                self.proc.kill()
-                self.proc.wait(timeout=30)
 
 
 # ---- placement ---------------------------------------------------------------------------------------
@@ -374,6 +297,32 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
 SUBMIT_EXCLUDES = [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"]
 
 
+def submit_excludes(recipe: str, overrides: list[str] | tuple, working_dir: str | Path) -> list[str]:
+    """SUBMIT_EXCLUDES plus the recipe's data, output and local model directories that lie inside the
+    uploaded working directory (anchored `/rel/path` patterns): Ray would otherwise zip and upload
+    data sets and runs with the code (its working_dir limit is 500 MiB)."""
+    from recipes.config import load_recipe
+
+    root = Path(working_dir).resolve()
+    r = load_recipe(Path(root, recipe) if not os.path.isabs(recipe) and not os.path.exists(recipe) else recipe,
+                    overrides)
+    out = list(SUBMIT_EXCLUDES)
+    for value in (r.data.train, r.data.eval, r.eval.data, r.train.out_dir, r.model.name_or_path, r.model.tokenizer):
+        if not value:
+            continue
+        path = Path(value) if os.path.isabs(value) else root / value
+        if not (os.path.isabs(value) or path.exists() or value in (r.train.out_dir, r.data.train, r.data.eval,
+                                                                    r.eval.data)):
+            continue  # a hub name such as org/model
+        try:
+            rel = path.resolve().relative_to(root)
+        except ValueError:
+            continue  # outside the working directory: never uploaded
+        if str(rel) != ".":
+            out.append(f"/{rel.as_posix()}")
+    return list(dict.fromkeys(out))
+
+
 def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures: int = 0,
                    num_workers: int | None = None, placement: str = "PACK", python: str = "python") -> str:
     """The command a Ray job runs on the head node (every piece shell-quoted). `python` is the head's
@@ -388,7 +337,7 @@ def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures:
 def submit_command(address: str, recipe: str, overrides: list[str] | tuple = (), **kw) -> list[str]:
     """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK)."""
     return ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO),
-            "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES}), "--",
+            "--runtime-env-json", json.dumps({"excludes": submit_excludes(recipe, overrides, REPO)}), "--",
             *shlex.split(job_entrypoint(recipe, overrides, **kw))]
 
 
@@ -397,7 +346,7 @@ def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait
     """Submit the recipe as a Ray job with the project as working directory (Ray Jobs SDK), stream its
     logs, and return {"job_id", "status", "result"} where result is the job's ray_result.json.
 
-    The job runs in Ray's copy of `working_dir` (SUBMIT_EXCLUDES left out): a relative recipe path is
+    The job runs in Ray's copy of `working_dir` (`submit_excludes` left out): a relative recipe path is
     read from that copy, and relative paths inside the recipe (train.out_dir!) land in it too, so give
     the job absolute paths on storage the nodes share."""
     if client is None:
@@ -405,8 +354,9 @@ def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait
 
         client = JobSubmissionClient(address)
     entrypoint = job_entrypoint(recipe, overrides, **kw)
+    excludes = submit_excludes(recipe, overrides, working_dir)
     job_id = client.submit_job(entrypoint=entrypoint,
-                               runtime_env={"working_dir": str(working_dir), "excludes": SUBMIT_EXCLUDES})
+                               runtime_env={"working_dir": str(working_dir), "excludes": excludes})
     print(f"[launch.ray] submitted {job_id}: {entrypoint}", flush=True)
     if not wait:
         return {"job_id": job_id, "status": "SUBMITTED", "result": None}
@@ -486,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_head:
         if args.address:
             raise SystemExit("launch.ray: give --start-head or --address, not both")
+        from launch.ray_head import HeadNode
+
         with HeadNode(args.start_head, num_cpus=args.head_cpus or os.cpu_count(), num_gpus=args.head_gpus,
                       temp_dir=args.temp_dir) as head:
             head.wait_for_nodes(args.expect_nodes, timeout_s=args.join_timeout)

@@ -16,6 +16,7 @@ write into one directory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -286,7 +287,7 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
-    data = dict(data or {})
+    data = copy.deepcopy(data or {})  # overrides write into nested sections: never into the caller's
     for override in overrides:
         apply_override(data, override)
     recipe = _build(Recipe, data)

@@ -72,7 +72,12 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
     import deepspeed
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
     from safetensors.torch import save_file
-    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 has no key conversions to revert
+        def revert_weight_conversion(model, state):
+            return state
 
     world = dist.get_world_size()
     modules = _modules_with_state(engine.module)
@@ -100,7 +105,11 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
                         mine[prefix + name] = b.detach().to("cpu", copy=True).contiguous()
     # tied weights: a Parameter seen by another rank's module first would be written twice; the key
     # kept is the one transformers expects (its tied-weight *targets* are dropped)
-    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    tied_targets = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {target: source}
+    if tied_targets is None:  # transformers 4: a list of targets, tied when the config says so
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        tied_targets = getattr(model, "_tied_weights_keys", None) or [] if tied else []
+    tied_targets = set(tied_targets)
     # NumericCausalLM holds the HF model as `.model`; under AutoTP the engine's module is the HF model
     prefix = "" if engine.module is model else PREFIX
     state = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}

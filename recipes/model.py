@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from numloss.adapters.hf import NumericCausalLM
@@ -56,7 +58,25 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
                                                      trust_remote_code=m.trust_remote_code)
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    log_attention(model, attn)
     return model, live
+
+
+def attention_used(model) -> str:
+    """The attention implementation the built model runs (its language model's, for vision models)."""
+    config = model.config
+    text = getattr(config, "text_config", None)
+    return getattr(text, "_attn_implementation", None) or config._attn_implementation
+
+
+def log_attention(model, asked: str) -> str:
+    """Print (rank 0) the attention implementation actually used, and warn when it is not the one asked
+    for: a silent fall-back (e.g. to sdpa when flash-attn is missing) costs memory and speed at scale."""
+    used = attention_used(model)
+    if os.environ.get("RANK", "0") == "0":
+        note = "" if used == asked else f" (asked for {asked}: WARNING, transformers fell back)"
+        print(f"[numloss] attention implementation: {used}{note}", flush=True)
+    return used
 
 
 def _default_attention(device: torch.device) -> str:
