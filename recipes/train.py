@@ -5,8 +5,8 @@
 
 One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows on each data-parallel rank.
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
-optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a
-consolidated Hugging Face safetensors model with its tokenizer, or processor).
+optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a Hugging
+Face safetensors model, one shard per rank with its index, and its tokenizer or processor).
 
 Batches become model inputs in `recipes.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
