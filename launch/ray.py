@@ -335,9 +335,15 @@ def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures:
 
 
 def submit_command(address: str, recipe: str, overrides: list[str] | tuple = (), **kw) -> list[str]:
-    """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK)."""
+    """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK). A
+    recipe that cannot be read here (it may exist only on the head) gets the fixed SUBMIT_EXCLUDES."""
+    try:
+        excludes = submit_excludes(recipe, overrides, REPO)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"[launch.ray] {err}: only the fixed excludes are listed", file=sys.stderr)
+        excludes = list(SUBMIT_EXCLUDES)
     return ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO),
-            "--runtime-env-json", json.dumps({"excludes": submit_excludes(recipe, overrides, REPO)}), "--",
+            "--runtime-env-json", json.dumps({"excludes": excludes}), "--",
             *shlex.split(job_entrypoint(recipe, overrides, **kw))]
 
 
