@@ -130,6 +130,8 @@ def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, re
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
     # the fp32 run of the same recipe starts at the same loss, up to bf16 rounding
     assert logits[0]["loss"] == pytest.approx(read_metrics(reference_run)[0]["loss"], rel=2e-2)
+    from recipes.export import read_export
+
     exported = read_export(root / "bf16-logits" / "final")
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}
 
