@@ -14,8 +14,9 @@ activation (2 in bf16, 4 in fp32), P parameters.
 - The head: logits path: [T, V/t] logits in the model dtype, their fp32 copy for the loss, its
   gradient and the logits' gradient, (2e + 8) bytes per entry; chunked: the same for `chunk_size`
   rows at a time plus the hidden states.
-- Host RAM per node: at load, ZeRO 0-2 materialise the whole model per rank (ranks/node x P x e);
-  ZeRO-3 loads it partitioned (a checkpoint shard at a time). At export (recipes.export) each rank holds
+- Host RAM per node: at load, ZeRO 0-2 with AutoTP materialise the whole model per rank (ranks/node
+  x P x e); otherwise each rank streams it a checkpoint shard (~5 GB) at a time (ZeRO-3 partitioned,
+  ZeRO 0-2 at TP 1 straight onto its GPU, recipes.model.load_placement). At export (recipes.export) each rank holds
   its share, P x e / world + the largest module.
 - Checkpoint on disk: DeepSpeed saves the model-dtype weights, fp32 master weights (bf16 only) and
   Adam's two fp32 moments: (e + 4 [bf16] + 8) x P bytes, times train.keep_last, plus the export (P x e).
@@ -164,17 +165,25 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_
     ranks = cl.ranks_per_node()
     world = cl.nodes * ranks
     model_bytes = total * e
-    load = ranks * model_bytes if ds.zero_stage < 3 else ranks * min(model_bytes, 5 * 2**30)
+    # ZeRO 0-2 under AutoTP: the whole model per rank (recipes.model.load_placement); otherwise a
+    # checkpoint shard (~5 GB) at a time per rank
+    whole = ds.zero_stage < 3 and tp > 1
+    load = ranks * model_bytes if whole else ranks * min(model_bytes, 5 * 2**30)
     export = ranks * (model_bytes / world + largest * e)
-    host = max(load, export) + est["cpu_bytes"]
+    # DeepSpeed's CPU estimate is host memory the run keeps only under offload (optimizer/parameters on
+    # the CPU); without it, it is printed, not added
+    offload = ds.offload_optimizer or ds.offload_params
+    host = max(load, export) + (est["cpu_bytes"] if offload else 0)
     rep.numbers.update(host_load_bytes=int(load), host_export_bytes=int(export))
-    rep.add("host RAM / node", f"load {_gib(load)} ({'whole model per rank' if ds.zero_stage < 3 else 'partitioned'}),"
+    rep.add("host RAM / node", f"load {_gib(load)} ({'whole model per rank' if whole else 'a shard at a time'}),"
                                f" export {_gib(export)} (rank 0 alone {_gib(model_bytes / world + largest * e)}), "
-                               f"DeepSpeed CPU {_gib(est['cpu_bytes'])}")
+                               f"DeepSpeed CPU estimate {_gib(est['cpu_bytes'])}"
+                               f"{'' if offload else ' (counted under offload only)'}")
     if cl.host_mem_gb and host > cl.host_mem_gb * 2**30:
         rep.errors.append(f"cluster.host_mem_gb: {cl.host_mem_gb:g} GiB per node is less than the "
                           f"{_gib(host)} the run needs at {'load' if load >= export else 'export'}"
-                          + (" (ZeRO 0-2 load the whole model on every rank: use ZeRO-3)" if ds.zero_stage < 3 else ""))
+                          + (" (ZeRO 0-2 with AutoTP load the whole model on every rank: use ZeRO-3)" if whole
+                             else ""))
     ckpt = checkpoint_bytes(total, e)
     disk = ckpt * tr.keep_last + model_bytes
     rep.numbers["disk_bytes"] = int(disk)

@@ -55,11 +55,24 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
         model = auto.from_config(hf_config, dtype=dtype)
     else:
         model = auto.from_pretrained(m.name_or_path, dtype=dtype, attn_implementation=attn,
-                                                     trust_remote_code=m.trust_remote_code)
+                                     trust_remote_code=m.trust_remote_code, **load_placement(recipe, device))
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     log_attention(model, attn)
     return model, live
+
+
+def load_placement(recipe: Recipe, device: torch.device) -> dict:
+    """Where `from_pretrained` puts the weights as it reads them. Below ZeRO-3 on a GPU without AutoTP,
+    straight onto this rank's GPU (`device_map`), one checkpoint shard at a time through host RAM,
+    instead of the whole model in host RAM on every rank of the node. ZeRO-3 builds partitioned under
+    the live HfDeepSpeedConfig; AutoTP (DeepSpeed 0.19.8) slices a model that is already whole, so
+    below ZeRO-3 with tp_size > 1 every rank still holds the whole model in host RAM at load
+    (recipes.validate reports it). On the CPU nothing changes."""
+    ds = recipe.deepspeed
+    if device.type == "cuda" and ds.zero_stage < 3 and ds.tp_size == 1 and not ds.offload_params:
+        return {"device_map": {"": device}}
+    return {}
 
 
 def attention_used(model) -> str:

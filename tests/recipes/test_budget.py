@@ -3,7 +3,8 @@ recipes.ds_config derives from the recipe's shape. Numbers are checked against t
 by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256).
 
 What no CPU test can reach: whether the estimates match a real GPU's peak memory and a real network's
-step time; they are estimates, stated as such in the report.
+step time (they are estimates, stated as such in the report), and `device_map` loading onto a GPU
+(recipes.model.load_placement; only its choice is checked here).
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ def test_communication_per_step_and_hpz(base):
 
 
 def test_host_ram_at_load_and_export_and_disk(base):
-    rep = V.validate_recipe(R70, ["deepspeed.zero_stage=2", "cluster.host_mem_gb=1000"], offline=True)
+    rep = V.validate_recipe(R70, ["deepspeed.zero_stage=2", "deepspeed.tp_size=8", "loss.head=logits",
+                                  "train.global_batch_size=8", "cluster.host_mem_gb=1000"], offline=True)
     p = rep.numbers["params"]
-    assert rep.numbers["host_load_bytes"] == 8 * p * 2  # ZeRO-2: the whole bf16 model on each of 8 ranks
+    assert rep.numbers["host_load_bytes"] == 8 * p * 2  # ZeRO-2 + AutoTP: the whole bf16 model on each of 8 ranks
     assert any(e.startswith("cluster.host_mem_gb") and "use ZeRO-3" in e for e in rep.errors), rep.errors
+    tp1 = V.validate_recipe(R70, ["deepspeed.zero_stage=2", "cluster.host_mem_gb=1000"], offline=True)
+    assert tp1.numbers["host_load_bytes"] == 8 * 5 * 2**30  # streamed to the GPU a shard at a time
+    assert not any(e.startswith("cluster.host_mem_gb") for e in tp1.errors)
+    # under optimizer offload DeepSpeed's CPU estimate (fp32 states on the host) counts
+    off = V.validate_recipe(R70, ["deepspeed.offload_optimizer=true", "cluster.host_mem_gb=200"], offline=True)
+    assert off.numbers["cpu_mem_bytes"] > 200 * 2**30
+    assert any(e.startswith("cluster.host_mem_gb: 200 GiB") for e in off.errors), off.errors
     z3 = base  # cluster.host_mem_gb unset: reported, not checked
     largest = z3.numbers["largest_layer_params"]
     assert z3.numbers["host_export_bytes"] == int(8 * (p * 2 / 32 + largest * 2))
@@ -96,3 +105,17 @@ def test_zero3_settings_follow_the_shape():
     # the recipe's overrides still win
     custom = deepspeed_config(load_recipe(R70, ["deepspeed.overrides={zero_optimization: {overlap_comm: false}}"]), 32)
     assert custom["zero_optimization"]["overlap_comm"] is False
+
+
+def test_weights_load_onto_the_gpu_below_zero3_without_tp():
+    import torch
+
+    from recipes.model import load_placement
+
+    gpu = torch.device("cuda", 3)
+    recipe = load_recipe(R70, ["deepspeed.zero_stage=2"])
+    assert load_placement(recipe, gpu) == {"device_map": {"": gpu}}
+    assert load_placement(recipe, torch.device("cpu")) == {}
+    assert load_placement(load_recipe(R70), gpu) == {}  # ZeRO-3: partitioned by HfDeepSpeedConfig
+    assert load_placement(load_recipe(R70, ["deepspeed.zero_stage=2", "deepspeed.tp_size=8", "loss.head=logits",
+                                            "train.global_batch_size=8"]), gpu) == {}
