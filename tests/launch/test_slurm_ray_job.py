@@ -13,7 +13,9 @@ simulated cluster), a real image, cgroup limits, NCCL.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -71,9 +73,16 @@ def test_ray_job_runs_when_every_container_step_has_its_own_tmp(workspace):
     env = fake_slurm.env(bin_dir, log, ["node1"], SLURM_SUBMIT_DIR=str(repo), OMP_NUM_THREADS="1",
                          NUMLOSS_RAY_HEAD_ARGS=f"--include-dashboard=false {extra_ports}",
                          RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    result = subprocess.run(["bash", str(script)], env=env, cwd=root, capture_output=True, text=True, timeout=360)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    # its own session: on a timeout the whole job (the head step's Ray processes included) is ended
+    proc = subprocess.Popen(["bash", str(script)], env=env, cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=360)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+        pytest.fail(f"the job did not finish in 360 s:\n{output[-6000:]}")
+    assert proc.returncode == 0, output[-6000:]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     container_steps = [s for s in steps if "--container-image" in s["options"]]
     # one container step on the head node holds head, wait and driver
