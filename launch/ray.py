@@ -37,6 +37,7 @@ again continues it (Ray and `latest` agree on that).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
@@ -95,6 +96,15 @@ def scaling(recipe, num_workers: int | None = None, placement: str = "PACK"):
                          placement_strategy=placement)
 
 
+def torch_config(recipe):
+    """Ray's process group: NCCL on GPUs, gloo on CPU, with the recipe's collective timeout (the same
+    one recipes.train gives a group it creates itself)."""
+    from ray.train.torch import TorchConfig
+
+    return TorchConfig(backend="nccl" if recipe.cluster.gpus_per_node else "gloo",
+                       timeout_s=int(recipe.train.dist_timeout_minutes * 60))
+
+
 def _absolute_paths(data: dict, base: Path) -> dict:
     """Paths in the recipe made absolute on the driver: workers run in other directories."""
     def fix(section: str, key: str, must_exist: bool = False):
@@ -112,7 +122,7 @@ def _absolute_paths(data: dict, base: Path) -> dict:
 # ---- inside every worker -----------------------------------------------------------------------------
 
 
-def _stable_ranks(out_dir: Path) -> dict:
+def _stable_ranks(out_dir: Path, timeout=None) -> dict:
     """Re-number the workers by (node IP, Ray node id, local rank); re-form the process group if that
     differs from Ray's order. Returns this worker's entry of the rank map."""
     import torch.distributed as dist
@@ -140,7 +150,7 @@ def _stable_ranks(out_dir: Path) -> dict:
         dist.destroy_process_group()
         os.environ.update(RANK=str(rank), MASTER_ADDR=addr_port[0][0], MASTER_PORT=str(addr_port[0][1]))
         dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                world_size=len(everyone))
+                                world_size=len(everyone), timeout=timeout)
     ranks = {new_rank[r]: {k: v for k, v in e.items() if k != "ray_rank"} for r, e in enumerate(everyone)}
     if dist.get_rank() == 0:
         path = out_dir / "ranks.json"
@@ -190,7 +200,7 @@ def train_loop(config: dict) -> None:
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
-    _stable_ranks(out_dir)
+    _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
     setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
@@ -248,7 +258,7 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
         fault: dict | None = None) -> dict:
     """Train a recipe with Ray Train; returns {"metrics", "checkpoint", "out_dir", "ray_path"}."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from recipes.config import load_recipe, recipe_from_dict
 
@@ -261,7 +271,7 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"recipe": recipe.to_dict(), "fault": fault},
-        torch_config=TorchConfig(backend="nccl" if recipe.cluster.gpus_per_node else "gloo"),
+        torch_config=torch_config(recipe),
         scaling_config=scaling(recipe, num_workers, placement),
         run_config=RunConfig(
             name=name or recipe.name,
@@ -287,6 +297,32 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
 SUBMIT_EXCLUDES = [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"]
 
 
+def submit_excludes(recipe: str, overrides: list[str] | tuple, working_dir: str | Path) -> list[str]:
+    """SUBMIT_EXCLUDES plus the recipe's data, output and local model directories that lie inside the
+    uploaded working directory (anchored `/rel/path` patterns): Ray would otherwise zip and upload
+    data sets and runs with the code (its working_dir limit is 500 MiB)."""
+    from recipes.config import load_recipe
+
+    root = Path(working_dir).resolve()
+    r = load_recipe(Path(root, recipe) if not os.path.isabs(recipe) and not os.path.exists(recipe) else recipe,
+                    overrides)
+    out = list(SUBMIT_EXCLUDES)
+    for value in (r.data.train, r.data.eval, r.eval.data, r.train.out_dir, r.model.name_or_path, r.model.tokenizer):
+        if not value:
+            continue
+        path = Path(value) if os.path.isabs(value) else root / value
+        if not (os.path.isabs(value) or path.exists() or value in (r.train.out_dir, r.data.train, r.data.eval,
+                                                                    r.eval.data)):
+            continue  # a hub name such as org/model
+        try:
+            rel = path.resolve().relative_to(root)
+        except ValueError:
+            continue  # outside the working directory: never uploaded
+        if str(rel) != ".":
+            out.append(f"/{rel.as_posix()}")
+    return list(dict.fromkeys(out))
+
+
 def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures: int = 0,
                    num_workers: int | None = None, placement: str = "PACK", python: str = "python") -> str:
     """The command a Ray job runs on the head node (every piece shell-quoted). `python` is the head's
@@ -299,9 +335,15 @@ def job_entrypoint(recipe: str, overrides: list[str] | tuple = (), max_failures:
 
 
 def submit_command(address: str, recipe: str, overrides: list[str] | tuple = (), **kw) -> list[str]:
-    """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK)."""
+    """The equivalent `ray job submit` command line (printed for the user; `submit` uses the SDK). A
+    recipe that cannot be read here (it may exist only on the head) gets the fixed SUBMIT_EXCLUDES."""
+    try:
+        excludes = submit_excludes(recipe, overrides, REPO)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"[launch.ray] {err}: only the fixed excludes are listed", file=sys.stderr)
+        excludes = list(SUBMIT_EXCLUDES)
     return ["ray", "job", "submit", "--address", address, "--working-dir", str(REPO),
-            "--runtime-env-json", json.dumps({"excludes": SUBMIT_EXCLUDES}), "--",
+            "--runtime-env-json", json.dumps({"excludes": excludes}), "--",
             *shlex.split(job_entrypoint(recipe, overrides, **kw))]
 
 
@@ -310,7 +352,7 @@ def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait
     """Submit the recipe as a Ray job with the project as working directory (Ray Jobs SDK), stream its
     logs, and return {"job_id", "status", "result"} where result is the job's ray_result.json.
 
-    The job runs in Ray's copy of `working_dir` (SUBMIT_EXCLUDES left out): a relative recipe path is
+    The job runs in Ray's copy of `working_dir` (`submit_excludes` left out): a relative recipe path is
     read from that copy, and relative paths inside the recipe (train.out_dir!) land in it too, so give
     the job absolute paths on storage the nodes share."""
     if client is None:
@@ -318,8 +360,9 @@ def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait
 
         client = JobSubmissionClient(address)
     entrypoint = job_entrypoint(recipe, overrides, **kw)
+    excludes = submit_excludes(recipe, overrides, working_dir)
     job_id = client.submit_job(entrypoint=entrypoint,
-                               runtime_env={"working_dir": str(working_dir), "excludes": SUBMIT_EXCLUDES})
+                               runtime_env={"working_dir": str(working_dir), "excludes": excludes})
     print(f"[launch.ray] submitted {job_id}: {entrypoint}", flush=True)
     if not wait:
         return {"job_id": job_id, "status": "SUBMITTED", "result": None}
@@ -369,6 +412,14 @@ def _parser(submit_mode: bool) -> argparse.ArgumentParser:
     else:
         p.add_argument("--name", default=None, help="Ray run name (default: the recipe's name)")
         p.add_argument("--temp-dir", default=None, help=f"local instance's temp dir (default {DEFAULT_TEMP})")
+        p.add_argument("--start-head", default=None, metavar="IP:PORT",
+                       help="start a Ray head at IP:PORT in this process's environment, wait for "
+                            "--expect-nodes nodes, run the job on it, stop the head (the SLURM template)")
+        p.add_argument("--expect-nodes", type=int, default=1, help="--start-head: nodes to wait for")
+        p.add_argument("--head-cpus", type=int, default=None, help="--start-head: CPUs the head offers")
+        p.add_argument("--head-gpus", type=int, default=0, help="--start-head: GPUs the head offers")
+        p.add_argument("--join-timeout", type=float, default=300.0,
+                       help="--start-head: seconds to wait for the head and every node")
     return p
 
 
@@ -386,9 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out, default=str), flush=True)
         return 0 if out["status"] in ("SUCCEEDED", "SUBMITTED") else 1
     args = _parser(False).parse_intermixed_args(argv)
-    summary = run(args.recipe, args.overrides, address=args.address, max_failures=args.max_failures,
-                  num_workers=args.num_workers, placement=args.placement, name=args.name,
-                  temp_dir=args.temp_dir)
+    kw = dict(max_failures=args.max_failures, num_workers=args.num_workers, placement=args.placement,
+              name=args.name)
+    if args.start_head:
+        if args.address:
+            raise SystemExit("launch.ray: give --start-head or --address, not both")
+        from launch.ray_head import HeadNode
+
+        with HeadNode(args.start_head, num_cpus=args.head_cpus or os.cpu_count(), num_gpus=args.head_gpus,
+                      temp_dir=args.temp_dir) as head:
+            head.wait_for_nodes(args.expect_nodes, timeout_s=args.join_timeout)
+            summary = run(args.recipe, args.overrides, address=args.start_head, **kw)
+    else:
+        summary = run(args.recipe, args.overrides, address=args.address, temp_dir=args.temp_dir, **kw)
     print(RESULT_PREFIX + json.dumps(summary, default=str), flush=True)
     return 0
 

@@ -6,7 +6,17 @@
 
 The allocation comes from the recipe's `cluster` section: `nodes`, `gpus_per_node` (or
 `cpu_ranks_per_node` on CPU), `cpus_per_worker` (CPUs per rank), `container` (an image for
-pyxis/enroot's `srun --container-image`; none: run on the host environment), `partition`, `time_limit`.
+pyxis/enroot's `srun --container-image`; none: run on the host environment), `partition`, `time_limit`,
+`mem` (per node), `hf_home`, `hf_offline`, `nccl_debug`, `nccl_socket_ifname`.
+
+Every step: `srun --cpus-per-task` (Slurm 22.05-23.02 do not pass sbatch's value on to srun, and
+without it every rank of a node shares one core) and `--kill-on-bad-exit=1` (one failed node ends the
+job instead of leaving the others waiting in a collective until the time limit). The rendezvous is the
+first node's IP address, not its hostname (which may resolve to another interface, or not at all
+inside a container). The environment: HF_HOME (`cluster.hf_home`), HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE
+(`cluster.hf_offline`), NCCL_DEBUG, NCCL_SOCKET_IFNAME (when given), TORCH_NCCL_ASYNC_ERROR_HANDLING.
+In a container the checkout, the recipe's data directories (data.train, data.eval, eval.data), its
+train.out_dir (created), local model/tokenizer directories and HF_HOME are mounted at their own paths.
 
 - ray: `ray start --head` on the first node, `ray start --address` on the others (each a background
   srun step), a wait until every node has joined, then the driver, `python -m launch.ray RECIPE
@@ -38,6 +48,16 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}")
 _PARTITION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_,.-]{0,127}")
 _TIME = re.compile(r"(\d+-)?\d{1,3}(:\d{2}){0,2}|(\d+-)\d{1,2}(:\d{2}){0,2}")
 _IMAGE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_./:@#+-]{0,254}")
+_MEM = re.compile(r"\d{1,9}[KMGT]?")
+_WORD = re.compile(r"[A-Za-z0-9_]{1,32}")
+_IFNAME = re.compile(r"\^?[A-Za-z0-9_.=-]{1,64}(,[A-Za-z0-9_.=-]{1,64}){0,15}")
+_PATH = re.compile(r"[A-Za-z0-9_./~+@-][A-Za-z0-9_./~+@ -]{0,1023}")
+_MOUNTABLE = re.compile(r"[^,:\n\x00]{1,4096}")  # pyxis' --container-mounts syntax; the value is quoted
+
+
+def _looks_local(name: str) -> bool:
+    """A model/tokenizer given as a path (mounted) rather than a hub name such as org/model."""
+    return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
 
 
 def _check(value: str, pattern: re.Pattern, what: str) -> str:
@@ -81,13 +101,31 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
     if output:
         # %x/%j are sbatch's own patterns; only safe characters are allowed in the path
         header.append(f"#SBATCH --output={_check(output, re.compile(r'[A-Za-z0-9_./%-]{1,255}'), '--output')}")
+    mem = _check(c.mem, _MEM, "cluster.mem")
+    header.append(f"#SBATCH --mem={mem}")
     container = ""
     if c.container:
         image = _check(c.container, _IMAGE, "cluster.container")
         # the checkout on shared storage is mounted at the same path and is the working directory, so
-        # the recipe's relative paths resolve and its code shadows the image's installed copy
-        container = f"--container-image={q(image)} --container-mounts=\"$WORKDIR:$WORKDIR\" " \
+        # the recipe's relative paths resolve and its code shadows the image's installed copy; the
+        # script adds the data, output and HF_HOME directories (MOUNTS, built at run time)
+        container = f"--container-image={q(image)} --container-mounts=\"$MOUNTS\" " \
                     f"--container-workdir=\"$WORKDIR\" "
+    env = [f"export NCCL_DEBUG={q(_check(c.nccl_debug, _WORD, 'cluster.nccl_debug'))}",
+           "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
+    if c.nccl_socket_ifname:
+        env.append(f"export NCCL_SOCKET_IFNAME={q(_check(c.nccl_socket_ifname, _IFNAME, 'cluster.nccl_socket_ifname'))}")
+    if c.hf_home:
+        env.append(f"export HF_HOME={q(_check(c.hf_home, _PATH, 'cluster.hf_home'))}")
+    if c.hf_offline:
+        env.append("export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1")
+    mounts = {"data.train": recipe.data.train, "data.eval": recipe.data.eval, "eval.data": recipe.eval.data,
+              "train.out_dir": recipe.train.out_dir, "cluster.hf_home": c.hf_home}
+    for key in ("name_or_path", "tokenizer"):
+        value = getattr(recipe.model, key)
+        if value and _looks_local(value):
+            mounts[f"model.{key}"] = value
+    mount_paths = " ".join(dict.fromkeys(q(_check(v, _MOUNTABLE, k)) for k, v in mounts.items() if v))
     recipe_arg = " ".join(q(a) for a in [str(recipe_path), *overrides])
     values = {
         "HEADER": "\n".join(header),
@@ -98,6 +136,10 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
         "WORKERS_PER_NODE": str(workers_per_node),
         "WORKDIR": q(workdir) if workdir else '"${SLURM_SUBMIT_DIR:-$PWD}"',
         "CONTAINER": container,
+        "ENV": "\n".join(env),
+        "MOUNT_PATHS": mount_paths,
+        "OUT_DIR": q(recipe.train.out_dir),
+        "CPUS_PER_TASK": str(cpus * workers_per_node),
         "RECIPE_ARGS": recipe_arg,
         "MAX_FAILURES": str(max_failures),
         "PORT": str(port),

@@ -1,4 +1,4 @@
-"""Resumable DeepSpeed checkpoints of a run, and the consolidated Hugging Face export at its end.
+"""Resumable DeepSpeed checkpoints of a run, and the Hugging Face export at its end (`recipes.export`).
 
 Restarts: `latest` is written only after every rank has finished its part of the save (a barrier, then
 an atomic rename), so a crash mid-save leaves the previous checkpoint in charge. Besides DeepSpeed's
@@ -113,21 +113,9 @@ class Checkpoints:
 
 
 def export(engine, model, tokenizer, path: Path, runtime: Runtime, recipe: Recipe) -> None:
-    """A consolidated Hugging Face safetensors model and its tokenizer (or processor) in `path` (rank 0
-    writes)."""
-    if recipe.deepspeed.zero_stage == 3 or recipe.deepspeed.tp_size > 1:
-        state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
-    else:
-        state = engine.module.state_dict()
-    if runtime.is_main:
-        prefix = "model."  # NumericCausalLM holds the HF model as `.model`
-        state = {k[len(prefix):]: v.detach().cpu() for k, v in state.items() if k.startswith(prefix)}
-        path.mkdir(parents=True, exist_ok=True)
-        if getattr(model, "_weight_conversions", None) is not None:
-            # transformers 5 loading under ZeRO-3 records extra legacy renamings whose reverse writes
-            # keys such as `language_model.model.model.*` (LLaVA); without the record it saves the
-            # class's canonical checkpoint format, the one its own save_pretrained writes.
-            model._weight_conversions = None
-        model.save_pretrained(str(path), state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(str(path))
-    dist.barrier()
+    """The Hugging Face export in `path`: sharded safetensors that every rank writes its share of, with
+    transformers' index file, plus config and tokenizer (or processor); see `recipes.export`."""
+    from .export import export_model
+
+    export_model(engine, model, tokenizer, path, runtime, zero_stage=recipe.deepspeed.zero_stage,
+                 tp_size=recipe.deepspeed.tp_size)

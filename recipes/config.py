@@ -16,6 +16,7 @@ write into one directory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -97,7 +98,9 @@ class TrainSection:
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     out_dir: str = ""  # "" -> runs/<name>
-    export: bool = True  # a consolidated HF safetensors model + tokenizer at the end
+    export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
+    # collectives' timeout: a slow checkpoint save or export at 70B runs past torch's 10-minute default
+    dist_timeout_minutes: float = 60.0
     tensorboard: bool = True
     wandb_project: str | None = None
     progress: bool = True
@@ -123,6 +126,12 @@ class ClusterSection:
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
+    host_mem_gb: float = 0.0  # host RAM per node for recipes.validate's check (0: unknown, not checked)
+    mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
+    hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted
+    hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub
+    nccl_debug: str = "WARN"  # NCCL_DEBUG for the job (INFO when debugging a hang)
+    nccl_socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, e.g. "ib0" or "^lo,docker"; None: NCCL picks
 
     def ranks_per_node(self) -> int:
         """Training processes per node: one per GPU, or `cpu_ranks_per_node` on CPU."""
@@ -166,6 +175,8 @@ class Recipe:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.train.dist_timeout_minutes <= 0:
+            raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
         for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,
                            "optim.warmup_steps": self.optim.warmup_steps}.items():
             if value < 0:
@@ -276,7 +287,7 @@ def apply_override(data: dict, override: str) -> None:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
-    data = dict(data or {})
+    data = copy.deepcopy(data or {})  # overrides write into nested sections: never into the caller's
     for override in overrides:
         apply_override(data, override)
     recipe = _build(Recipe, data)

@@ -23,7 +23,7 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     """The DeepSpeed config a recipe implies (its `deepspeed.overrides` merged in last)."""
     ds = recipe.deepspeed
     dp = data_parallel_size(recipe, world_size)
-    zero: dict = {"stage": ds.zero_stage}
+    zero: dict = {"stage": ds.zero_stage, **zero_comm_settings(recipe, world_size)}
     if ds.zero_stage == 3:
         # gather the 16-bit weights at save time so `final/` can be written without zero_to_fp32
         zero.update(stage3_gather_16bit_weights_on_model_save=True)
@@ -42,9 +42,62 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
         "steps_per_print": 10**9,  # progress and metrics are ours
         "wall_clock_breakdown": False,
     }
+    if recipe.model.dtype == "bfloat16":
+        # gradients reduced and (ZeRO 1-3) accumulated in fp32: bf16 sums of many ranks' gradients lose
+        # the small ones (an 8-bit mantissa)
+        config["communication_data_type"] = "fp32"
+        if ds.zero_stage >= 1:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": ds.tp_size, "vocab_parallel_lm_head": True}
     return _merge(config, ds.overrides)
+
+
+def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
+    """ZeRO's communication settings for the recipe's shape (stages 1-3; what DeepSpeed's and HF's
+    references set), all overridable in `deepspeed.overrides.zero_optimization`:
+
+    - overlap_comm, contiguous_gradients: reductions overlap the backward; gradients go into one buffer.
+    - bucket sizes scaled to the hidden size h (HF Trainer's "auto" values): reduce h^2, ZeRO-3 prefetch
+      0.9 h^2, parameters below 10 h elements stay gathered (norms, biases).
+    - ZeRO-3 across nodes: hierarchical partitioning (hpZ, `zero_hpz_partition_size`) at the node's
+      data-parallel ranks (GPUs per node / TP): a second copy of the parameters sharded inside each node,
+      so the backward's all-gather stays on NVLink and only the forward gather and the gradient
+      reduce-scatter cross the network.
+    """
+    if recipe.deepspeed.zero_stage == 0:
+        return {}
+    out: dict = {"overlap_comm": True, "contiguous_gradients": True}
+    hidden = hidden_size(recipe)
+    if hidden:
+        out["reduce_bucket_size"] = hidden * hidden
+        if recipe.deepspeed.zero_stage == 3:
+            out["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+            out["stage3_param_persistence_threshold"] = 10 * hidden
+    c = recipe.cluster
+    per_node = c.ranks_per_node() // recipe.deepspeed.tp_size
+    dp = world_size // recipe.deepspeed.tp_size
+    if recipe.deepspeed.zero_stage == 3 and c.nodes > 1 and c.gpus_per_node and 1 < per_node < dp \
+            and dp % per_node == 0:
+        out["zero_hpz_partition_size"] = per_node
+    return out
+
+
+def hidden_size(recipe: Recipe) -> int | None:
+    """The backbone's hidden size (language model's, for vision models), from `model.config` or the
+    model's config.json (local directory or HF cache; never the network); None when unknown."""
+    m = recipe.model
+    if m.config is not None:
+        return m.config.get("hidden_size")
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code,
+                                         local_files_only=True)
+    except Exception:  # noqa: BLE001  (not local or cached: DeepSpeed's default bucket sizes apply)
+        return None
+    cfg = getattr(cfg, "text_config", None) or cfg
+    return getattr(cfg, "hidden_size", None)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -66,16 +119,29 @@ def data_parallel_size(recipe: Recipe, world_size: int) -> int:
     return dp
 
 
+def optimizer_kind(recipe: Recipe, cuda: bool) -> str:
+    """Which AdamW runs the step: "cpu_adam" (DeepSpeed's vectorised CPU Adam) under
+    `deepspeed.offload_optimizer` (DeepSpeed refuses a client torch optimizer under ZeRO-Offload, which
+    would be several times slower there), "fused_adam" (DeepSpeed's multi-tensor CUDA kernel, prebuilt in
+    the image) on GPUs, "torch" (torch.optim.AdamW; nothing to compile) on the CPU. All in AdamW mode."""
+    if recipe.deepspeed.offload_optimizer:
+        return "cpu_adam"
+    return "fused_adam" if cuda else "torch"
+
+
 def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
-    """AdamW with the recipe's settings. With `deepspeed.offload_optimizer` the step runs on the CPU in
-    DeepSpeed's vectorised CPU Adam (AdamW mode; a C++ op built on first use): DeepSpeed refuses a
-    client torch optimizer under ZeRO-Offload, which would be several times slower there."""
+    """AdamW with the recipe's settings, as `optimizer_kind` picks it."""
     o = recipe.optim
     kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    if recipe.deepspeed.offload_optimizer:
+    kind = optimizer_kind(recipe, torch.cuda.is_available())
+    if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    if kind == "fused_adam":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, adam_w_mode=True, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
 
 

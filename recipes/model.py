@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
+
+from numloss.adapters.hf import NumericCausalLM
+from numloss.chunked_head import DEFAULT_CHUNK_SIZE
 
 from .config import Recipe
 from .vision import load_processor
@@ -35,12 +41,11 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
     m = recipe.model
     dtype = getattr(torch, m.dtype)
     attn = m.attn_implementation or _default_attention(device)
-    # The live config only tells transformers to build under zero.Init. Without `tensor_parallel` in
-    # it: transformers 5 refuses `from_pretrained` under ZeRO-3 when it sees AutoTP there ("Weight
-    # conversions ... with DeepSpeed Tensor Parallelism are not yet implemented"), while AutoTP itself
-    # shards the zero.Init-built model later, in deepspeed.initialize.
-    zero_init = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
-    live = HfDeepSpeedConfig(zero_init) if ds_config["zero_optimization"]["stage"] == 3 else None
+    # transformers 5 refuses to load a checkpoint with key renamings (Llama's included) while the live
+    # config names AutoTP; the load only needs the ZeRO-3 partitioning (AutoTP slices the model later,
+    # in deepspeed.initialize), so it sees the config without its tensor_parallel section
+    load_config = {k: v for k, v in ds_config.items() if k != "tensor_parallel"}
+    live = HfDeepSpeedConfig(load_config) if ds_config["zero_optimization"]["stage"] == 3 else None
     auto = AutoModelForImageTextToText if m.vision else AutoModelForCausalLM
     if m.config is not None:
         config = dict(m.config)
@@ -52,10 +57,41 @@ def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
         model = auto.from_config(hf_config, dtype=dtype)
     else:
         model = auto.from_pretrained(m.name_or_path, dtype=dtype, attn_implementation=attn,
-                                                     trust_remote_code=m.trust_remote_code)
+                                     trust_remote_code=m.trust_remote_code, **load_placement(recipe, device))
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    log_attention(model, attn)
     return model, live
+
+
+def load_placement(recipe: Recipe, device: torch.device) -> dict:
+    """Where `from_pretrained` puts the weights as it reads them. Below ZeRO-3 on a GPU without AutoTP,
+    straight onto this rank's GPU (`device_map`), one checkpoint shard at a time through host RAM,
+    instead of the whole model in host RAM on every rank of the node. ZeRO-3 builds partitioned under
+    the live HfDeepSpeedConfig; AutoTP (DeepSpeed 0.19.8) slices a model that is already whole, so
+    below ZeRO-3 with tp_size > 1 every rank still holds the whole model in host RAM at load
+    (recipes.validate reports it). On the CPU nothing changes."""
+    ds = recipe.deepspeed
+    if device.type == "cuda" and ds.zero_stage < 3 and ds.tp_size == 1 and not ds.offload_params:
+        return {"device_map": {"": device}}
+    return {}
+
+
+def attention_used(model) -> str:
+    """The attention implementation the built model runs (its language model's, for vision models)."""
+    config = model.config
+    text = getattr(config, "text_config", None)
+    return getattr(text, "_attn_implementation", None) or config._attn_implementation
+
+
+def log_attention(model, asked: str) -> str:
+    """Print (rank 0) the attention implementation actually used, and warn when it is not the one asked
+    for: a silent fall-back (e.g. to sdpa when flash-attn is missing) costs memory and speed at scale."""
+    used = attention_used(model)
+    if os.environ.get("RANK", "0") == "0":
+        note = "" if used == asked else f" (asked for {asked}: WARNING, transformers fell back)"
+        print(f"[numloss] attention implementation: {used}{note}", flush=True)
+    return used
 
 
 def _default_attention(device: torch.device) -> str:
@@ -67,3 +103,73 @@ def _default_attention(device: torch.device) -> str:
         except ImportError:
             pass
     return "sdpa"
+
+
+
+
+def numeric_autotp_model(model, objective, chunked: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE):
+    """The HF model itself, its class swapped for a subclass whose forward returns the numeric objective
+    (`NumericLMOutput`, as NumericCausalLM: the same `numeric_lm_forward`, logits or chunked head) and
+    which has NumericCausalLM's `counts`: what DeepSpeed's AutoTP must partition.
+
+    Why not the NumericCausalLM wrapper: AutoTP reads the module given to `deepspeed.initialize` for
+    its `config` (attention and KV head counts), its HF `tp_plan` and its `loss_function` hook, and
+    DeepSpeed 0.19.8 recognises the output head by the module name `lm_head`; under the wrapper the
+    name is `model.lm_head` and, whenever the vocabulary is a multiple of the KV head count, the head is
+    split like attention, by KV heads: with fewer KV heads than TP ranks some ranks get no vocabulary
+    at all and DeepSpeed refuses the model (Qwen2.5-7B, 4 KV heads, at TP 8). Here every name, the
+    config and the plan are the HF model's own; checkpoint keys have no `model.` prefix."""
+    from numloss.adapters.hf import batch_counts, numeric_lm_forward
+
+    base = type(model)
+
+    class NumericObjectiveModel(base):
+        def counts(self, labels, sequence_ids=None):
+            return batch_counts(self.__dict__["_numloss_objective"], labels, sequence_ids)
+
+        def forward(self, input_ids=None, labels=None, attention_mask=None, *, loss_counts=None,
+                    sequence_ids=None, **kwargs):
+            full_forward = functools.partial(base.forward, self)
+            return numeric_lm_forward(self, full_forward, self.__dict__["_numloss_objective"], input_ids, labels,
+                                      attention_mask, chunked=chunked, chunk_size=chunk_size,
+                                      loss_counts=loss_counts, sequence_ids=sequence_ids, **kwargs)
+
+    NumericObjectiveModel.__name__ = NumericObjectiveModel.__qualname__ = f"Numeric{base.__name__}"
+    model.__class__ = NumericObjectiveModel
+    model.__dict__["_numloss_objective"] = objective  # not a submodule: no state in the checkpoint
+    head = model.get_output_embeddings().weight
+    if chunked and hasattr(head, "ds_id"):  # ZeRO-3: the head's weight is used outside its module's forward
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, head)
+    return model
+
+
+def training_module(model, objective, recipe: Recipe):
+    """What `deepspeed.initialize` receives: the HF model wrapped with the numeric objective
+    (NumericCausalLM), or under AutoTP (`deepspeed.tp_size` > 1) the HF model itself computing it
+    (`numeric_autotp_model`). Either way its forward takes (input_ids, labels, attention_mask, ...,
+    loss_counts=, sequence_ids=), returns a NumericLMOutput, and `counts(labels, sequence_ids)` gives a
+    batch's loss denominators."""
+    chunked = recipe.loss.head == "chunked"
+    if recipe.deepspeed.tp_size > 1:
+        problem = autotp_problem(model.config, recipe.deepspeed.tp_size, recipe.deepspeed.zero_stage)
+        if problem:
+            raise ValueError(problem)
+        return numeric_autotp_model(model, objective, chunked, recipe.loss.chunk_size)
+    return NumericCausalLM(model, objective, chunked=chunked, chunk_size=recipe.loss.chunk_size)
+
+
+def autotp_problem(config, tp_size: int, zero_stage: int) -> str | None:
+    """Why AutoTP cannot run this model at this layout (None: it can). AutoTP splits attention by KV
+    heads: with fewer KV heads than TP ranks, the ranks past the head count hold empty q/k/v shards.
+    That is still correct at ZeRO 0-2 (their all-reduce adds zeros; checked on CPU: the loss equals
+    TP 1), but ZeRO-3 cannot partition an empty parameter and DeepSpeed 0.19.8 fails at the first
+    forward."""
+    text = getattr(config, "text_config", None) or config
+    kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
+    if kv is not None and kv < tp_size and zero_stage == 3:
+        return (f"deepspeed.tp_size: the model has {kv} KV heads, fewer than tp_size {tp_size}: AutoTP leaves "
+                f"ranks {kv}..{tp_size - 1} without attention heads, which ZeRO-3 cannot partition; use "
+                f"deepspeed.zero_stage 2 or tp_size <= {kv}")
+    return None

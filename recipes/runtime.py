@@ -6,6 +6,7 @@ MASTER_PORT) are already set; run as a plain `python -m recipes.train`, this bec
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -40,8 +41,11 @@ def _skip_cpu_shm_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
-def setup_distributed() -> Runtime:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU)."""
+def setup_distributed(timeout_minutes: float = 60.0) -> Runtime:
+    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU), with a collective
+    timeout of `timeout_minutes` (the recipe's `train.dist_timeout_minutes`; torch's default, 10
+    minutes, is shorter than a 70B checkpoint save or export). A group an orchestrator already made
+    (Ray Train) keeps its own timeout: launch.ray gives Ray the same value."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -61,7 +65,8 @@ def setup_distributed() -> Runtime:
     if torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
     else:
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo",
+                                   timeout=datetime.timedelta(minutes=timeout_minutes))
     if deepspeed.comm.get_world_size() != torch.distributed.get_world_size():
         raise RuntimeError("deepspeed.comm did not adopt the torch.distributed process group")
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

@@ -9,8 +9,8 @@ samples [s*G, (s+1)*G) of one seeded order whatever the layout (`data_prep.reade
 normalised over the whole global batch (`recipes.step`), so the same recipe logs the same losses and
 gradient norms on 1 rank or 8, with or without accumulation, tensor parallelism or packing.
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
-optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a
-consolidated Hugging Face safetensors model with its tokenizer, or processor).
+optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a Hugging
+Face safetensors model, one shard per rank with its index, and its tokenizer or processor).
 
 Batches become model inputs in `recipes.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
@@ -39,13 +39,12 @@ import torch
 
 from data_prep.reader import ShardDataset
 from numloss import NumericVocab, Objective
-from numloss.adapters.hf import NumericCausalLM
 
 from .batches import model_inputs
 from .checkpoints import Checkpoints, export
 from .config import Recipe, dump_recipe, load_recipe
 from .ds_config import build_optimizer, deepspeed_config, lr_lambda
-from .model import build_model, load_tokenizer
+from .model import build_model, load_tokenizer, training_module
 from .run_log import MetricsLog, progress_bar
 from .runtime import Runtime, setup_distributed, teardown
 from .step import DataParallel, reduce_sum, train_step
@@ -71,7 +70,7 @@ class Hooks:
 
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
-    runtime = setup_distributed()
+    runtime = setup_distributed(recipe.train.dist_timeout_minutes)
     engine = None
     try:
         engine, last = _train(recipe, runtime, hooks or Hooks())
@@ -103,8 +102,7 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                                         max_value=recipe.loss.numeric_max_value,
                                         space_variants=recipe.loss.space_variants, vocab_size=logits_width)
     objective = Objective(vocab, recipe.objective_config())
-    wrapper = NumericCausalLM(model, objective, chunked=recipe.loss.head == "chunked",
-                              chunk_size=recipe.loss.chunk_size)
+    wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
     checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime,
                               {"data_parallel": dp.size, "tensor_parallel": tp,
                                "zero_stage": recipe.deepspeed.zero_stage})

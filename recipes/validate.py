@@ -18,8 +18,12 @@ What is checked, in order:
    are extra) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
    `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
    offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
-   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Above `--gpu-mem-gb` (80)
-   it is a warning.
+   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.budget):
+   activations (with or without gradient checkpointing), the head (logits or chunked, with its
+   buffers); a total above `--gpu-mem-gb` (80) is an error naming the largest part. Also reported:
+   host RAM per node at load and at export (an error above `cluster.host_mem_gb` when given), the
+   checkpoints' size on disk x keep_last, and the communication per GPU per step against its compute
+   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer).
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
@@ -280,7 +284,8 @@ def _manifest(path: str) -> dict | None:
 
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
-                    offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True) -> Report:
+                    offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
+                    gpu_tflops: float = 400.0, net_gbps: float = 400.0) -> Report:
     """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`)."""
     from recipes.config import load_recipe
 
@@ -321,9 +326,10 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                     f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
                                     f"[deepspeed {est['function']}, ZeRO-{ds.zero_stage}, offload "
                                     f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
-            if est["gpu_bytes"] > gpu_mem_gb * 2**30:
-                rep.warnings.append(f"deepspeed: model states alone need {_gib(est['gpu_bytes'])} per GPU, "
-                                    f"more than {gpu_mem_gb:g} GiB (--gpu-mem-gb): offload, more GPUs or ZeRO-3")
+            from recipes.budget import report_budget
+
+            report_budget(rep, recipe, cfg, total, largest, est, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+                          gpu_tflops=gpu_tflops, net_gbps=net_gbps)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
@@ -347,9 +353,19 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
                      f"= {effective} sequences per step, {tr.steps} steps")
     if ds.tp_size > 1:
+        if size and total is not None:
+            from recipes.model import autotp_problem
+
+            problem = autotp_problem(cfg, ds.tp_size, ds.zero_stage)
+            kv = getattr(getattr(cfg, "text_config", None) or cfg, "num_key_value_heads", None)
+            if problem:
+                rep.errors.append(problem)
+            elif kv is not None and kv < ds.tp_size:
+                rep.warnings.append(f"deepspeed.tp_size: {kv} KV heads < tp_size {ds.tp_size}: attention runs on "
+                                    f"{kv} of the {ds.tp_size} TP ranks only")
         if ds.zero_stage == 3:
-            rep.warnings.append("deepspeed: AutoTP + ZeRO-3 is tested here (DESIGN.md), not documented by "
-                                "DeepSpeed, which documents AutoTP training with ZeRO 0-2")
+            rep.warnings.append("deepspeed: AutoTP + ZeRO-3 is tested here on CPU (docs/cluster.md), not "
+                                "documented by DeepSpeed, which documents AutoTP training with ZeRO 0-2")
         if m.vision:
             rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
                                 "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
@@ -397,9 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strict", action="store_true", help="missing data is an error, not a warning")
     p.add_argument("--offline", action="store_true", help="never contact the hub (cache, then the fallback table)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory to compare the estimate with")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row for the activation estimate "
+                                                                  "(default: data.seq_len, else 1024)")
+    p.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (400: ~40%% of an H100)")
+    p.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per GPU (400: one NDR port each)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
-    rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb)
+    rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
+                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps)
     if a.json:
         print(json.dumps({"recipe": rep.recipe, "ok": rep.ok, "errors": rep.errors, "warnings": rep.warnings,
                           "info": dict(rep.info), "numbers": rep.numbers}, indent=1))

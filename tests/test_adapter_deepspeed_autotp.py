@@ -69,7 +69,7 @@ def _llama_config():
 
 def _no_shm_op():
     # DeepSpeed's CPU backend compiles a shared-memory comm op (inference only) at its first start;
-    # `deepspeed.comm.torch.build_shm_op` returning None skips it (see DESIGN.md).
+    # `deepspeed.comm.torch.build_shm_op` returning None skips it (see docs/cluster.md).
     import deepspeed.comm.torch  # noqa: F401
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

@@ -84,7 +84,7 @@ class NumericCausalLM(nn.Module):
         """The loss denominators of one batch of `forward`'s arguments (unshifted labels, as given to
         forward; labels alone, no model call). Sum them over a step with
         `numloss.normalization.reduce_counts` and pass the total to forward as `loss_counts`."""
-        return self.objective.counts(shift_labels(labels, self.objective.config.ignore_index), sequence_ids)
+        return batch_counts(self.objective, labels, sequence_ids)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 *, loss_counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
@@ -92,14 +92,34 @@ class NumericCausalLM(nn.Module):
         """`loss_counts`: the step's denominators (the output is then this batch's share of the step's
         loss); None: this batch's own. `sequence_ids` ([B, T], packed rows' segment ids): NTIL averages
         over the examples of packed rows."""
-        shard = find_vocab_shard(self.model)
-        per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids}
-        if not self.chunked:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
-            return NumericLMOutput.of(causal_lm_objective(self.objective, logits, labels, shard, **per_batch))
-        targets = shift_labels(labels, self.objective.config.ignore_index)
-        hidden = self.backbone()(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
-        weight = self.model.get_output_embeddings().weight
-        return NumericLMOutput.of(self.objective.from_hidden(
-            hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=self.chunk_size,
-            **per_batch))
+        return numeric_lm_forward(self.model, self.model.forward, self.objective, input_ids, labels, attention_mask,
+                                  chunked=self.chunked, chunk_size=self.chunk_size, loss_counts=loss_counts,
+                                  sequence_ids=sequence_ids, **model_kwargs)
+
+
+def batch_counts(objective: Objective, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
+    """`objective.counts` of a causal LM batch given as the model's (unshifted) labels."""
+    return objective.counts(shift_labels(labels, objective.config.ignore_index), sequence_ids)
+
+
+def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, input_ids: torch.Tensor,
+                       labels: torch.Tensor, attention_mask: torch.Tensor | None = None, *, chunked: bool,
+                       chunk_size: int = DEFAULT_CHUNK_SIZE, loss_counts: LossCounts | None = None,
+                       sequence_ids: torch.Tensor | None = None, **model_kwargs) -> NumericLMOutput:
+    """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM`, and
+    of a model that computes the objective itself (the AutoTP training module in `recipes.model`).
+
+    Logits path: `full_forward(...)` (the HF model's own forward) gives `[b, s, V_local]` logits.
+    Chunked: only the backbone (`model.<base_model_prefix>`) runs, and its last hidden states meet the
+    lm_head weight (this rank's vocab shard under AutoTP) chunk by chunk."""
+    shard = find_vocab_shard(model)
+    per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids}
+    if not chunked:
+        logits = full_forward(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
+        return NumericLMOutput.of(causal_lm_objective(objective, logits, labels, shard, **per_batch))
+    targets = shift_labels(labels, objective.config.ignore_index)
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
+    weight = model.get_output_embeddings().weight
+    return NumericLMOutput.of(objective.from_hidden(
+        hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=chunk_size, **per_batch))

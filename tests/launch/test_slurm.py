@@ -3,6 +3,7 @@ carry the recipe's allocation, and quote whatever comes from the recipe or the c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -48,7 +49,7 @@ def test_rendered_script_is_valid_bash_with_the_recipes_allocation(recipe, tmp_p
     assert "--container-image='nvcr.io#myorg/numloss:0.1.0'" in text
     assert "NODES=4" in text
     if mode == "ray":
-        assert "GPUS_PER_NODE=8" in text and "ray start --head" in text and "python -m launch.ray" in text
+        assert "GPUS_PER_NODE=8" in text and "--start-head" in text and "python -m launch.ray" in text
         assert not re.search(r"^[^#]*\bray stop", text, re.M)
     else:
         assert "WORKERS_PER_NODE=8" in text and "torchrun --nnodes" in text and "-m recipes.train" in text
@@ -86,3 +87,57 @@ def test_user_input_is_validated_or_quoted(recipe, tmp_path):
     subprocess.run(["bash", "-n", str(out)], check=True)
     assert main([str(recipe), "name=bad name"]) == 2
 
+
+
+@pytest.mark.parametrize("mode", ["ray", "torchrun"])
+def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe, tmp_path, mode):
+    """The rendered script run under a fake srun that only logs its steps (tests/launch/fake_slurm.py;
+    nodes are names, nothing trains): what each step is given. Not simulated: whether a real Slurm
+    honours the flags (cgroups, killing the other steps), pyxis' mount semantics."""
+    from . import fake_slurm
+
+    data, out, hf = tmp_path / "shared" / "gsm8k", tmp_path / "shared" / "runs" / "r1", tmp_path / "shared" / "hf"
+    data.mkdir(parents=True)
+    hf.mkdir()
+    workdir = tmp_path / "checkout"
+    workdir.mkdir()
+    overrides = [f"data.train={data}", f"train.out_dir={out}", f"cluster.hf_home={hf}", "cluster.mem=480G",
+                 "cluster.nccl_socket_ifname=^lo,docker", "cluster.nodes=2"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(recipe, mode, overrides, workdir=str(workdir)))
+    log = tmp_path / "srun.jsonl"
+    env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
+                         FAKE_HEAD_IP="10.1.2.3")
+    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "#SBATCH --mem=480G" in script.read_text()
+    assert out.is_dir()  # created before the steps, so it can be mounted
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    jobs = [s for s in steps if s["command"][:1] != ["hostname"]]
+    assert jobs and len(jobs) == (2 if mode == "ray" else 1), steps
+    for step in jobs:
+        o = step["options"]
+        assert o["--cpus-per-task"] == "96" and o["--kill-on-bad-exit"] == "1", o
+        mounts = dict(m.split(":") for m in o["--container-mounts"].split(","))
+        for path in (workdir, data, out, hf):
+            assert mounts.get(str(path)) == str(path), (path, mounts)
+        assert step["env"]["HF_HOME"] == str(hf) and step["env"]["HF_HUB_OFFLINE"] == "1"
+        assert step["env"]["NCCL_DEBUG"] == "WARN" and step["env"]["NCCL_SOCKET_IFNAME"] == "^lo,docker"
+    command = " ".join(jobs[0]["command"])
+    if mode == "torchrun":
+        assert "--rdzv_endpoint=10.1.2.3:29500" in command, command
+    else:
+        assert "--start-head 10.1.2.3:6379" in command, command
+        assert jobs[1]["options"]["-w"] == "gpu-a2" and "--address=10.1.2.3:6379" in jobs[1]["command"]
+    if SHELLCHECK:
+        check = subprocess.run([SHELLCHECK, "-s", "bash", str(script)], capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_cluster_values_are_validated(recipe):
+    for override, key in (("cluster.mem=lots", "cluster.mem"), ("cluster.nccl_debug=INFO;id", "cluster.nccl_debug"),
+                          ("cluster.nccl_socket_ifname=ib0$(id)", "cluster.nccl_socket_ifname"),
+                          ("cluster.hf_home=/a:/b", "cluster.hf_home")):
+        with pytest.raises(ValueError, match=key):
+            render(recipe, "torchrun", [override])

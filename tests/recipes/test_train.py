@@ -67,11 +67,12 @@ def test_training_lowers_the_loss_and_exports_the_trained_weights(reference_run)
     assert rows[0]["lr"] == pytest.approx(1.5e-3)  # warmup: half the peak at the first step
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from recipes.export import read_export
+
     checkpoint = get_fp32_state_dict_from_zero_checkpoint(str(reference_run / "checkpoints"))
-    exported = load_file(str(reference_run / "final" / "model.safetensors"))
+    exported = read_export(reference_run / "final")  # 2 ranks: 2 shards + transformers' index
     assert set(exported) == {k.removeprefix("model.") for k in checkpoint}
     for name, value in checkpoint.items():
         assert torch.equal(exported[name.removeprefix("model.")], value), name
@@ -113,7 +114,6 @@ def test_resume_after_kill_gives_the_uninterrupted_losses_to_the_bit(workspace, 
 def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, reference_run):
     """model.dtype bfloat16 (DeepSpeed bf16: bf16 weights and activations, fp32 master weights): the
     loss falls, the chunked head follows the logits path within bf16 rounding, the export is bf16."""
-    from safetensors.torch import load_file
 
     root, recipe = workspace
     runs = {}
@@ -130,7 +130,9 @@ def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, re
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
     # the fp32 run of the same recipe starts at the same loss, up to bf16 rounding
     assert logits[0]["loss"] == pytest.approx(read_metrics(reference_run)[0]["loss"], rel=2e-2)
-    exported = load_file(str(root / "bf16-logits" / "final" / "model.safetensors"))
+    from recipes.export import read_export
+
+    exported = read_export(root / "bf16-logits" / "final")
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}
 
 

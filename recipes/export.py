@@ -1,0 +1,174 @@
+"""The Hugging Face export at the end of a run: a sharded safetensors model that every rank writes its
+share of, with the index file transformers reads (`model.safetensors.index.json`), plus the config and
+tokenizer (or processor).
+
+Why sharded and written by every rank: at 70B the weights are ~141 GB in bf16. Gathered to rank 0 and
+written there while every other rank waits in a barrier, the export needs 141 GB of free host RAM on
+rank 0 and, below ~235 MB/s of storage bandwidth, runs past the 10-minute collective timeout. Here each
+module's weights are gathered (ZeRO-3 partitions, then AutoTP slices) one module at a time, on every
+rank, and only the rank that owns that module in the plan keeps a CPU copy; each rank then writes its
+own file. Host RAM per rank: about the model's size / world size (+ the largest module).
+
+Parallel contract: a collective; every rank calls `export_model` with the same engine. Works at ZeRO
+0-3 with or without AutoTP (`deepspeed.tp_size`): under ZeRO-3 `GatheredParameters` reassembles each
+parameter, under AutoTP DeepSpeed's `GatherReplacedLayerParams` reassembles the TP slices.
+
+Layout (transformers' own for sharded checkpoints): `model-00001-of-0000N.safetensors` ... and
+`model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {key: file}}; a
+single shard is written as `model.safetensors` with no index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .runtime import Runtime
+
+PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.model.training_module)
+INDEX = "model.safetensors.index.json"
+
+
+def _modules_with_state(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix, module) for every module that holds parameters or persistent buffers itself, in
+    `named_modules` order (the order `state_dict` uses)."""
+    out = []
+    for name, module in root.named_modules():
+        persistent = [b for n, b in module.named_buffers(recurse=False)
+                      if b is not None and n not in module._non_persistent_buffers_set]
+        if list(module.parameters(recurse=False)) or persistent:
+            out.append((f"{name}." if name else "", module))
+    return out
+
+
+def _local_numel(t: torch.Tensor) -> int:
+    """Elements of a tensor as this rank sees it whole: ZeRO-3 keeps the full size in `ds_numel`."""
+    return int(getattr(t, "ds_numel", t.numel()))
+
+
+def plan(sizes: list[int], world_size: int) -> list[int]:
+    """Writer rank of each module: greedy, largest first, onto the least-loaded rank (ties: lowest rank),
+    so every rank writes about 1/world of the bytes. Deterministic: every rank computes the same plan."""
+    load = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def shard_name(index: int, count: int) -> str:
+    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_stage: int, tp_size: int) -> dict:
+    """Write the sharded export of `engine.module.model` (see the module docstring). Returns this rank's
+    {"file", "keys", "bytes"} (file None when the plan gave it nothing)."""
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+    from safetensors.torch import save_file
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4 has no key conversions to revert
+        def revert_weight_conversion(model, state):
+            return state
+
+    world = dist.get_world_size()
+    modules = _modules_with_state(engine.module)
+    # the plan from rank 0's view of the sizes: AutoTP slices can be uneven across TP ranks, and every
+    # rank must agree on who keeps what
+    sizes = [[sum(_local_numel(p) for p in m.parameters(recurse=False)) for _, m in modules]]
+    dist.broadcast_object_list(sizes, src=0)
+    owners = plan(sizes[0], world)
+    writers = sorted(set(owners))
+    mine: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()  # tied weights (the same Parameter in two modules) are written once
+    for (prefix, module), owner in zip(modules, owners):
+        params = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3 and bool(params)):
+            with GatherReplacedLayerParams(params, module, enabled=tp_size > 1 and bool(params)):
+                if runtime.rank != owner:
+                    continue
+                for name, p in module.named_parameters(recurse=False):
+                    if p is None or id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    mine[prefix + name] = p.detach().to("cpu", copy=True).contiguous()
+                for name, b in module.named_buffers(recurse=False):
+                    if b is not None and name not in module._non_persistent_buffers_set:
+                        mine[prefix + name] = b.detach().to("cpu", copy=True).contiguous()
+    # tied weights: a Parameter seen by another rank's module first would be written twice; the key
+    # kept is the one transformers expects (its tied-weight *targets* are dropped)
+    tied_targets = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {target: source}
+    if tied_targets is None:  # transformers 4: a list of targets, tied when the config says so
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        tied_targets = getattr(model, "_tied_weights_keys", None) or [] if tied else []
+    tied_targets = set(tied_targets)
+    # NumericCausalLM holds the HF model as `.model`; under AutoTP the engine's module is the HF model
+    prefix = "" if engine.module is model else PREFIX
+    state = {k[len(prefix):]: v for k, v in mine.items() if k.startswith(prefix)}
+    state = {k: v for k, v in state.items() if k not in tied_targets}
+    if getattr(model, "_weight_conversions", None) is not None:
+        # transformers 5 loading under ZeRO-3 records extra legacy renamings whose reverse writes keys such
+        # as `language_model.model.model.*` (LLaVA); without the record it writes the class's canonical
+        # checkpoint format, the one its own save_pretrained writes.
+        model._weight_conversions = None
+    if state:
+        state = revert_weight_conversion(model, state)  # the checkpoint's key names, as save_pretrained
+    count = len(writers)
+    file = shard_name(writers.index(runtime.rank), count) if runtime.rank in writers else None
+    if runtime.is_main:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()  # the directory exists on shared storage before anyone writes into it
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    if file is not None:
+        tmp = path / f".{file}.tmp"
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / file)
+    elif state:
+        raise RuntimeError(f"rank {runtime.rank} holds {len(state)} tensors but no shard file in the plan")
+    mine_info = {"file": file, "keys": sorted(state), "bytes": nbytes}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine_info)  # also: every shard is on disk past this point
+    if runtime.is_main:
+        weight_map: dict[str, str] = {}
+        for info in everyone:
+            for key in info["keys"]:
+                if key in weight_map:
+                    raise RuntimeError(f"export: {key} written by two ranks ({weight_map[key]}, {info['file']})")
+                weight_map[key] = info["file"]
+        if count > 1:
+            index = {"metadata": {"total_size": sum(i["bytes"] for i in everyone)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        model.config.save_pretrained(str(path))
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(str(path))
+        tokenizer.save_pretrained(str(path))
+    dist.barrier()
+    return mine_info
+
+
+def read_export(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an export (sharded with its index, or a single `model.safetensors`) in one dict,
+    keyed as in the files: for checks and tools; transformers' from_pretrained reads the directory as is."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / INDEX
+    if not index.is_file():
+        return load_file(str(path / "model.safetensors"))
+    weight_map = json.loads(index.read_text())["weight_map"]
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(set(weight_map.values())):
+        part = load_file(str(path / file))
+        if set(part) != {k for k, f in weight_map.items() if f == file}:
+            raise ValueError(f"{path / file}: its tensors differ from what {index.name} maps to it")
+        out.update(part)
+    return out

@@ -1,0 +1,96 @@
+"""A fake `srun` and `scontrol` for running rendered batch scripts on one machine.
+
+What it simulates: every `srun` step that carries `--container-image` (pyxis/enroot) runs in its own
+mount namespace (`unshare -rm`) with a private tmpfs on /tmp, as each pyxis container has its own
+/tmp; its working directory is `--container-workdir`. Each call is logged (one JSON line per step:
+options and command) to $FAKE_SLURM_LOG so tests can check the flags every step gets.
+
+What it does not: real nodes (every "node" is this host), cgroups (`--cpus-per-task`, `--mem` are only
+logged), a container image (the host's Python runs), `--kill-on-bad-exit` (logged, not enforced).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+SRUN = r'''#!{python}
+import json, os, sys
+VALUED_SHORT = {{"-w", "-N", "-n", "-c", "-J", "-t", "-p"}}
+argv = sys.argv[1:]
+options, i = {{}}, 0
+while i < len(argv) and argv[i].startswith("-"):
+    a = argv[i]
+    if a in VALUED_SHORT:
+        options[a] = argv[i + 1]; i += 2; continue
+    key, eq, value = a.partition("=")
+    options[key] = value if eq else True
+    i += 1
+command = argv[i:]
+ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "MOUNTS")
+with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
+    log.write(json.dumps({{"options": options, "command": command,
+                          "env": {{k: os.environ[k] for k in ENV if k in os.environ}}}}) + "\n")
+if not command:
+    sys.exit("fake srun: no command")
+if os.environ.get("FAKE_SRUN_DRY") == "1" and command[0] != "hostname":
+    sys.exit(0)  # log only
+cwd = options.get("--container-workdir") or os.getcwd()
+if "--container-image" in options:
+    mounts = [m.split(":")[0] for m in str(options.get("--container-mounts", "")).split(",") if m]
+    # a private /tmp per step, as every pyxis container has its own
+    command = ["unshare", "-rm", "--propagation", "private", "sh", "-c",
+               'mount -t tmpfs tmpfs /tmp && exec "$@"', "sh", *command]
+os.chdir(cwd)
+os.execvp(command[0], command)
+'''
+
+SCONTROL = r'''#!/bin/sh
+if [ "$1" = show ] && [ "$2" = hostnames ]; then
+  echo "$FAKE_SLURM_NODES" | tr ',' '\n'
+  exit 0
+fi
+echo "fake scontrol: unsupported: $*" >&2
+exit 2
+'''
+
+HOSTNAME = r'''#!/bin/sh
+if [ "$1" = --ip-address ] || [ "$1" = -i ]; then
+  echo "${FAKE_HEAD_IP:-127.0.0.1}"
+else
+  echo fake-node
+fi
+'''
+
+
+def private_tmp_available() -> bool:
+    """True when this host lets an unprivileged user make a mount namespace with its own /tmp."""
+    if not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-rm", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs tmpfs /tmp && touch /tmp/x"], capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+def install(bin_dir: Path) -> Path:
+    """Write `srun`, `scontrol` and `hostname` (prints $FAKE_HEAD_IP for --ip-address) into bin_dir (put it
+    first on PATH). With FAKE_SRUN_DRY=1, srun only logs its steps (and runs `hostname`)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL),
+                       ("hostname", HOSTNAME)):
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def env(bin_dir: Path, log: Path, nodes: list[str], **extra: str) -> dict:
+    """The environment a batch script sees inside the fake allocation."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_TMPDIR", "SLURM_"))}
+    e.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{e.get('PATH', '')}", FAKE_SLURM_LOG=str(log),
+             FAKE_SLURM_NODES=",".join(nodes), SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_ID="4242",
+             **extra)
+    return e

@@ -1,0 +1,45 @@
+"""train.dist_timeout_minutes reaches the process group recipes.train creates and Ray's TorchConfig.
+
+The 10-minute default of torch would end a 70B job in its checkpoint save or export (every other rank
+waits in a collective while shards are written). Not simulated: a real 141 GB export; the test reads
+the timeout the group was created with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.config import recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = {"model": {"config": {"model_type": "llama"}, "tokenizer": "t"}, "data": {"train": "d"}}
+
+
+def test_the_process_group_gets_the_recipes_timeout():
+    code = ("import torch, torch.distributed as dist; from recipes.runtime import setup_distributed, teardown; "
+            "setup_distributed(timeout_minutes=61.5); "
+            "b = dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu')); "
+            "print('TIMEOUT', b.options._timeout.total_seconds()); teardown()")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TIMEOUT 3690.0" in out.stdout, out.stdout
+
+
+def test_default_is_60_minutes_and_ray_gets_it():
+    pytest.importorskip("ray")
+    from launch.ray import torch_config
+
+    recipe = recipe_from_dict(BASE)
+    assert recipe.train.dist_timeout_minutes == 60.0
+    assert torch_config(recipe).timeout_s == 3600
+    assert torch_config(recipe_from_dict(BASE, ["train.dist_timeout_minutes=90"])).timeout_s == 5400
+    with pytest.raises(ValueError, match="train.dist_timeout_minutes"):
+        recipe_from_dict(BASE, ["train.dist_timeout_minutes=0"])
