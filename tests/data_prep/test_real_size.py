@@ -86,3 +86,32 @@ def _hanging_encode(chunk):
     if chunk[0][0] == int(os.environ["DATA_PREP_TEST_HANG_AT"]):
         time.sleep(3600)
     return _ENCODE_CHUNK(chunk)
+
+
+def test_deepmind_surds_and_base_numerals_are_kept_with_their_numbers(tmp_path, real_size_toks):
+    from test_sources import _write_deepmind
+    from transformers import AutoTokenizer
+
+    tok_dir = real_size_toks["llama3"]
+    cfg = BuildConfig(sources=[SourceConfig("deepmind_math", path=_write_deepmind(tmp_path))],
+                      tokenize=TokenizeConfig(tok_dir, template="plain"))
+    m = build(cfg, str(tmp_path / "out"), workers=0, progress=False)
+    assert m["totals"]["rejected"] == 0 and m["totals"]["examples_kept"] == 6
+    rows = {r["example_id"].split("/")[-1]: r for r in
+            pq.read_table(tmp_path / "out" / m["shards"][0]["file"]).to_pylist()}
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+
+    def spans(r):
+        return [(tok.decode(r["input_ids"][a:b]).strip(), v)
+                for a, b, v in zip(r["span_start"], r["span_end"], r["span_value"])]
+
+    surd = rows["arithmetic__simplify_surd.txt:1"]
+    assert surd["answer"] is None and surd["answer_text"] == "-28 + 8*sqrt(7)"
+    assert spans(surd) == [("-28", -28.0), ("8", 8.0), ("7", 7.0)]
+    assert spans(rows["arithmetic__simplify_surd.txt:3"]) == [("7", 7.0), ("17", 17.0), ("6", 6.0)]
+    hexa = rows["arithmetic__add_or_sub_in_base.txt:1"]
+    assert hexa["answer"] is None and hexa["answer_text"] == "-191b" and spans(hexa) == []
+    # The digits of a surd are still labelled numeric positions: the losses score them.
+    assert sum(surd["numeric_mask"]) > 0
+    assert rows["arithmetic__add_or_sub_in_base.txt:5"]["answer"] == -8.0
+    assert spans(rows["arithmetic__add_or_sub_in_base.txt:5"]) == [("-8", -8.0)]
