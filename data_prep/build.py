@@ -85,7 +85,9 @@ _WORKER: dict[str, Any] = {}
 
 # What the forkserver imports once, before it forks workers: each worker then starts with them loaded
 # (importing transformers and torch takes seconds per process otherwise). Importing starts no thread.
-_PRELOAD = ["__main__", "data_prep.build", "numloss.vocab", "transformers", "transformers.models.auto.tokenization_auto"]
+# "__main__" is what Python preloads by default: the caller's script, imported once, not per worker.
+_PRELOAD = ["__main__", "data_prep.build", "numloss.vocab", "transformers",
+            "transformers.models.auto.tokenization_auto"]
 
 DEFAULT_STALL_TIMEOUT = 600.0
 
@@ -283,9 +285,10 @@ class Builder:
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's forkserver runs
-        # Forked workers share the parent's pages until they write to them, and the cyclic garbage
-        # collector writes to every object it visits: frozen objects are never visited, so a worker's
-        # first collections do not copy the parent's heap (about 0.1 s per worker with torch loaded).
+        # (start_method "fork") Forked workers share the parent's pages until they write to them, and
+        # the cyclic garbage collector writes to every object it visits: frozen objects are never
+        # visited, so a worker's first collections do not copy the parent's heap (about 0.1 s per worker
+        # with torch loaded).
         gc.freeze()
         try:
             pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.cfg, True))
@@ -392,9 +395,8 @@ class Builder:
             if part.rows or part.pieces or part.rejects:
                 parts.append(self._close(part, next_record))
                 self._save_progress(header, parts)
-        except _Stalled as e:
+        except _Stalled as e:  # raised out of _results: its pool has been terminated on the way
             part.abort()
-            results.close()  # stops the worker processes
             raise TimeoutError(
                 f"data_prep build stalled in part {part.index} ({S.shard_name(part.index)}): no worker "
                 f"returned a chunk for {e.idle:.0f} s (stall_timeout) while the build waited for records "
@@ -402,7 +404,7 @@ class Builder:
                 f"workers were stopped. The {len(parts)} finished parts are kept: rerun to resume.") from None
         except BaseException:
             part.abort()
-            results.close()
+            results.close()  # a failure here, while _results is suspended, terminates its pool
             raise
         if bar is not None:
             bar.close()

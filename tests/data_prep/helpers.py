@@ -159,10 +159,9 @@ def assemble_tokenizer(out_dir: str, style: str) -> str:
         split = pre_tokenizers.Digits(individual_digits=True)
     else:
         raise ValueError(style)
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    for x in letters:
-        add("Ġ", x)
-    level = [u + v for u in ["Ġ"] + letters for v in letters]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    letters += [c.upper() for c in letters]
+    level = [u + v for u in ["Ġ"] + letters for v in letters]  # "Ġa" (a word start), "ab", ...
     for u in ["Ġ"] + letters:
         for v in letters:
             add(u, v)

@@ -150,7 +150,8 @@ def _finish(proc, timeout: float) -> str:
         return proc.communicate(timeout=timeout)[0].decode()
     except subprocess.TimeoutExpired:
         _kill(proc)
-        pytest.fail(f"the build did not finish in {timeout} s (hung?):\n{proc.stdout.read().decode()[-3000:]}")
+        tail = proc.stdout.read().decode()[-3000:]
+        pytest.fail(f"the build did not finish in {timeout} s (hung?):\n{tail}")
 
 
 @pytest.mark.timeout(400)
