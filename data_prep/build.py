@@ -92,8 +92,11 @@ _PRELOAD = ["__main__", "data_prep.build", "numloss.vocab", "transformers",
 DEFAULT_STALL_TIMEOUT = 600.0
 
 
-def _init_worker(cfg: BuildConfig, single_threaded: bool) -> None:
+def _init_worker(cfg: BuildConfig, single_threaded: bool, environ: dict[str, str] | None = None) -> None:
     try:
+        if environ is not None:  # the main process's environment now, as a fork would have it (a
+            os.environ.clear()   # forkserver child has the environment the server started with)
+            os.environ.update(environ)
         if single_threaded:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
             import torch
@@ -291,7 +294,8 @@ class Builder:
         # with torch loaded).
         gc.freeze()
         try:
-            pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.cfg, True))
+            pool = ctx.Pool(self.workers, initializer=_init_worker,
+                            initargs=(self.cfg, True, dict(os.environ)))
         finally:
             gc.unfreeze()
         last_return = [time.monotonic()]  # when a chunk last came back (set by the pool's result thread)

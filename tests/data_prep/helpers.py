@@ -64,6 +64,18 @@ def train_tokenizer(out_dir: str, style: str, chat_template: bool = False, vocab
     return out_dir
 
 
+def hanging_encode_chunk(chunk):
+    """data_prep.build's _encode_chunk, except that the chunk starting at record
+    $DATA_PREP_TEST_HANG_AT never returns (a hung worker, for the watchdog test)."""
+    import time
+
+    from data_prep.build import _encode_chunk
+
+    if chunk[0][0] == int(os.environ["DATA_PREP_TEST_HANG_AT"]):
+        time.sleep(3600)
+    return _encode_chunk(chunk)
+
+
 # ---- fixture files -----------------------------------------------------------------------------
 GSM8K_ROWS = [
     {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many "
