@@ -38,7 +38,7 @@ def test_parallel_cli_build_with_real_size_tokenizer(tmp_path, real_size_toks, s
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "data_prep", *args], cwd=ROOT, env=env,
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    output = _finish(proc, timeout=300)  # it takes 10-80 s here, however loaded
+    output = _finish(proc, timeout=300)  # 10-80 s measured on a loaded 2-core machine
     assert proc.returncode == 0, output
     seconds = time.monotonic() - t0
     # The same build in this process, encoded here: the workers' shards are byte for byte these.
