@@ -201,9 +201,10 @@ def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
 class _Stalled(Exception):
     """No chunk came back for `idle` seconds while the main process waited for records first..last."""
 
-    def __init__(self, first: int, last: int, ref: str, idle: float):
+    def __init__(self, first: int, last: int, ref: str, idle: float, returned_any: bool):
         super().__init__(f"records {first}-{last}")
         self.first, self.last, self.ref, self.idle = first, last, ref, idle
+        self.returned_any = returned_any
 
 
 class Builder:
@@ -298,10 +299,12 @@ class Builder:
                             initargs=(self.cfg, True, dict(os.environ)))
         finally:
             gc.unfreeze()
-        last_return = [time.monotonic()]  # when a chunk last came back (set by the pool's result thread)
+        # When a chunk last came back, and how many have (set by the pool's result thread).
+        last_return = [time.monotonic(), 0]
 
         def returned(_):
             last_return[0] = time.monotonic()
+            last_return[1] += 1
 
         with pool:
             pending: collections.deque = collections.deque()
@@ -319,7 +322,7 @@ class Builder:
             while pending:
                 yield take()
 
-    def _wait(self, res, last_return: list[float], first: int, last: int, ref: str) -> None:
+    def _wait(self, res, last_return: list, first: int, last: int, ref: str) -> None:
         """Wait for `res` until no chunk has come back for `stall_timeout` seconds of this wait."""
         if self.stall_timeout is None:
             return
@@ -327,7 +330,7 @@ class Builder:
         while not res.ready():
             idle = time.monotonic() - max(began, last_return[0])
             if idle >= self.stall_timeout:
-                raise _Stalled(first, last, ref, idle)
+                raise _Stalled(first, last, ref, idle, returned_any=last_return[1] > 0)
             res.wait(self.stall_timeout - idle)
 
     def run(self) -> dict:
@@ -405,7 +408,11 @@ class Builder:
                 f"data_prep build stalled in part {part.index} ({S.shard_name(part.index)}): no worker "
                 f"returned a chunk for {e.idle:.0f} s (stall_timeout) while the build waited for records "
                 f"{e.first}-{e.last} (from {e.ref}). A worker hung or died (killed for memory?); the "
-                f"workers were stopped. The {len(parts)} finished parts are kept: rerun to resume.") from None
+                f"workers were stopped. The {len(parts)} finished parts are kept: rerun to resume."
+                + ("" if e.returned_any else
+                   " No chunk came back at all: if the workers could not start, the errors above say why"
+                   " (a script that calls data_prep.build with workers needs `if __name__ == \"__main__\":`)")
+            ) from None
         except BaseException:
             part.abort()
             results.close()  # a failure here, while _results is suspended, terminates its pool
