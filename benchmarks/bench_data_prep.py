@@ -1,15 +1,19 @@
 """Throughput of `data_prep build` against the bare tokenizer's batch encoding of the same texts.
 
-One run, same machine, same texts: a GSM8K-like JSONL corpus generated here (no downloads), a byte-level
-BPE tokenizer trained here (Llama-3-style digit groups, plain template). The bare baseline encodes the
-rendered texts (prompt + separator + target) with the Rust tokenizer's `encode_batch` using all cores
-(the fastest way to tokenize, no Python per token); `build` does everything a build does: read and
-parse the JSONL, render, tokenize, mask, annotate numbers, write Parquet shards and the manifest.
-The two alternate for `--repeats` rounds and each side's best time counts.
+One run, same machine, same texts: a GSM8K-like JSONL corpus generated here (no downloads), and two
+byte-level BPE tokenizers made here, plain template: "small", 4,000 tokens trained on the corpus
+(Llama-3-style digit groups), and "llama3", 128,256 tokens assembled offline like Llama-3's
+(tests/data_prep/helpers.assemble_tokenizer): a real-size vocabulary makes the numeric vocabulary,
+the tokenizer loading in every worker and the worker start-up cost what they cost with a real model.
+The bare baseline encodes the rendered texts (prompt + separator + target) with the Rust tokenizer's
+`encode_batch` using all cores (the fastest way to tokenize, no Python per token); `build` does
+everything a build does, start-up included: load the tokenizer, start the workers, read and parse
+the JSONL, render, tokenize, mask, annotate numbers, write Parquet shards and the manifest. The two
+alternate for `--repeats` rounds and each side's best time counts.
 
-    python benchmarks/bench_data_prep.py [--examples 40000] [--workers N]
+    python benchmarks/bench_data_prep.py [--examples 40000] [--workers N] [--tokenizers small,llama3]
 
-Target: build tokens/s >= 0.7 x bare tokens/s.
+Target: build tokens/s >= 0.7 x bare tokens/s, for each tokenizer.
 """
 
 from __future__ import annotations
@@ -65,58 +69,73 @@ def train_tokenizer(out_dir: str, texts: list[str]) -> str:
     return out_dir
 
 
+def measure(name: str, tok_dir: str, data: str, texts: list[str], workers: int, repeats: int,
+            tmp: str) -> float:
+    """Print bare encode_batch, HF tokenizer() and build throughput for one tokenizer; return the ratio."""
+    from transformers import AutoTokenizer
+
+    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    cfg = BuildConfig(sources=[SourceConfig("gsm8k", path=data)],
+                      tokenize=TokenizeConfig(tok_dir, numeric_policy="integers", max_length=4096),
+                      shards=ShardConfig(shard_bytes=64 << 20))
+
+    # Bare tokenizer (Rust batch encoding on all cores) and the build, alternating, best of
+    # `repeats` each: both sides get the same chances against noise from the rest of the machine.
+    bare = build_time = float("inf")
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+        bare = min(bare, time.perf_counter() - t0)
+        bare_tokens = sum(len(e.ids) for e in encs)
+        del encs
+        out = os.path.join(tmp, f"out-{name}-{r}")
+        t0 = time.perf_counter()
+        m = build(cfg, out, workers=workers, chunk_size=512, progress=False)
+        build_time = min(build_time, time.perf_counter() - t0)
+        build_tokens = m["totals"]["tokens"]
+        shutil.rmtree(out)
+    t0 = time.perf_counter()
+    tok(texts, add_special_tokens=False)
+    hf_time = time.perf_counter() - t0
+
+    bare_tps, build_tps = bare_tokens / bare, build_tokens / build_time
+    print(f"tokenizer {name} ({len(tok)} tokens)  examples {len(texts)}  cores {os.cpu_count()}  "
+          f"build workers {workers}")
+    print(f"  bare encode_batch   : {bare_tokens:>10} tokens  {bare:7.3f} s  {bare_tps:12,.0f} tok/s")
+    print(f"  HF tokenizer(texts) : {bare_tokens:>10} tokens  {hf_time:7.3f} s  "
+          f"{bare_tokens / hf_time:12,.0f} tok/s")
+    print(f"  data_prep build     : {build_tokens:>10} tokens  {build_time:7.3f} s  {build_tps:12,.0f} tok/s"
+          f"  ({m['totals']['examples_kept']} kept, {m['totals']['rejected']} rejected, "
+          f"{len(m['shards'])} shards)")
+    ratio = build_tps / bare_tps
+    print(f"  ratio build / bare encode_batch = {ratio:.2f}  "
+          f"(target >= 0.70: {'PASS' if ratio >= 0.7 else 'FAIL'})", flush=True)
+    return ratio
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--examples", type=int, default=40000)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of bare encoding and build (best of)")
+    p.add_argument("--tokenizers", default="small,llama3", help="comma-separated: small, llama3, qwen")
     a = p.parse_args()
 
-    from transformers import AutoTokenizer
-
-    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+    from tests.data_prep.helpers import assemble_tokenizer
 
     tmp = tempfile.mkdtemp(prefix="bench_data_prep_")
     try:
         data = os.path.join(tmp, "train.jsonl")
         rows = make_corpus(data, a.examples)
-        tok_dir = train_tokenizer(os.path.join(tmp, "tok"), [q + "\n" + t for q, t in rows[:3000]])
-        tok = AutoTokenizer.from_pretrained(tok_dir)
         texts = [q + "\n" + t for q, t in rows]  # what the plain template renders (less BOS/EOS)
-
-        cfg = BuildConfig(sources=[SourceConfig("gsm8k", path=data)],
-                          tokenize=TokenizeConfig(tok_dir, numeric_policy="integers", max_length=4096),
-                          shards=ShardConfig(shard_bytes=64 << 20))
-
-        # Bare tokenizer (Rust batch encoding on all cores) and the build, alternating, best of
-        # `repeats` each: both sides get the same chances against noise from the rest of the machine.
-        bare = build_time = float("inf")
-        for r in range(a.repeats):
-            t0 = time.perf_counter()
-            encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-            bare = min(bare, time.perf_counter() - t0)
-            bare_tokens = sum(len(e.ids) for e in encs)
-            del encs
-            out = os.path.join(tmp, f"out{r}")
-            t0 = time.perf_counter()
-            m = build(cfg, out, workers=a.workers, chunk_size=512, progress=False)
-            build_time = min(build_time, time.perf_counter() - t0)
-            build_tokens = m["totals"]["tokens"]
-            shutil.rmtree(out)
-        t0 = time.perf_counter()
-        tok(texts, add_special_tokens=False)
-        hf_time = time.perf_counter() - t0
-
-        bare_tps, build_tps = bare_tokens / bare, build_tokens / build_time
-        print(f"examples {a.examples}  cores {os.cpu_count()}  build workers {a.workers}")
-        print(f"bare encode_batch   : {bare_tokens:>10} tokens  {bare:7.3f} s  {bare_tps:12,.0f} tok/s")
-        print(f"HF tokenizer(texts) : {bare_tokens:>10} tokens  {hf_time:7.3f} s  "
-              f"{bare_tokens / hf_time:12,.0f} tok/s")
-        print(f"data_prep build     : {build_tokens:>10} tokens  {build_time:7.3f} s  {build_tps:12,.0f} tok/s"
-              f"  ({m['totals']['examples_kept']} kept, {m['totals']['rejected']} rejected, "
-              f"{len(m['shards'])} shards)")
-        ratio = build_tps / bare_tps
-        print(f"ratio build / bare encode_batch = {ratio:.2f}  (target >= 0.70: {'PASS' if ratio >= 0.7 else 'FAIL'})")
+        for name in a.tokenizers.split(","):
+            if name == "small":
+                tok_dir = train_tokenizer(os.path.join(tmp, "tok-small"), texts[:3000])
+            else:
+                tok_dir = assemble_tokenizer(os.path.join(tmp, f"tok-{name}"), name)
+            measure(name, tok_dir, data, texts, a.workers, a.repeats, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from .build import BuildConfig, build
+from .build import DEFAULT_STALL_TIMEOUT, BuildConfig, build
 from .shards import ShardConfig, read_manifest
 from .sources import SOURCES, SourceConfig
 from .tokenize import TokenizeConfig
@@ -53,7 +53,8 @@ def _config_from_args(a: argparse.Namespace) -> BuildConfig:
 def cmd_build(a: argparse.Namespace) -> int:
     cfg = _config_from_args(a)
     m = build(cfg, a.out, workers=a.workers, chunk_size=a.chunk_size, progress=not a.no_progress,
-              overwrite=a.overwrite)
+              overwrite=a.overwrite, start_method=a.start_method,
+              stall_timeout=a.stall_timeout if a.stall_timeout > 0 else None)
     t = m["totals"]
     print(f"{a.out}: {len(m['shards'])} shards, {t['rows']} rows, {t['tokens']} tokens; "
           f"read {t['records_read']} = kept {t['examples_kept']} + rejected {t['rejected']} "
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     b.add_argument("--chunk-size", type=int, default=256)
+    b.add_argument("--start-method", choices=["forkserver", "spawn", "fork"],
+                   help="how worker processes start (default forkserver, else spawn; fork is unsafe "
+                        "once torch or the tokenizer has run threads in this process)")
+    b.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT, metavar="SECONDS",
+                   help="fail the build when no worker returns a chunk for this long (0: wait forever)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--overwrite", action="store_true")
     b.set_defaults(fn=cmd_build)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         return a.fn(a)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,9 +15,20 @@ Decisions:
 - `max_reject_fraction` guards against a misconfigured build (a wrong field name rejects every
   record): above it the build fails after writing the rejects, naming the top reasons, and writes
   no manifest.
-- Worker processes start with "fork" where available (cheap: the tokenizer is loaded once per
-  worker, after the fork); they encode single-threaded (TOKENIZERS_PARALLELISM=false) so that
-  `workers` processes use `workers` cores. With workers=0 the tokenizer's own threads are used.
+- Worker processes start with "forkserver" where the platform has it, else "spawn"; never "fork" by
+  default. The main process has used torch's OpenMP thread pool (the numeric vocabulary of a 128k+
+  token tokenizer is built with parallel torch ops) and the tokenizer's threads before the pool
+  starts; a forked child inherits those pools without their threads, and its first parallel op waits
+  forever (a build with a real tokenizer hung in every worker). A forkserver is a fresh interpreter
+  that never ran a thread pool: it imports the heavy modules once (`_PRELOAD`) and forks each worker
+  from that clean state, so workers start in about the time a fork takes plus loading the tokenizer.
+  `start_method="fork"` is still accepted for callers that know their main process is single-threaded.
+- Workers encode single-threaded (TOKENIZERS_PARALLELISM=false, one torch thread) so that `workers`
+  processes use `workers` cores. With workers=0 the tokenizer's own threads are used.
+- Watchdog: with workers, the main process waits for each chunk with a deadline. When no chunk has
+  come back for `stall_timeout` seconds of waiting (a worker hung or was killed: a pool never returns
+  a lost task), the build stops its workers and fails with a TimeoutError naming the part and the
+  records it waited for, instead of hanging. Finished parts are kept; a rerun resumes after them.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -71,16 +83,35 @@ def _digest(obj: Any) -> str:
 # ---- worker side -------------------------------------------------------------------------------
 _WORKER: dict[str, Any] = {}
 
+# What the forkserver imports once, before it forks workers: each worker then starts with them loaded
+# (importing transformers and torch takes seconds per process otherwise). Importing starts no thread.
+# "__main__" is what Python preloads by default: the caller's script, imported once, not per worker.
+_PRELOAD = ["__main__", "data_prep.build", "numloss.vocab", "transformers",
+            "transformers.models.auto.tokenization_auto"]
 
-def _init_worker(cfg: BuildConfig, single_threaded: bool) -> None:
-    if single_threaded:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _WORKER["sources"] = [make_source(s) for s in cfg.sources]
-    _WORKER["encoder"] = Encoder(cfg.tokenize)
+DEFAULT_STALL_TIMEOUT = 600.0
+
+
+def _init_worker(cfg: BuildConfig, single_threaded: bool, environ: dict[str, str] | None = None) -> None:
+    try:
+        if environ is not None:  # the main process's environment now, as a fork would have it (a
+            os.environ.clear()   # forkserver child has the environment the server started with)
+            os.environ.update(environ)
+        if single_threaded:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+            import torch
+
+            torch.set_num_threads(1)  # the numeric vocabulary's table ops: one core per worker
+        _WORKER["sources"] = [make_source(s) for s in cfg.sources]
+        _WORKER["encoder"] = Encoder(cfg.tokenize)
+    except Exception as e:  # a Pool restarts a worker whose initializer raises, forever: report it instead
+        _WORKER["error"] = f"worker set-up failed: {e}\n{traceback.format_exc()}"
 
 
 def _encode_chunk(chunk: list[tuple[int, int, str, Any]]):
     """chunk: (record, source index, ref, raw) -> (rows RecordBatch, rejects)."""
+    if "error" in _WORKER:
+        raise RuntimeError(_WORKER["error"])
     try:
         sources, encoder = _WORKER["sources"], _WORKER["encoder"]
         items, rejects = [], []
@@ -167,13 +198,33 @@ def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     return 9 * n_tok + img + 64
 
 
+class _Stalled(Exception):
+    """No chunk came back for `idle` seconds while the main process waited for records first..last."""
+
+    def __init__(self, first: int, last: int, ref: str, idle: float, returned_any: bool):
+        super().__init__(f"records {first}-{last}")
+        self.first, self.last, self.ref, self.idle = first, last, ref, idle
+        self.returned_any = returned_any
+
+
 class Builder:
+    """One build. `workers`: encoding processes (0: encode in this process); `start_method`: how they
+    start (default "forkserver", else "spawn"; see the module docstring); `stall_timeout`: seconds
+    without any chunk coming back before the build fails (None: wait forever)."""
+
     def __init__(self, cfg: BuildConfig, out_dir: str, workers: int = 2, chunk_size: int = 256,
-                 progress: bool = True, overwrite: bool = False, start_method: str | None = None):
+                 progress: bool = True, overwrite: bool = False, start_method: str | None = None,
+                 stall_timeout: float | None = DEFAULT_STALL_TIMEOUT):
         self.cfg, self.out_dir = cfg, out_dir
         self.workers, self.chunk_size = workers, chunk_size
         self.progress, self.overwrite = progress, overwrite
-        self.start_method = start_method or ("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        methods = mp.get_all_start_methods()
+        self.start_method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
+        if self.start_method not in methods:
+            raise ValueError(f"start_method {self.start_method!r} is not available here; one of {methods}")
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0 seconds or None, got {stall_timeout}")
+        self.stall_timeout = stall_timeout
         sc = cfg.shards
         if sc.pack_length is not None and cfg.tokenize.max_length > sc.pack_length:
             raise ValueError(f"max_length {cfg.tokenize.max_length} > pack_length {sc.pack_length}: "
@@ -236,24 +287,51 @@ class Builder:
                 yield len(chunk), _encode_chunk(chunk)
             return
         ctx = mp.get_context(self.start_method)
-        # Forked workers share the parent's pages until they write to them, and the cyclic garbage
-        # collector writes to every object it visits: frozen objects are never visited, so a worker's
-        # first collections do not copy the parent's heap (about 0.1 s per worker with torch loaded).
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's forkserver runs
+        # (start_method "fork") Forked workers share the parent's pages until they write to them, and
+        # the cyclic garbage collector writes to every object it visits: frozen objects are never
+        # visited, so a worker's first collections do not copy the parent's heap (about 0.1 s per worker
+        # with torch loaded).
         gc.freeze()
         try:
-            pool = ctx.Pool(self.workers, initializer=_init_worker, initargs=(self.cfg, True))
+            pool = ctx.Pool(self.workers, initializer=_init_worker,
+                            initargs=(self.cfg, True, dict(os.environ)))
         finally:
             gc.unfreeze()
+        # When a chunk last came back, and how many have (set by the pool's result thread).
+        last_return = [time.monotonic(), 0]
+
+        def returned(_):
+            last_return[0] = time.monotonic()
+            last_return[1] += 1
+
         with pool:
             pending: collections.deque = collections.deque()
+
+            def take():
+                first, last, ref, n, res = pending.popleft()
+                self._wait(res, last_return, first, last, ref)
+                return n, res.get()
+
             for chunk in self._chunks(start):
-                pending.append((len(chunk), pool.apply_async(_encode_chunk, (chunk,))))
+                res = pool.apply_async(_encode_chunk, (chunk,), callback=returned, error_callback=returned)
+                pending.append((chunk[0][0], chunk[-1][0], chunk[0][2], len(chunk), res))
                 while len(pending) > 2 * self.workers + 2:
-                    n, res = pending.popleft()
-                    yield n, res.get()
+                    yield take()
             while pending:
-                n, res = pending.popleft()
-                yield n, res.get()
+                yield take()
+
+    def _wait(self, res, last_return: list, first: int, last: int, ref: str) -> None:
+        """Wait for `res` until no chunk has come back for `stall_timeout` seconds of this wait."""
+        if self.stall_timeout is None:
+            return
+        began = time.monotonic()
+        while not res.ready():
+            idle = time.monotonic() - max(began, last_return[0])
+            if idle >= self.stall_timeout:
+                raise _Stalled(first, last, ref, idle, returned_any=last_return[1] > 0)
+            res.wait(self.stall_timeout - idle)
 
     def run(self) -> dict:
         os.makedirs(self.out_dir, exist_ok=True)
@@ -292,8 +370,9 @@ class Builder:
 
             bar = tqdm(unit="rec", desc="data_prep build", initial=start, dynamic_ncols=True)
         target = self.cfg.shards.shard_bytes
+        results = self._results(start)
         try:
-            for n, (batch, rejects) in self._results(start):
+            for n, (batch, rejects) in results:
                 kept_records = _np(batch.column("record"), np.int64)
                 # Running size of the part after each row; the part closes after the first row that
                 # reaches the target (sizes are positive, so the running sums are increasing).
@@ -323,8 +402,20 @@ class Builder:
             if part.rows or part.pieces or part.rejects:
                 parts.append(self._close(part, next_record))
                 self._save_progress(header, parts)
+        except _Stalled as e:  # raised out of _results: its pool has been terminated on the way
+            part.abort()
+            raise TimeoutError(
+                f"data_prep build stalled in part {part.index} ({S.shard_name(part.index)}): no worker "
+                f"returned a chunk for {e.idle:.0f} s (stall_timeout) while the build waited for records "
+                f"{e.first}-{e.last} (from {e.ref}). A worker hung or died (killed for memory?); the "
+                f"workers were stopped. The {len(parts)} finished parts are kept: rerun to resume."
+                + ("" if e.returned_any else
+                   " No chunk came back at all: if the workers could not start, the errors above say why"
+                   " (a script that calls data_prep.build with workers needs `if __name__ == \"__main__\":`)")
+            ) from None
         except BaseException:
             part.abort()
+            results.close()  # a failure here, while _results is suspended, terminates its pool
             raise
         if bar is not None:
             bar.close()

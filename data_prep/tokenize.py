@@ -20,7 +20,8 @@ Decisions (what a reader of a shard can rely on):
 - Number spans: every number in the *target text* (digits with optional thousands separators and
   decimals, and a leading "-" that is a sign, not a binary minus), as token ranges [start, end) of the
   full sequence and its value. Tokens are found through the tokenizer's char-to-token map, so a span
-  covers every token that holds one of the number's characters.
+  covers every token that holds one of the number's characters. An example whose target's numbers
+  are not decimal (`Example.number_spans=False`: a numeral in base 16) has no spans.
 - Too long: a record longer than `max_length` tokens is rejected ("too_long"), never truncated:
   truncating would cut off the answer the numeric losses score.
 - Only fast (Rust) tokenizers are supported: offsets and batch encoding need them.
@@ -406,7 +407,7 @@ class Encoder:
                 if f is None:
                     seq = encs[i].sequence_ids
                     first[i] = seq.index(1) if 1 in seq else len(seq)
-        spans = self._spans(encs, [e.target for e in exs], ats)
+        spans = self._spans(encs, [e.target if e.number_spans else "" for e in exs], ats)
         return self._columns(items, exs, ids_list, lengths, first, *spans), rejects
 
     @staticmethod

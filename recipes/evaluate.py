@@ -21,9 +21,12 @@ What it does, and the decisions behind it:
   number (answer_format "number") or the last "H:MM" (answer_format "time"), against the row's numeric
   `answer` (for clock data: minutes past 12 on a 12-hour dial). Metrics: n, parse_rate, exact_match,
   mae, r2; for time: exact_match, parse_rate and time_gap (mean circular gap in minutes; mae is the
-  same circular gap, r2 is not reported). Rows whose answer is not a number (ChartQA text answers)
-  are left out of the numeric metrics and counted in `relaxed_accuracy` only (ChartQA's metric: a
-  number within 5% relative, else a case-insensitive string match against `answer_text`).
+  same circular gap, r2 is not reported). Rows whose answer is not one number (a DeepMind-Math surd
+  "-14 + 4*sqrt(7)" or base-16 numeral "-191b", a ChartQA text answer) are scored by exact match of
+  the generated text against `answer_text` (whitespace around it aside) and count in exact_match,
+  not in parse_rate, MAE or R². The metrics say how many rows each used: n_numeric (parse_rate),
+  n_text, n_exact_match, n_mae_r2 (time: n_time_gap). `relaxed_accuracy` (ChartQA's metric: a number
+  within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
   AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
   `recipes.vision.vision_inputs`, the same function training uses (so the prompt is token for token
@@ -246,6 +249,8 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
             if r["answer"] is not None:
                 rec["correct"] = parsed is not None and abs(parsed - r["answer"]) <= 1e-9
                 rec["abs_error"] = None if parsed is None else abs(parsed - r["answer"])
+            elif r["answer_text"] is not None:
+                rec["correct"] = M.exact_text_match(p, r["answer_text"])
         rec["relaxed"] = relaxed_match(p, r["answer"], r["answer_text"])
         examples.append(rec)
 
@@ -255,12 +260,15 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
         gaps = [M.clock_gap_minutes(c, int(t)) for c, t in zip(clock, targets)]
         out["parse_rate"] = _finite(sum(c is not None for c in clock) / len(clock)) if clock else None
         out["exact_match"] = (sum(g == 0 for g in gaps if g is not None) / len(gaps)) if gaps else None
+        out["n_exact_match"] = len(gaps)
         out["time_gap"] = _finite(M.mean_clock_gap(clock, [int(t) for t in targets])) if clock else None
+        out["n_time_gap"] = sum(g is not None for g in gaps)
         out["mae"] = out["time_gap"]
     else:
-        s = M.summarize(preds, targets)
-        for k in ("parse_rate", "exact_match", "mae", "r2"):
-            out[k] = _finite(s[k])
+        s = M.summarize(predictions, [r["answer"] for r in rows], [r["answer_text"] for r in rows])
+        for k in ("n_numeric", "n_text", "parse_rate", "exact_match", "n_exact_match", "mae", "r2",
+                  "n_mae_r2"):
+            out[k] = s[k] if k.startswith("n_") else _finite(s[k])
     out["relaxed_accuracy"] = sum(e["relaxed"] for e in examples) / len(examples) if examples else None
     return out, examples
 

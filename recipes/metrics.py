@@ -9,6 +9,11 @@ stops emitting numbers cannot look good on MAE.
     summarize(["42", "x = 7", "oops"], [42, 8, 3])
     # n 3, parse_rate 2/3, exact_match 1/3, mae 0.5 and r2 0.998 (both over the two that parse)
 
+An answer that is not one number (a surd "-14 + 4*sqrt(7)", a base-16 numeral "-191b") has no numeric
+target: `summarize` scores it by exact match of the text (`exact_text_match`) and leaves it out of
+parse_rate, MAE and R². It reports how many rows each metric used (n_numeric for parse_rate,
+n_exact_match, n_mae_r2), so two runs' MAEs over different row counts are not compared blindly.
+
 Clock times ("H:MM", a 12-hour dial) have their own parser and a circular gap in minutes.
 """
 
@@ -64,6 +69,10 @@ def parse_rate(predictions: Sequence) -> float:
     return sum(p is not None for p in parsed) / len(parsed)
 
 
+def _hits(parsed: Sequence[float | None], targets: Sequence[float], tol: float) -> int:
+    return sum(p is not None and abs(p - float(t)) <= tol for p, t in zip(parsed, targets))
+
+
 def exact_match(predictions: Sequence, targets: Sequence[float], tol: float = 1e-9) -> float:
     """Share of predictions whose parsed number equals the target (within `tol`); an unparsed
     prediction is wrong. NaN for no predictions."""
@@ -71,8 +80,13 @@ def exact_match(predictions: Sequence, targets: Sequence[float], tol: float = 1e
     parsed = _as_parsed(predictions)
     if not parsed:
         return math.nan
-    hits = sum(p is not None and abs(p - float(t)) <= tol for p, t in zip(parsed, targets))
-    return hits / len(parsed)
+    return _hits(parsed, targets, tol) / len(parsed)
+
+
+def exact_text_match(prediction, answer_text: str) -> bool:
+    """A prediction of an answer that is not one number is right only as the same text, whitespace
+    around it aside ("7*sqrt(17)/6" is not "7*sqrt(17) / 6", "-191b" is not "-191B")."""
+    return isinstance(prediction, str) and prediction.strip() == answer_text.strip()
 
 
 def _parsed_pairs(predictions: Sequence, targets: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -143,12 +157,34 @@ def mean_clock_gap(predictions: Sequence, targets: Sequence) -> float:
     return sum(gaps) / len(gaps) if gaps else math.nan
 
 
-def summarize(predictions: Sequence, targets: Sequence[float]) -> dict:
-    """All numeric metrics at once: n, parse_rate, exact_match, mae, r2 (floats; NaN where undefined)."""
+def summarize(predictions: Sequence, targets: Sequence[float | None],
+              answer_texts: Sequence[str | None] | None = None) -> dict:
+    """All metrics at once, with the number of rows each used (floats; NaN where undefined).
+
+    A target None is an answer that is not one number: the row is scored by `exact_text_match`
+    against `answer_texts[i]` and counts in exact_match only; a row with neither counts only in n.
+
+    n, n_numeric (rows with a numeric target), n_text (rows scored by their text); parse_rate over the
+    n_numeric rows; exact_match over n_exact_match = n_numeric + n_text rows; mae and r2 over the
+    n_mae_r2 numeric rows whose prediction parses.
+    """
+    _check_lengths(predictions, targets)
+    texts = answer_texts if answer_texts is not None else [None] * len(targets)
+    _check_lengths(texts, targets)
+    num_preds = [p for p, t in zip(predictions, targets) if t is not None]
+    num_targets = [float(t) for t in targets if t is not None]
+    text_rows = [(p, a) for p, t, a in zip(predictions, targets, texts) if t is None and a is not None]
+    parsed = _as_parsed(num_preds)
+    n_exact = len(num_preds) + len(text_rows)
+    hits = _hits(parsed, num_targets, 1e-9) + sum(exact_text_match(p, a) for p, a in text_rows)
     return {
         "n": len(predictions),
-        "parse_rate": parse_rate(predictions),
-        "exact_match": exact_match(predictions, targets),
-        "mae": mae(predictions, targets),
-        "r2": r2(predictions, targets),
+        "n_numeric": len(num_preds),
+        "n_text": len(text_rows),
+        "parse_rate": parse_rate(num_preds),
+        "exact_match": hits / n_exact if n_exact else math.nan,
+        "n_exact_match": n_exact,
+        "mae": mae(num_preds, num_targets),
+        "r2": r2(num_preds, num_targets),
+        "n_mae_r2": sum(p is not None for p in parsed),
     }

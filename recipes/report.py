@@ -5,7 +5,8 @@
     python -m recipes.report probe ce=runs/ce/final smmd=runs/smmd/final --data DATA --out probe.png
 
 - table: one row per results JSON written by `recipes.evaluate`, one column per metric any of them
-  reports (n, parse rate, exact match, MAE, R², time gap, relaxed accuracy); "–" where a run has none.
+  reports (n, parse rate, exact match, MAE, R², time gap, relaxed accuracy), each followed by the
+  number of rows it used when the results say it; "–" where a run has none.
 - curves: `metrics.jsonl` (one JSON object per optimizer step, as recipes/train.py writes it:
   "step", "loss", "ce", "term/<name>", "lr", ...); one panel per quantity (loss, ce, then each term),
   one line per run. Quantities a run does not log are simply absent from its panels.
@@ -32,16 +33,21 @@ from typing import Any, Sequence
 import numpy as np
 
 # Column order and headers of the table; metrics not listed here are appended in sorted order.
+# Each metric is followed by the number of rows it used, where the results say (evaluate.score).
 TABLE_COLUMNS = [
     ("n", "n"),
     ("parse_rate", "parse rate"),
+    ("n_numeric", "n parse"),
     ("exact_match", "exact match"),
+    ("n_exact_match", "n exact"),
     ("mae", "MAE"),
     ("r2", "R²"),
+    ("n_mae_r2", "n MAE/R²"),
     ("time_gap", "time gap (min)"),
+    ("n_time_gap", "n gap"),
     ("relaxed_accuracy", "relaxed acc."),
 ]
-_SKIP = {"n_numeric"}
+_SKIP = {"n_text"}  # in n_exact_match
 
 
 # ---- table --------------------------------------------------------------------------------------------

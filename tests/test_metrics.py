@@ -67,3 +67,23 @@ def test_clock_parse_failures():
     assert metrics.mean_clock_gap(["11:50", "bad", "1:00"], ["0:10", "1:00", "1:30"]) == pytest.approx(25)
     with pytest.raises(ValueError):
         metrics.clock_gap_minutes("1:00", "noon")
+
+
+def test_answers_that_are_not_one_number_count_in_exact_match_only():
+    # Worked by hand. Numeric rows: 12 right; 8 answered 7 (parsed, error 1); 5 answered "oops".
+    # Text rows: a surd answered with the same text (spaces around it), a base-16 numeral answered
+    # "-191" (it parses, but a text row is never in MAE). A row with neither counts only in n.
+    preds = ["12", "x=7", "oops", " -14 + 4*sqrt(7) ", "-191", "3"]
+    targets = [12, 8, 5, None, None, None]
+    texts = ["12", "8", "5", "-14 + 4*sqrt(7)", "-191b", None]
+    s = metrics.summarize(preds, targets, texts)
+    assert (s["n"], s["n_numeric"], s["n_text"], s["n_exact_match"], s["n_mae_r2"]) == (6, 3, 2, 5, 2)
+    assert s["parse_rate"] == pytest.approx(2 / 3)
+    assert s["exact_match"] == pytest.approx(2 / 5)
+    assert s["mae"] == pytest.approx(0.5)  # (0 + 1) / 2
+    assert s["r2"] == pytest.approx(1 - 1 / 8)  # targets 12, 8: SS_tot 8, SS_res 1
+    assert metrics.exact_text_match("7*sqrt(17)/6\n", "7*sqrt(17)/6")
+    assert not metrics.exact_text_match("7*sqrt(17) / 6", "7*sqrt(17)/6")
+    assert not metrics.exact_text_match(None, "-191b")
+    with pytest.raises(ValueError, match="2 predictions but 3 targets"):
+        metrics.summarize(["1", "2"], [1, 2, None])

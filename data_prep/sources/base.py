@@ -60,6 +60,8 @@ class Example:
     answer: float | None
     answer_text: str | None = None
     image: bytes | None = None  # encoded image (PNG/JPEG bytes), carried as is
+    # False: the numbers of the target text are not decimal numbers (a numeral in base 16): no spans.
+    number_spans: bool = True
 
 
 @dataclass

@@ -84,11 +84,12 @@ def test_rejects_reconcile(tmp_path, messy_sources, digits_tok):
     assert not os.path.exists(tmp_path / "out" / "_progress.json")
 
 
-def test_byte_identical_rebuilds(tmp_path, messy_sources, digits_tok):
+@pytest.mark.timeout(300)
+def test_byte_identical_rebuilds(tmp_path, messy_sources, build_tok):
     sources, _ = messy_sources
-    cfg = config(sources, digits_tok)
+    cfg = config(sources, build_tok)
     build(cfg, str(tmp_path / "a"), workers=0, chunk_size=5, progress=False)
-    build(cfg, str(tmp_path / "b"), workers=2, chunk_size=3, progress=False)
+    build(cfg, str(tmp_path / "b"), workers=2, chunk_size=3, progress=False, stall_timeout=120)
     a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
     assert a == b and len(a) > 3
     meta = pq.ParquetFile(tmp_path / "a" / "shard-00000.parquet").metadata
@@ -120,7 +121,7 @@ def test_too_many_rejects_fail_loudly(tmp_path, digits_tok):
 def _cli_args(tok, out):
     return ["build", "--source", "arithmetic", "--opt", "n=5000", "--opt", "max_digits=6",
             "--tokenizer", tok, "--out", out, "--shard-mb", "0.01", "--row-group-rows", "16",
-            "--workers", "2", "--chunk-size", "32", "--no-progress"]
+            "--workers", "2", "--chunk-size", "32", "--no-progress", "--stall-timeout", "120"]
 
 
 def _parts(out):
@@ -142,17 +143,29 @@ def _kill(proc):
     proc.wait()
 
 
-def test_resume_after_kill_at_random_points(tmp_path, digits_tok):
+def _finish(proc, timeout: float) -> str:
+    """The output of a build run to its end; a build still running after `timeout` s is killed (with
+    its workers) and fails the test: a hung build must not hang the suite."""
+    try:
+        return proc.communicate(timeout=timeout)[0].decode()
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        tail = proc.stdout.read().decode()[-3000:]
+        pytest.fail(f"the build did not finish in {timeout} s (hung?):\n{tail}")
+
+
+@pytest.mark.timeout(400)
+def test_resume_after_kill_at_random_points(tmp_path, build_tok):
     rng = random.Random(int(os.environ.get("DATA_PREP_TEST_SEED", time.time_ns() % 10_000)))
     ref = str(tmp_path / "ref")
-    assert cli_main(_cli_args(digits_tok, ref)) == 0
+    assert cli_main(_cli_args(build_tok, ref)) == 0
     n_parts = len(json.load(open(os.path.join(ref, "manifest.json")))["shards"])
     assert n_parts > 20
 
     out = str(tmp_path / "out")
     # 1) kill once a random number of parts is done
     k = rng.randint(1, n_parts // 2)
-    proc = _start(_cli_args(digits_tok, out))
+    proc = _start(_cli_args(build_tok, out))
     while _parts(out) < k and proc.poll() is None:
         time.sleep(0.002)
     assert proc.poll() is None, "the build finished before it could be killed"
@@ -166,13 +179,13 @@ def test_resume_after_kill_at_random_points(tmp_path, digits_tok):
         fh.seek(100)
         fh.write(b"\x00\x01\x02")
     # 3) resume, and kill again after a random time
-    proc = _start(_cli_args(digits_tok, out))
+    proc = _start(_cli_args(build_tok, out))
     time.sleep(rng.uniform(0.0, 3.0))
     if proc.poll() is None:
         _kill(proc)
     # 4) resume to the end: exactly the uninterrupted build's files
-    proc = _start(_cli_args(digits_tok, out))
-    output = proc.communicate(timeout=120)[0].decode()
+    proc = _start(_cli_args(build_tok, out))
+    output = _finish(proc, timeout=180)
     assert proc.returncode == 0, output
     assert files_of(out) == files_of(ref)
 

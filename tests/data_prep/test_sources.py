@@ -81,6 +81,42 @@ def test_deepmind_math_text_files(tmp_path):
         examples(SourceConfig("deepmind_math", path=str(bad.parent)))
 
 
+# Written in the style of DeepMind's generator (its arithmetic modules): answers that are one number,
+# surds, and numerals in another base.
+DEEPMIND_MIXED = {
+    "arithmetic__add_or_sub_in_base.txt": "In base 16, what is -1a3 + -1778?\n-191b\n"
+                                          "In base 2, what is 1011 + 1011?\n10110\n"
+                                          "In base 10, what is 12 + -20?\n-8\n",
+    "arithmetic__simplify_surd.txt": "Simplify (-2 + sqrt(112) + -12)*2.\n-28 + 8*sqrt(7)\n"
+                                     "Simplify sqrt(68)/(sqrt(4)*3) + sqrt(17)*2/3.\n7*sqrt(17)/6\n",
+    "arithmetic__mul.txt": "What is -0.4 times 5?\n-2\n",
+}
+
+
+def _write_deepmind(root):
+    d = root / "train-easy"
+    d.mkdir()
+    for name, text in DEEPMIND_MIXED.items():
+        (d / name).write_text(text)
+    return str(root)
+
+
+def test_deepmind_math_keeps_surds_and_other_bases(tmp_path):
+    got = dict(examples(SourceConfig("deepmind_math", path=_write_deepmind(tmp_path))))
+    ex = {ref.split("/")[-1]: e for ref, e in got.items()}
+    assert len(ex) == 6 and not any(isinstance(e, BadRecord) for e in ex.values())
+    b = "arithmetic__add_or_sub_in_base.txt"
+    s = "arithmetic__simplify_surd.txt"
+    # (answer, answer_text, number_spans) per row, written by hand
+    assert [(ex[k].answer, ex[k].answer_text, ex[k].number_spans) for k in
+            (f"{b}:1", f"{b}:3", f"{b}:5", f"{s}:1", f"{s}:3", "arithmetic__mul.txt:1")] == [
+        (None, "-191b", False), (None, "10110", False), (-8.0, "-8", True),
+        (None, "-28 + 8*sqrt(7)", True), (None, "7*sqrt(17)/6", True), (-2.0, "-2", True)]
+    strict = examples(SourceConfig("deepmind_math", path=str(tmp_path), options={"require_answer": True}))
+    reasons = [e.reason if isinstance(e, BadRecord) else e.answer for _, e in strict]
+    assert sorted(map(str, reasons)) == sorted(["no_answer"] * 4 + ["-8.0", "-2.0"])
+
+
 @pytest.mark.parametrize("module", ["add_or_sub", "mul", "div", "mixed"])
 def test_arithmetic_generator_is_correct_and_deterministic(module):
     opts = {"module": module, "n": 60, "seed": 3, "max_digits": 4, "terms": 3}

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipes import evaluate as E
+from recipes import report as R
 
 
 def _last_number(text):
@@ -80,12 +81,33 @@ def test_time_answers_use_the_circular_gap():
     assert metrics["time_gap"] == pytest.approx(25 / 3)
 
 
-def test_text_answers_count_in_relaxed_accuracy_only():
+def test_text_answers_count_in_exact_match_by_their_text_and_relaxed_accuracy():
     rows = [{"example_id": "a", "prompt_ids": [], "answer": None, "answer_text": "Yes"},
             {"example_id": "b", "prompt_ids": [], "answer": 100.0, "answer_text": "100"}]
     metrics, _ = E.score(["yes.", "104"], rows)
-    assert metrics["n"] == 2 and metrics["n_numeric"] == 1
+    assert metrics["n"] == 2 and metrics["n_numeric"] == 1 and metrics["n_exact_match"] == 2
     assert metrics["exact_match"] == 0.0 and metrics["relaxed_accuracy"] == 1.0  # 4 % off is "relaxed" right
+
+
+def test_surds_and_base_numerals_are_scored_by_exact_text_and_left_out_of_mae():
+    # DeepMind-Math rows as data_prep keeps them: answer None, answer_text the expression. Hand-computed:
+    # exact 3 of 5 (-8, the surd, -191b); MAE over the two numeric rows = (0 + 2) / 2; R² with targets
+    # -8, 10 (mean 1, SS_tot 162) and SS_res 4 is 1 - 4/162.
+    cases = [(-8.0, "-8", "-8"), (10.0, "10", "so 12"), (None, "-14 + 4*sqrt(7)", "-14 + 4*sqrt(7)"),
+             (None, "7*sqrt(17)/6", "7*sqrt(17)/5"), (None, "-191b", "-191b")]
+    rows = [{"example_id": str(i), "prompt_ids": [1], "answer": a, "answer_text": t}
+            for i, (a, t, _) in enumerate(cases)]
+    metrics, examples = E.score([p for *_, p in cases], rows)
+    assert [e["correct"] for e in examples] == [True, False, True, False, True]
+    assert "abs_error" not in examples[2] and examples[1]["abs_error"] == 2.0
+    assert metrics["exact_match"] == pytest.approx(3 / 5) and metrics["n_exact_match"] == 5
+    assert metrics["mae"] == pytest.approx(1.0) and metrics["n_mae_r2"] == 2
+    assert metrics["r2"] == pytest.approx(1 - 4 / 162)
+    assert metrics["parse_rate"] == 1.0 and metrics["n_numeric"] == 2 and metrics["n_text"] == 3
+    table = R.markdown_table([{"name": "dm", "metrics": metrics}]).splitlines()
+    assert table[0] == ("| run | n | parse rate | n parse | exact match | n exact | MAE | R² | n MAE/R² "
+                        "| relaxed acc. |")
+    assert table[2].startswith("| dm | 5 | 1 | 2 | 0.6 | 5 | 1 | 0.9753 | 2 |")
 
 
 def test_cli_writes_results_and_the_table_has_a_row_per_run(rec_model_dir, rec_data_dir, tmp_path, capsys):
