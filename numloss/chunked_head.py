@@ -35,7 +35,14 @@ from __future__ import annotations
 
 import torch
 
-from .logit_stats import IGNORE_INDEX, LogitStats, combine_across_ranks, local_row_stats, plan_labels
+from .logit_stats import (
+    IGNORE_INDEX,
+    LogitStats,
+    combine_across_ranks,
+    local_row_stats,
+    own_columns_gradient,
+    plan_labels,
+)
 from .parallel import all_reduce_
 from .vocab import NumericVocab
 
@@ -54,11 +61,11 @@ class _ChunkedHeadFn(torch.autograd.Function):
     """(hidden [T, H], weight [V_local, H]) -> (lse [T], target_logit [T], numeric columns [M, n_local])."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, chunk_size, group):
+    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, chunk_size, group):
         tokens = hidden.shape[0]
         lse = hidden.new_empty(tokens, dtype=torch.float32)
         target = torch.empty_like(lse)
-        numeric = hidden.new_empty((num_rows.numel(), num_cols.numel()), dtype=torch.float32)
+        numeric = hidden.new_empty((num_rows.numel(), layout.columns), dtype=torch.float32)
         softmax_w = hidden.new_empty(hidden.shape, dtype=torch.float32)  # softmax_t @ W per token
         softmax_h = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # Σ_valid softmaxᵀ h
         for start in range(0, tokens, chunk_size):
@@ -66,16 +73,17 @@ class _ChunkedHeadFn(torch.autograd.Function):
             h = hidden[start:end]
             x = (h @ weight.t()).float()
             lo, hi = torch.searchsorted(num_rows, torch.tensor([start, end], device=num_rows.device)).tolist()
-            numeric[lo:hi] = x[(num_rows[lo:hi] - start)[:, None], num_cols[None, :]]
+            numeric_owned = x[(num_rows[lo:hi] - start)[:, None], num_cols[None, :]]
             # x is this chunk's own buffer: it becomes exp(x - row max), then the softmax, in place
             row_max, sum_exp, tgt = local_row_stats(x, target_local[start:end], owns_target[start:end], in_place=True)
-            lse[start:end], target[start:end] = combine_across_ranks(row_max, sum_exp, tgt, group)
+            lse[start:end], target[start:end], numeric[lo:hi] = combine_across_ranks(
+                row_max, sum_exp, tgt, owns_target[start:end], valid[start:end], numeric_owned, layout, group)
             probs = x.mul_(torch.exp(row_max - lse[start:end])[:, None])
             softmax_w[start:end] = (probs.to(weight.dtype) @ weight).float()
             _add_transposed_product(softmax_h, probs.mul_(valid[start:end, None]), h)
             del x, probs
         ctx.chunk_size = chunk_size
-        ctx.group = group
+        ctx.group, ctx.layout = group, layout
         ctx.consumed = False
         ctx.save_for_backward(hidden, weight, lse, softmax_w, softmax_h, target_local, owns_target, valid,
                               num_rows, num_cols)
@@ -109,12 +117,13 @@ class _ChunkedHeadFn(torch.autograd.Function):
         grad_hidden[owned] += g_target[owned, None] * w32[target_local[owned]]
         grad_weight.index_add_(0, target_local[owned], g_target[owned, None] * h32[owned])
         if num_rows.numel() and num_cols.numel():
+            grad_numeric = own_columns_gradient(grad_numeric, ctx.layout)
             grad_hidden.index_add_(0, num_rows, grad_numeric @ w32[num_cols])
             grad_weight.index_add_(0, num_cols, grad_numeric.t() @ h32[num_rows])
 
         all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
         return (grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def chunked_logit_stats(
@@ -141,8 +150,8 @@ def chunked_logit_stats(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     plan = plan_labels(labels, vocab, weight.shape[0], hidden.device, group, vocab_start, ignore_index, numeric)
-    lse, target_logit, numeric_local = _ChunkedHeadFn.apply(
+    lse, target_logit, numeric_logits = _ChunkedHeadFn.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, plan.target_local, plan.owns_target, plan.valid,
-        plan.num_rows, plan.layout.local_cols.to(hidden.device), chunk_size, group,
+        plan.num_rows, plan.layout.local_cols.to(hidden.device), plan.layout, chunk_size, group,
     )
-    return plan.stats(lse, target_logit, numeric_local, group)
+    return plan.stats(lse, target_logit, numeric_logits)
