@@ -14,8 +14,8 @@ collectives and the numeric columns ride in one of them (`numloss.parallel`, "ho
 reach every rank"); backward issues nothing.
 
 `numeric_logit_stats` is the other pass: for a term that reads only the [M, N] numeric slice
-(renormalised over the numeric tokens), it reads just those M x N logits and returns a sparse gradient,
-so such a term costs nothing next to the cross-entropy a caller computes anyway.
+(renormalised over the numeric tokens), it reads just those M x N logits and adds its gradient into the
+one arriving from the caller's cross-entropy, so such a term costs next to nothing beside it.
 """
 
 from __future__ import annotations
@@ -214,33 +214,64 @@ class _LogitStatsFn(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None, None, None, None
 
 
+class _SparseGradient:
+    """Adds a numeric-only term's [M, n_local] gradient into the dense gradient of `logits`.
+
+    It is a hook on `logits`: autograd calls it once every consumer of `logits` has run, with their summed
+    gradient. When another consumer (the caller's cross-entropy on the same tensor) produced one, the
+    term's M x n_local entries are added into that buffer in place, so the term writes no [T, V] tensor of
+    its own (a buffer that cannot be written in place, a broadcast view or another dtype, is copied
+    first). When the term is the only consumer, autograd has no gradient for `logits` (and a hook may not
+    invent one), so the hook runs a nested backward from `logits` with the dense gradient (zeros plus
+    those entries): the cost of an ordinary dense gradient, only in that case.
+    """
+
+    def __init__(self, logits: torch.Tensor, num_rows: torch.Tensor, num_cols: torch.Tensor):
+        # Not the tensor (a cycle through its own hook; a slice made for the call is gone by backward):
+        # its geometry, and the autograd edge a nested backward starts from.
+        self.shape, self.dtype, self.device = logits.shape, logits.dtype, logits.device
+        self.edge = torch.autograd.graph.get_gradient_edge(logits) if logits.requires_grad else None
+        self.num_rows, self.num_cols = num_rows, num_cols
+        self.pending: list[torch.Tensor] = []  # filled by the term's backward, emptied by the hook
+
+    def _add_into(self, grad: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        flat = grad.view(-1, grad.shape[-1])
+        flat.index_put_((self.num_rows[:, None], self.num_cols[None, :]), values.to(grad.dtype), accumulate=True)
+        return grad
+
+    def __call__(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.pending:
+            return None  # this call's term was not part of this backward: leave the gradient alone
+        values = self.pending.pop()
+        if grad is not None:
+            if not grad.is_contiguous() or grad.dtype != self.dtype:
+                grad = grad.to(self.dtype, memory_format=torch.contiguous_format, copy=True)
+            return self._add_into(grad, values)
+        dense = self._add_into(torch.zeros(self.shape, dtype=self.dtype, device=self.device), values)
+        torch.autograd.backward([self.edge], [dense], retain_graph=True)
+        return None
+
+
 class _NumericColumnsFn(torch.autograd.Function):
     """logits [..., V_local] -> [M, N] fp32 numeric logits at the numeric rows, the same on every TP rank.
 
-    Reads M x n_local entries and nothing else. Backward returns a sparse COO gradient with those
-    M x n_local entries: autograd adds it in place into a dense gradient arriving from elsewhere (the
-    caller's cross-entropy), so no [T, V] tensor is written for this term. One collective with a TP
-    group (`exchange_numeric_columns`), none in backward (each rank keeps its own columns' gradient).
+    Reads M x n_local entries and nothing else. Backward hands this rank's columns' gradient to the
+    `_SparseGradient` hook registered on `logits` instead of returning a dense [T, V] gradient. One
+    collective with a TP group (`exchange_numeric_columns`), none in backward (each rank keeps its own
+    columns' gradient).
     """
 
     @staticmethod
-    def forward(ctx, logits, num_rows, num_cols, layout, group):
+    def forward(ctx, logits, num_rows, num_cols, layout, group, sink):
         flat = logits.reshape(-1, logits.shape[-1])
         owned = flat[num_rows[:, None], num_cols[None, :]].float()
-        order = num_cols.argsort()  # ascending columns within each row: the COO indices come out coalesced
-        ctx.save_for_backward(num_rows, num_cols, order)
-        ctx.shape, ctx.dtype, ctx.layout = logits.shape, logits.dtype, layout
+        ctx.layout, ctx.sink = layout, sink
         return exchange_numeric_columns(owned, layout, group)
 
     @staticmethod
     def backward(ctx, grad_numeric):
-        num_rows, num_cols, order = ctx.saved_tensors
-        values = own_columns_gradient(grad_numeric, ctx.layout)[:, order]
-        width = ctx.shape[-1]
-        flat_index = (num_rows[:, None] * width + num_cols[order][None, :]).flatten()  # increasing
-        indices = torch.stack(torch.unravel_index(flat_index, ctx.shape))
-        grad = torch.sparse_coo_tensor(indices, values.flatten().to(ctx.dtype), ctx.shape, is_coalesced=True)
-        return grad, None, None, None, None
+        ctx.sink.pending.append(own_columns_gradient(grad_numeric, ctx.layout))
+        return None, None, None, None, None, None
 
 
 @dataclass
@@ -372,14 +403,19 @@ def numeric_logit_stats(
     """Stats with only the numeric slice: the [M, N] numeric logits at the numeric positions, the labels
     and the runs, but no full-vocabulary log-sum-exp (reading `lse`, `target_logit`, `ce_per_token` or
     `numeric.lse` raises). For terms renormalised over the numeric tokens: they need no pass over the
-    vocabulary, and their gradient with respect to `logits` is sparse (see `_NumericColumnsFn`).
+    vocabulary, and their gradient is added into the dense gradient that reaches `logits` from other
+    consumers, in place (see `_SparseGradient`): with `torch.nn.functional.cross_entropy` on the same
+    tensor, the term writes no [T, V] buffer. Alone, `logits` gets a dense gradient as usual.
 
     Same arguments and parallel contract as `compute_logit_stats`; one collective with a TP group.
     """
     _check_logits(logits, labels)
     plan = plan_labels(labels, vocab, logits.shape[-1], logits.device, group, vocab_start, ignore_index)
-    numeric_logits = _NumericColumnsFn.apply(logits, plan.num_rows, plan.layout.local_cols.to(logits.device),
-                                             plan.layout, group)
+    local_cols = plan.layout.local_cols.to(logits.device)
+    sink = _SparseGradient(logits, plan.num_rows, local_cols)
+    numeric_logits = _NumericColumnsFn.apply(logits, plan.num_rows, local_cols, plan.layout, group, sink)
+    if logits.requires_grad and torch.is_grad_enabled():
+        logits.register_hook(sink)
     return NumericOnlyStats(
         labels=plan.labels,
         valid=plan.valid,

@@ -277,3 +277,41 @@ def _check_gap(rank, world):
 
 def test_shards_with_a_gap_are_an_error():
     run_ranks(2, _check_gap)
+
+
+STANDALONE = [("ntl_was", {}), ("smmd", {}), ("dist2", {"normalize": "numeric", "weighting": "place_value"}),
+              ("ntil", {"noise_scale": 0.0})]
+
+
+def _check_standalone(rank, world):
+    """A numeric-only term on a vocab shard, alone and next to another consumer of the same logits:
+    equal to the dense call, one collective (the numeric block), none in backward."""
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    for vocab_name in ("spread", "rank0"):
+        vocab = NumericVocab(*VOCABS[vocab_name], vocab_size=V)
+        g = torch.Generator().manual_seed(11)
+        logits, labels = 3 * torch.randn(3, 9, V, generator=g), make_labels(vocab, g)
+        functional.smmd(logits[..., start:end], labels, vocab, group=group, vocab_start=start)  # layout exchange
+        for route in (None, "sum", "gather"):
+            for name, options in STANDALONE:
+                term = getattr(functional, name)
+                other = lambda x: 1e-3 * (x.float() ** 2).sum()  # noqa: E731  another consumer: a dense gradient
+                for with_other in (False, True):
+                    dense_in = logits.clone().requires_grad_(True)
+                    dense = term(dense_in, labels, vocab, **options)
+                    (dense + (other(dense_in) if with_other else 0)).backward()
+                    local_in = logits[..., start:end].clone().requires_grad_(True)
+                    with forced_route(route), count_comm() as forward:
+                        tp = term(local_in, labels, vocab, group=group, vocab_start=start, **options)
+                    with count_comm() as backward:
+                        (tp + (other(local_in) if with_other else 0)).backward()
+                    where = f"{vocab_name}/{name}/{route}/{with_other} rank {rank}"
+                    assert forward.calls == 1 and backward.calls == 0, (where, forward.ops(), backward.ops())
+                    torch.testing.assert_close(tp, dense, rtol=1e-6, atol=1e-6, msg=lambda m: f"{where}: {m}")
+                    torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{where} grad: {m}")
+
+
+def test_standalone_numeric_terms_on_shards():
+    run_ranks(2, _check_standalone)
