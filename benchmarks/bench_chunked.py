@@ -3,15 +3,16 @@
     python benchmarks/bench_chunked.py [--scale 8] [--dtype bf16] [--rounds 2] [--plot runs/bench/chunked.png]
     python benchmarks/bench_chunked.py --tokens 4096 --hidden 1024 --vocab 128256 --dtype fp32   # one shape
 
-Both compute CE + SMMD (N = 1000 integer tokens, 20% numeric positions) from hidden states [T, H] and an
+Both compute CE + SMMD (N = 1000 integer tokens, 20% numeric positions; the sweep divides N too) from hidden states [T, H] and an
 lm_head weight [V, H], with hidden states and weight in `--dtype` (bf16 by default: the training shape):
 - logits path: `Objective(h @ Wᵀ, labels)`, autograd through the matmul;
 - chunked: `Objective.from_hidden(h, W, labels, chunk_size=C)`.
 
 The sweep covers T in {1024, 4096, 8192} x H in {4096, 8192} at V = 128256 (Llama-3), every size
-divided by `--scale` (8: T in {128, 512, 1024}, H in {512, 1024}, V = 16032, chunk cap 1024 / 8 = 128).
-Dividing T, H, V and the chunk by the same factor keeps every ratio between the buffers that matter
-([T, V] logits, [V, H] weight gradient, [C, V] chunk, [T, H] hidden), so the memory ratios are those of
+divided by `--scale` (8: T in {128, 512, 1024}, H in {512, 1024}, V = 16032, chunk cap 1024 / 8 = 128,
+N = 1000 / 8 = 125). Dividing T, H, V, N and the chunk by the same factor keeps every ratio between the
+buffers that matter ([T, V] logits, [V, H] weight gradient, [C, V] chunk, [T, H] hidden, [M, N] and
+[N, H] numeric blocks), so the memory ratios are those of
 the full shapes; the full shapes would take minutes per step here (bf16 matmuls run at ~18 GFLOPS on
 these CPUs). Times are of the scaled shapes.
 
@@ -102,7 +103,7 @@ def run_variant(args) -> dict:
 
     torch.manual_seed(0)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    n = 1000
+    n = args.numeric
     vocab = NumericVocab(torch.arange(200, 200 + n), torch.arange(n))  # works with any logits width
     objective = Objective(vocab, {"terms": {"smmd": {}}})
 
@@ -122,7 +123,7 @@ def run_variant(args) -> dict:
         out.loss.backward()
         return float(out.loss)
 
-    step(*inputs(16, 1300, 16))  # warm-up at a tiny size: kernels and thread pools, not counted
+    step(*inputs(16, 200 + n + 100, 16))  # warm-up at a tiny size: kernels and thread pools, not counted
     hidden, weight, labels = inputs(args.tokens, args.vocab, args.hidden)
     base = rss_bytes()
     start = time.perf_counter()
@@ -135,13 +136,14 @@ def run_variant(args) -> dict:
             "loss": loss, "grad_weight_bytes": weight.numel() * weight.element_size()}
 
 
-def measure(tokens, hidden, vocab, chunk, dtype, rounds) -> dict[str, dict]:
+def measure(tokens, hidden, vocab, chunk, dtype, rounds, numeric) -> dict[str, dict]:
     """Alternate the variants' processes and keep, per variant, the fastest time and the largest peak."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
         for variant in ("logits", "chunked"):
             cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, f"--tokens={tokens}",
-                   f"--hidden={hidden}", f"--vocab={vocab}", f"--chunk={chunk}", f"--dtype={dtype}"]
+                   f"--hidden={hidden}", f"--vocab={vocab}", f"--chunk={chunk}", f"--dtype={dtype}",
+                   f"--numeric={numeric}"]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             best = results.get(variant)
             if best is None:
@@ -161,6 +163,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=FULL_V)
     parser.add_argument("--chunk", type=int, default=FULL_CHUNK)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--numeric", type=int, default=1000, help="N numeric tokens (the sweep divides it too)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating processes per variant and shape")
     parser.add_argument("--plot", default="runs/bench/chunked.png", help="PNG of the sweep ('' for none)")
     parser.add_argument("--variant", choices=["chunked", "logits"], help=argparse.SUPPRESS)
@@ -171,13 +174,13 @@ def main():
 
     if args.tokens:
         shapes = [(args.tokens, args.hidden, args.tokens, args.hidden)]
-        vocab, chunk = args.vocab, args.chunk
+        vocab, chunk, numeric = args.vocab, args.chunk, args.numeric
     else:
         s = args.scale
         shapes = [(t, h, t // s, h // s) for h in FULL_H for t in FULL_T]
-        vocab, chunk = -(-FULL_V // s), FULL_CHUNK // s
+        vocab, chunk, numeric = -(-FULL_V // s), FULL_CHUNK // s, args.numeric // s
     mib = 2**20
-    print(f"CE + SMMD fwd+bwd, {args.dtype} hidden and weight, N=1000, 20% numeric, V={vocab}, chunk cap {chunk}"
+    print(f"CE + SMMD fwd+bwd, {args.dtype} hidden and weight, N={numeric}, 20% numeric, V={vocab}, chunk cap {chunk}"
           + (f"; full shapes / {args.scale} (V {FULL_V} / {args.scale})" if not args.tokens else ""))
     header = (f"{'T':>5} {'H':>5} | {'T run':>5} {'H run':>5} | RSS MiB {'logits':>7} {'chunked':>7} {'ratio':>6}"
               f" | tensor MiB {'logits':>7} {'chunked':>7} {'ratio':>6} {'bound':>6} {'excl.dW':>7}"
@@ -185,7 +188,7 @@ def main():
     print(header)
     rows, all_ok = [], True
     for t, h, t_run, h_run in shapes:
-        r = measure(t_run, h_run, vocab, chunk, args.dtype, args.rounds)
+        r = measure(t_run, h_run, vocab, chunk, args.dtype, args.rounds, numeric)
         lg, ch = r["logits"], r["chunked"]
         dw = lg["grad_weight_bytes"]
         rss = ch["peak_bytes"] / lg["peak_bytes"]

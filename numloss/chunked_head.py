@@ -11,18 +11,20 @@ and the N numeric columns). So:
 - d hidden_t = g_t · (softmax_t @ W) + S_t @ W: the [T, H] products `softmax_t @ W` are kept from the
   forward and scaled by g_t in backward, exactly, whatever g is.
 - d W = Σ_t g_t softmax_tᵀ h_t + Sᵀ h: the forward accumulates `Σ_valid softmax_tᵀ h_t` assuming
-  g_t = k on every valid row (what token-mean CE gives). Backward takes k as the median of g over valid
+  g_t = k on every valid row (what token-mean CE gives), straight into the tensor that becomes d W (in
+  the weight's dtype: the only [V, H] buffer the head allocates). Backward takes k as the median of g over valid
   rows and corrects, by recomputing their logits, only the rows where g differs from that (the numeric
   rows of a term that uses the full-vocabulary normaliser: GCE, DIST2 "full", NTL `reweigh`). Plain CE,
   SMMD, NTL-WAS, NTIL recompute nothing.
 
 So forward costs three [C, V]x matmuls per chunk and backward only small ones: the same matmul work
-as the logits path, with a peak of one chunk's logits instead of several full copies.
+as the logits path, with a peak of d W plus one chunk's logits instead of several full copies. A batch is
+cut into at least eight chunks, so a chunk's logits never outweigh an eighth of the batch's.
 
 Parallel contract: with a TP group, `weight` is this rank's vocab shard [V_local, H] starting at
-`vocab_start`, `hidden` and labels are identical on every rank; each chunk issues the MAX and SUM
-all-reduces of the log-sum-exp (so every rank must see the same T and chunking, which replicated labels
-guarantee), the numeric columns are gathered once, and backward all-reduces d hidden over the group,
+`vocab_start`, `hidden` and labels are identical on every rank; each chunk issues the two collectives
+of the log-sum-exp, its numeric columns riding in the second (`numloss.parallel`; every rank must see
+the same T and chunking, which replicated labels guarantee), and backward all-reduces d hidden over the group,
 because this head stands in for a column-parallel linear layer whose input is replicated.
 
 ZeRO-3: the weight must be gathered while this runs, forward and backward. `numloss.hf` registers the
@@ -127,7 +129,7 @@ class _ChunkedHeadFn(torch.autograd.Function):
         unique, inverse = torch.cat(weight_rows).unique(return_inverse=True)
         sparse = torch.zeros((unique.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
         sparse.index_add_(0, inverse, torch.cat(hidden_rows))
-        grad_weight[unique] = (grad_weight[unique].float() + sparse).to(grad_weight.dtype)
+        grad_weight[unique] = sparse.add_(grad_weight[unique]).to(grad_weight.dtype)
 
         all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
         return (grad_hidden.to(hidden.dtype), grad_weight,
