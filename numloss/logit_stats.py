@@ -243,12 +243,18 @@ class _SparseGradient:
         if not self.pending:
             return None  # this call's term was not part of this backward: leave the gradient alone
         values = self.pending.pop()
+        # The edge leads back to `logits` (and its graph), which holds this hook: drop it once used, or
+        # every call would keep its logits alive through that cycle.
+        edge, self.edge = self.edge, None
         if grad is not None:
             if not grad.is_contiguous() or grad.dtype != self.dtype:
                 grad = grad.to(self.dtype, memory_format=torch.contiguous_format, copy=True)
             return self._add_into(grad, values)
+        if edge is None:
+            raise RuntimeError("a second backward through a numeric-only term that is the only consumer of its"
+                               " logits is not supported; add it to a loss that also uses those logits")
         dense = self._add_into(torch.zeros(self.shape, dtype=self.dtype, device=self.device), values)
-        torch.autograd.backward([self.edge], [dense], retain_graph=True)
+        torch.autograd.backward([edge], [dense], retain_graph=True)
         return None
 
 
