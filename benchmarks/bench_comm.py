@@ -15,9 +15,12 @@ other ranks' vocab ranges, so the bench hands that single all-gather the true ra
 is the second, steady-state one. The comparison is one all-gather of every rank's [T, V/tp] logits
 (what a loss needs when it cannot run on shards), issued through the same `numloss.parallel.all_gather`.
 
-Two layouts of the numeric tokens bound the numeric gather (its width is the largest number of numeric
-columns any one rank owns): all N in rank 0's slice (width N; the ten digits of a Llama vocab sit in
-rank 0's slice) and spread evenly (width N / TP).
+Two layouts of the numeric tokens bound the cost of moving the numeric columns: all N in rank 0's
+slice (the ten digits of a Llama vocab sit in rank 0's slice) and spread evenly (N / TP per rank). The
+numeric columns ride in one of the two collectives the log-sum-exp needs, by whichever route sends fewer
+bytes (`numloss.parallel.choose_route`: the SUM all-reduce when one rank owns most columns, the
+all-gather when they are spread). Each layout's line also gives the bytes of the previous scheme (three
+collectives: MAX [T], SUM [2T], all-gather [M, width]), computed from the same shapes, for comparison.
 
 Bytes: "input" is what one rank contributes (numloss's counter); "on the wire" is what one rank sends
 with a ring algorithm: 2(p-1)/p x input for an all-reduce, (p-1) x input for an all-gather.
@@ -124,12 +127,17 @@ def main() -> None:
             out.loss.backward()
         seconds = time.perf_counter() - start
         ops, nbytes, wire = describe(forward.records + backward.records, world)
-        width = int(vocab.memo(("layout", id(group), world, 0, 0, v_local), lambda: None).width)
-        print(f"\n[{name}]  M={M} numeric rows, gather width={width}")
+        layout = vocab.memo(("layout", id(group), world, 0, 0, v_local), lambda: None)
+        width = layout.width
+        route = parallel.choose_route(T, M, layout)
+        three = [("all_reduce_max", 4 * T), ("all_reduce_sum", 8 * T), ("all_gather", 4 * M * width)]
+        three_wire = sum(wire_bytes(op, b, world) for op, b in three)
+        print(f"\n[{name}]  M={M} numeric rows, widest rank owns {width} columns, route: {route}")
         print(f"  first call (layout exchange + step): {first.calls} collectives: {', '.join(first.ops())}")
         print(f"  steady-state step, forward: {forward.calls} collectives: {ops}")
         print(f"  steady-state step, backward: {backward.calls} collectives")
         print(f"  loss bytes/step/rank: input {fmt(nbytes)}, on the wire {fmt(wire)}   (fwd+bwd {seconds:.1f} s on CPU)")
+        print(f"  previous scheme (3 collectives): on the wire {fmt(three_wire)}; now / previous = {wire / three_wire:.3f}")
         results.append((name, nbytes, wire))
         x.grad = None
 

@@ -5,15 +5,26 @@ them (the caller shifts), `ignore_index` (-100). Parallel contract: with `group`
 process group) `logits` is this rank's vocab shard starting at `vocab_start`, labels are the same on
 every rank, and the result and each rank's gradient of its shard equal the dense computation.
 
-Each function returns its term alone (GCE its whole loss, since it replaces CE). To combine terms and
-share the single pass over the logits, use `numloss.Objective`.
+Each function returns its term alone (GCE its whole loss, since it replaces CE), so that a term can be
+added to a cross-entropy computed elsewhere: `F.cross_entropy(...) + 0.3 * numloss.functional.ntl_was(...)`.
+A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DIST2 with
+`normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
+gradient (M x N entries) is added in place into the dense gradient that the cross-entropy sends to the
+same `logits` tensor (a hook on it): it costs next to nothing beside that cross-entropy. (Alone, the term
+gives `logits` a dense gradient as usual; an incoming gradient it cannot write into is copied first.) With a TP group such a call
+issues one collective. A term that needs the full-vocabulary normaliser (GCE, DIST2 `normalize="full"`,
+NTL `reweigh=True`) makes its own pass over the logits, as a cross-entropy does. To combine terms with
+numloss's own cross-entropy and share that single pass, use `numloss.Objective`.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Callable
+
 import torch
 
-from .logit_stats import IGNORE_INDEX, compute_logit_stats
+from .logit_stats import IGNORE_INDEX, compute_logit_stats, numeric_logit_stats
 from .losses import (
     cross_entropy_term,
     dist2_term,
@@ -25,9 +36,21 @@ from .losses import (
 )
 from .vocab import NumericVocab
 
+_NUMERIC_ONLY_NOTE = """
 
-def _driven_by(term):
-    """The logits-level function for a term: one `compute_logit_stats` pass, then the term's math."""
+Called through `numloss.functional`{when}, it reads only the numeric columns at the numeric positions
+(no pass over the vocabulary) and adds its gradient into the one a cross-entropy on the same `logits`
+sends: added to a cross-entropy computed elsewhere it costs next to nothing."""
+_FULL_VOCAB_NOTE = """
+
+Called through `numloss.functional`{when}, it needs the full-vocabulary log-sum-exp, so it makes a pass
+over all the logits (as a cross-entropy does); `numloss.Objective` shares that pass with its CE."""
+
+
+def _driven_by(term, needs_full_vocab: Callable[[dict], bool], full_when: str = "", numeric_when: str = ""):
+    """The logits-level function for a term: its math on `compute_logit_stats` (one pass over the
+    logits) when `needs_full_vocab(options)`, else on `numeric_logit_stats` (the numeric slice only)."""
+    signature = inspect.signature(term)
 
     def fn(
         logits: torch.Tensor,
@@ -39,21 +62,35 @@ def _driven_by(term):
         ignore_index: int = IGNORE_INDEX,
         **options,
     ) -> torch.Tensor:
-        stats = compute_logit_stats(logits, labels, vocab, group, vocab_start, ignore_index)
+        bound = signature.bind_partial(**options)  # an unknown option is a TypeError that names it
+        bound.apply_defaults()
+        if needs_full_vocab(bound.arguments):
+            stats = compute_logit_stats(logits, labels, vocab, group, vocab_start, ignore_index)
+        else:
+            stats = numeric_logit_stats(logits, labels, vocab, group, vocab_start, ignore_index)
         return term(stats, vocab, **options)
 
     fn.__name__ = term.__name__.removesuffix("_term")
     fn.__qualname__ = fn.__name__
-    fn.__doc__ = term.__doc__
+    notes = ""
+    if numeric_when is not None:
+        notes += _NUMERIC_ONLY_NOTE.format(when=numeric_when)
+    if full_when is not None:
+        notes += _FULL_VOCAB_NOTE.format(when=full_when)
+    fn.__doc__ = (term.__doc__ or fn.__name__) + notes
+    fn.needs_full_vocab = needs_full_vocab
     return fn
 
 
-cross_entropy = _driven_by(cross_entropy_term)
-ntl_was = _driven_by(ntl_was_term)
-ntl_mse = _driven_by(ntl_mse_term)
-gce = _driven_by(gce_term)
-dist2 = _driven_by(dist2_term)
-ntil = _driven_by(ntil_term)
-smmd = _driven_by(smmd_term)
+cross_entropy = _driven_by(cross_entropy_term, lambda o: True, numeric_when=None)
+ntl_was = _driven_by(ntl_was_term, lambda o: bool(o["reweigh"]), full_when=" with reweigh=True",
+                     numeric_when=" without reweigh")
+ntl_mse = _driven_by(ntl_mse_term, lambda o: bool(o["reweigh"]), full_when=" with reweigh=True",
+                     numeric_when=" without reweigh")
+gce = _driven_by(gce_term, lambda o: True, numeric_when=None)  # it scores every other position with CE
+dist2 = _driven_by(dist2_term, lambda o: o["normalize"] == "full", full_when=' with normalize="full" (the default)',
+                   numeric_when=' with normalize="numeric"')
+ntil = _driven_by(ntil_term, lambda o: False, full_when=None)
+smmd = _driven_by(smmd_term, lambda o: False, full_when=None)
 
 __all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd"]

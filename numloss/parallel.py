@@ -3,11 +3,12 @@
 Everything here takes `group`: a torch.distributed process group of the tensor-parallel (TP) ranks, or
 None for no tensor parallelism (then every function is a local no-op and nothing is sent).
 
-Contract (DESIGN.md, "The vocab-parallel contract"): labels are replicated across the group; each rank
-holds logits for the vocab range [vocab_start, vocab_start + V_local). Only three collectives run per
-step: a MAX all-reduce and a packed SUM all-reduce for the log-sum-exp (see `logit_stats.py`), and one
-all-gather of the numeric columns at numeric rows (`gather_numeric_columns`). The first call on a new
-(group, shard) also exchanges the shard layout once (`ShardLayout.exchange`); it is cached after that.
+Contract: labels are replicated across the group; each rank holds logits for the vocab range
+[vocab_start, vocab_start + V_local), and the ranks' ranges tile the global vocabulary [0, V). Two
+collectives run per step, whatever the terms: the numeric columns at numeric rows ride in one of the two
+the log-sum-exp needs (see "how the numeric columns reach every rank" below, and `logit_stats.py`). The
+first call on a new (group, shard) also exchanges the shard layout once (`ShardLayout.exchange`, which
+also tells the global vocab size); it is cached after that.
 """
 
 from __future__ import annotations
@@ -105,16 +106,27 @@ class ShardLayout:
     `local_cols` are the positions inside this rank's logits shard of the numeric tokens it owns;
     `owned` their numeric-column indices. `slot_of_column[c]` says where numeric column c sits in the
     flattened all-gather of [world, width]: rank r's owned columns are padded to the common `width`.
+    `vocab_size` is the global vocabulary the shards tile, [0, vocab_size): the sum of their widths.
     """
 
     owned: torch.Tensor  # [n_local] numeric-column indices owned here
     local_cols: torch.Tensor  # [n_local] their offsets in the local logits shard
     width: int  # max over ranks of n_local: the common padded width
     slot_of_column: torch.Tensor  # [N] index into the flattened [world * width] gather
+    vocab_size: int  # the global vocabulary size the shards tile
+    world: int
+
+    @property
+    def columns(self) -> int:
+        """N, the number of numeric columns."""
+        return self.slot_of_column.numel()
 
     @staticmethod
     def exchange(token_ids: torch.Tensor, vocab_start: int, vocab_local: int, group) -> "ShardLayout":
-        """Build the layout; with a group, all-gathers every rank's (start, width) once."""
+        """Build the layout; with a group, all-gathers every rank's (start, width) once.
+
+        The ranges must tile [0, V) without gap or overlap (Megatron's and DeepSpeed's splits do): a gap
+        would leave labels that no rank scores, so it is an error that names the ranges."""
         token_ids = token_ids.cpu()
         device = token_ids.device
         if group is None or dist.get_world_size(group) == 1:
@@ -136,6 +148,7 @@ class ShardLayout:
                 f"numeric token id {missing} lies in no TP rank's vocab range {ranges.tolist()}:"
                 " the shards must cover the vocabulary"
             )
+        vocab_size = _tiled_vocab_size(ranges)
         counts = torch.bincount(owner, minlength=world)
         width = int(counts.max())
         # slot within its rank: the order of columns of the same owner
@@ -150,37 +163,80 @@ class ShardLayout:
             local_cols=(token_ids[owned] - vocab_start).to(device),
             width=width,
             slot_of_column=owner * width + slot,
+            vocab_size=vocab_size,
+            world=world,
         )
 
 
-class _GatherColumns(torch.autograd.Function):
-    """Forward: all-gather each rank's [M, n_local] numeric columns into [M, N].
-    Backward: each rank keeps the gradient of its own columns (a split, not a reduce-scatter), because
-    every rank computes the same loss from the same gathered tensor."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, width: int, slot_of_column: torch.Tensor, owned: torch.Tensor, group):
-        ctx.owned = owned
-        m, n_local = local.shape
-        padded = local.new_zeros((m, width))
-        padded[:, :n_local] = local
-        gathered = all_gather(padded, group)  # [world, M, width]
-        flat = gathered.permute(1, 0, 2).reshape(m, -1)
-        return flat[:, slot_of_column]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[:, ctx.owned], None, None, None, None
+def _tiled_vocab_size(ranges: torch.Tensor) -> int:
+    """V when the (start, width) ranges tile [0, V) exactly; ValueError naming them otherwise."""
+    order = ranges[:, 0].argsort()
+    expected = 0
+    for r in order.tolist():
+        start, size = int(ranges[r, 0]), int(ranges[r, 1])
+        if size < 0 or start != expected:
+            what = "overlaps the one before it" if start < expected else "leaves a gap before it"
+            raise ValueError(f"TP rank {r}'s vocab range [{start}, {start + size}) {what}: the ranks' ranges"
+                             f" {ranges.tolist()} (start, width) must tile [0, V)")
+        expected = start + size
+    return expected
 
 
-def gather_numeric_columns(local: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:
-    """[M, N] numeric logits on every rank from each rank's [M, n_local] owned columns."""
+# ---- how the numeric columns reach every rank -------------------------------------------------------
+#
+# Every rank needs the same [M, N] numeric logits; rank r holds the columns it owns. Two routes, each
+# riding in a collective the log-sum-exp needs anyway, so CE plus any terms costs two collectives:
+#   "sum":    MAX all-reduce of the row max [T]; SUM all-reduce of (sum-exp [T], target logit [T],
+#             [M, N] numeric block with zeros in the columns a rank does not own).
+#   "gather": MAX all-reduce of the target logit [T] (-inf where not owned); all-gather of (local
+#             log-sum-exp [T], [M, width] owned columns), combined with a log-sum-exp over ranks.
+# The SUM moves every column through every rank (ring: 2(p-1)/p x M·N floats); the all-gather moves each
+# rank's padded columns to all others ((p-1) x M·width), so it wins when the numeric tokens are spread
+# over the ranks and loses when one rank owns most of them (the digits of a Llama vocab: all on rank 0).
+# `choose_route` picks the route with fewer bytes on the wire; every rank picks the same one, since it
+# depends only on T, M (replicated labels) and the layout.
+
+
+def choose_route(tokens: int, rows: int, layout: ShardLayout, lse: bool = True) -> str:
+    """"sum" or "gather", whichever sends fewer ring bytes per rank (see above). `lse=False`: only the
+    numeric block travels (a term that needs no log-sum-exp), in a single collective."""
+    p = layout.world
+    ring_reduce, ring_gather = 2 * (p - 1) / p, p - 1
+    lse_floats = (2 * tokens, tokens) if lse else (0, 0)  # (sum-exp and target, local lse)
+    by_sum = ring_reduce * (lse_floats[0] + rows * layout.columns)
+    by_gather = ring_gather * (lse_floats[1] + rows * layout.width)
+    return "sum" if by_sum <= by_gather else "gather"
+
+
+def scatter_owned_columns(owned_values: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] zeros with this rank's owned columns [M, n_local] written in place (`out` if given)."""
+    if out is None:
+        out = owned_values.new_zeros((owned_values.shape[0], layout.columns))
+    out[:, layout.owned.to(out.device)] = owned_values
+    return out
+
+
+def pad_owned_columns(owned_values: torch.Tensor, layout: ShardLayout, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, width]: the owned columns, zero-padded to the common width (one rank's all-gather part)."""
+    m, n_local = owned_values.shape
+    if out is None:
+        out = owned_values.new_zeros((m, layout.width))
+    out[:, :n_local] = owned_values
+    return out
+
+
+def columns_from_gather(gathered: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """[M, N] in numeric-column order from the all-gathered [world, M, width] padded blocks."""
+    world, m, width = gathered.shape
+    flat = gathered.permute(1, 0, 2).reshape(m, world * width)
+    return flat[:, layout.slot_of_column.to(gathered.device)]
+
+
+def exchange_numeric_columns(owned_values: torch.Tensor, layout: ShardLayout, group) -> torch.Tensor:
+    """[M, N] numeric logits on every rank from each rank's [M, n_local] owned columns, in one
+    collective (the cheaper route). No autograd: the caller's backward keeps its own columns' gradient."""
     if group is None or dist.get_world_size(group) == 1:
-        return local  # one rank owns every column, already in numeric-column order
-    if local.shape[0] == 0:
-        # No numeric row anywhere (labels are replicated, so every rank agrees): nothing to send, but
-        # keep an [0, N] result attached to the graph so the terms reduce to an exact, trainable 0.
-        return local.sum() + local.new_zeros((0, layout.slot_of_column.numel()))
-    return _GatherColumns.apply(
-        local, layout.width, layout.slot_of_column.to(local.device), layout.owned.to(local.device), group
-    )
+        return owned_values  # one rank owns every column, already in numeric-column order
+    if choose_route(0, owned_values.shape[0], layout, lse=False) == "sum":
+        return all_reduce_(scatter_owned_columns(owned_values, layout), "sum", group)
+    return columns_from_gather(all_gather(pad_owned_columns(owned_values, layout), group), layout)

@@ -35,6 +35,9 @@ class NumericVocab:
         values: the number each token stands for (duplicates allowed: " 3" and "3" may both be 3).
         vocab_size: the logits width V. Defaults to max(token_ids) + 1. It may be larger than the
             tokenizer (Qwen2.5 pads its logits to 151936 for 151665 tokens); every table is sized by it.
+            Without it the vocabulary works with logits of any width above its largest id, dense or
+            vocab-parallel (the TP shards tell the global width); with it, vocab-parallel logits whose
+            shards tile another width are an error (`vocab_size_fixed`).
         name: how errors and reprs refer to this vocabulary (the tokenizer and policy it came from).
     """
 
@@ -59,6 +62,8 @@ class NumericVocab:
         if not torch.isfinite(vals).all():
             raise ValueError(f"{name}: value {float(vals[~torch.isfinite(vals)][0])} is not finite")
         max_id = int(ids.max())
+        # An explicit width is a claim about the model's logits that TP calls check; the default is not.
+        self.vocab_size_fixed = vocab_size is not None
         if vocab_size is None:
             vocab_size = max_id + 1
         if max_id >= vocab_size:
@@ -141,8 +146,10 @@ class NumericVocab:
         Tokens are read from the tokenizer's vocabulary (added tokens included), not by encoding, so the
         result does not depend on pre-tokenizer quirks. `space_variants=True` also counts a token with one
         leading space marker ("Ġ3", "▁3", " 3") as that number. `vocab_size` is the logits width; it
-        defaults to the tokenizer's length and may be larger.
+        defaults to the tokenizer's length and may be larger. Only a given `vocab_size` is checked against
+        vocab-parallel shards (the tokenizer's length is a lower bound of the logits width, not the width).
         """
+        width_given = vocab_size is not None
         if policy not in POLICIES:
             raise ValueError(f"unknown numeric policy {policy!r}; expected one of {POLICIES}")
         name = f"{_tokenizer_name(tokenizer)}/{policy}"
@@ -164,7 +171,9 @@ class NumericVocab:
             raise ValueError(
                 f"{name}: numeric token id {too_wide[0]} does not fit logits of width {vocab_size}"
             )
-        return cls(ids, values, vocab_size=vocab_size, name=name)
+        vocab = cls(ids, values, vocab_size=vocab_size, name=name)
+        vocab.vocab_size_fixed = width_given
+        return vocab
 
 
 def parse_numeric_token(token: str, policy: str, max_value: int = 999, space_variants: bool = False):

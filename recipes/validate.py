@@ -283,6 +283,22 @@ def _manifest(path: str) -> dict | None:
 # ---- the checks ---------------------------------------------------------------------------------------
 
 
+def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
+    """Which head pays for the recipe's shapes (benchmarks/bench_chunked.py). Both heads produce d W, the
+    [V, H] gradient of the lm_head; the logits path adds ~10 bytes per logit ([T, V]) on top, the chunked
+    head about an eighth of that. So the chunked head's saving shrinks as H grows past T, the tokens of a
+    micro-batch: from H >= 4 T it saves under ~15% of the head's memory (measured: 0.88x at T = 1024,
+    H = 4096; 0.98x at H = 8192) and costs more time (it passes over d W once per chunk)."""
+    if recipe.loss.head != "chunked" or not hidden_size or not recipe.data.seq_len:
+        return
+    tokens = recipe.train.micro_batch_size * recipe.data.seq_len
+    if hidden_size >= 4 * tokens:
+        rep.warnings.append(
+            f"loss.head: chunked saves little at {tokens} tokens per micro-batch with hidden size {hidden_size}"
+            " (d W, [V, H], dominates both heads' memory): loss.head: logits is about as small and faster;"
+            " the chunked head pays from micro_batch_size x seq_len > hidden_size / 4")
+
+
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
                     offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
                     gpu_tflops: float = 400.0, net_gbps: float = 400.0) -> Report:
@@ -301,12 +317,15 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
 
     # 2-4: model config, size, memory
+    hidden_size = None
     if size:
         try:
             cfg, source, notes = resolve_model_config(recipe, offline=offline)
             rep.warnings.extend(notes)
             rep.add("model config", source)
             total, largest = count_parameters(cfg, vision=m.vision)
+            text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            hidden_size = getattr(text_cfg, "hidden_size", None)
             rep.numbers.update(params=total, largest_layer_params=largest)
             rep.add("parameters", f"{_params(total)} ({total:,}); largest module {_params(largest)}")
             if "fallback" in source and m.vision and "vision_config" not in KNOWN_BACKBONES.get(m.name_or_path, {}):
@@ -377,6 +396,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                           f"got {recipe.loss.numeric_policy!r}")
     rep.add("objective", "CE" + "".join(f" + {t}" for t in sorted(terms)) +
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
+    chunked_head_note(rep, recipe, hidden_size)
 
     # 7: data
     hints = build_hints(path)

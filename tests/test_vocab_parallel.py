@@ -3,16 +3,22 @@
 Each rank builds the same full logits, keeps its vocab slice, and runs the objective with the TP group;
 the loss and the gradient of its slice must match the dense single-process run (fp32: 1e-6). Layouts
 cover a vocab not divisible by TP, numeric columns spread over ranks, all in rank 0, and none in some
-ranks. The collectives of one step are counted and their bytes asserted exactly.
+ranks, by both routes the numeric columns can take (riding in the SUM all-reduce, or in the all-gather).
+The collectives of one step are counted and their bytes asserted exactly: two per step, whatever the terms.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import numloss.logit_stats
+import numloss.parallel
 from numloss import NumericVocab, Objective, count_comm, functional
+from numloss.parallel import ShardLayout, choose_route
 from tests.distributed import run_ranks
 
 V = 37  # not divisible by 2 or 4
@@ -68,7 +74,27 @@ def make_labels(vocab: NumericVocab, generator: torch.Generator) -> torch.Tensor
     return labels  # row 2: no numeric label at all
 
 
-def _check_layouts(rank, world, dtype_name):
+@contextlib.contextmanager
+def forced_route(route: str | None):
+    """Make every call take `route` ("sum" or "gather"; None: the cheaper one, as in production)."""
+    if route is None:
+        yield
+        return
+    original = numloss.parallel.choose_route
+    force = lambda *args, **kwargs: route  # noqa: E731
+    numloss.parallel.choose_route = numloss.logit_stats.choose_route = force
+    try:
+        yield
+    finally:
+        numloss.parallel.choose_route = numloss.logit_stats.choose_route = original
+
+
+def _check_layouts(rank, world, dtype_name, route=None):
+    with forced_route(route):
+        _check_layouts_routed(rank, world, dtype_name)
+
+
+def _check_layouts_routed(rank, world, dtype_name):
     dtype = getattr(torch, dtype_name)
     group = dist.group.WORLD
     start, end = shard_bounds(V, world)[rank]
@@ -97,13 +123,39 @@ def _check_layouts(rank, world, dtype_name):
             assert local_in.grad.dtype == dtype
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_loss_matches_dense_fp32(world):
-    run_ranks(world, _check_layouts, "float32")
+@pytest.mark.parametrize("world,route", [(2, None), (2, "sum"), (4, "sum"), (4, "gather")])
+def test_every_loss_matches_dense_fp32(world, route):
+    run_ranks(world, _check_layouts, "float32", route)
 
 
 def test_bf16_logits_match_dense():
     run_ranks(2, _check_layouts, "bfloat16")
+
+
+def _layout(owned_counts: list[int]) -> ShardLayout:
+    """A layout of TP = len(owned_counts) ranks, rank r owning owned_counts[r] numeric columns."""
+    world = len(owned_counts)
+    width = max(owned_counts)
+    owner = torch.repeat_interleave(torch.arange(world), torch.tensor(owned_counts))
+    slot = torch.cat([torch.arange(c) for c in owned_counts])
+    return ShardLayout(owned=torch.arange(owned_counts[0]), local_cols=torch.arange(owned_counts[0]), width=width,
+                       slot_of_column=owner * width + slot, vocab_size=128256, world=world)
+
+
+def test_route_is_the_one_with_fewer_bytes_on_the_wire():
+    # TP 8, Llama-3-8B shapes: 8192 tokens, 20% numeric, N = 1000.
+    tokens, rows = 8192, 1638
+    # All 1000 columns on rank 0: the SUM moves 2·7/8·(2T + M·N) floats, a gather 7·(T + M·1000).
+    assert choose_route(tokens, rows, _layout([1000] + [0] * 7)) == "sum"
+    # Spread evenly (width 125): 7·(T + M·125) < 1.75·(2T + M·1000).
+    assert choose_route(tokens, rows, _layout([125] * 8)) == "gather"
+    # Plain CE at TP 8: (sum-exp, target) in a SUM beats the local lse in a gather; at TP 2 the gather's
+    # one float per row beats the SUM's two (a ring all-reduce and all-gather cost the same at p = 2).
+    assert choose_route(tokens, 0, _layout([1000] + [0] * 7)) == "sum"
+    assert choose_route(tokens, 0, _layout([1000, 0])) == "gather"
+    # A numeric-only term sends just the block: rank 0 owning all → SUM; spread → gather.
+    assert choose_route(tokens, rows, _layout([1000] + [0] * 7), lse=False) == "sum"
+    assert choose_route(tokens, rows, _layout([125] * 8), lse=False) == "gather"
 
 
 def _check_single_rank_group(rank, world):
@@ -131,26 +183,35 @@ def _check_comm(rank, world):
     local = logits[..., start:end].clone().requires_grad_(True)
     objective = Objective(vocab, CASES["all"])
     objective(local, labels, group=group, vocab_start=start)  # first call: the one-time layout exchange
+    n, width = 10, 10  # all ten numeric columns live on rank 0: the common padded width is 10
+    expected = {  # route -> (ops, bytes) of one step, forward; backward sends nothing
+        "sum": (["all_reduce_max", "all_reduce_sum"], [4 * tokens, 4 * (2 * tokens + numeric_rows * n)]),
+        "gather": (["all_reduce_max", "all_gather"], [4 * tokens, 4 * (tokens + numeric_rows * width)]),
+    }
+    layout = vocab.memo(("layout", id(group), world, rank, start, end - start), lambda: None)
+    assert choose_route(tokens, numeric_rows, layout) == "gather"  # at TP 2 the gather is cheaper here
+    for route in (None, "sum", "gather"):
+        with forced_route(route):
+            with count_comm() as forward:
+                out = objective(local, labels, group=group, vocab_start=start)
+            with count_comm() as backward:
+                out.loss.backward()
+            ops, nbytes = expected[route or "gather"]
+            assert forward.ops() == ops and [r.bytes for r in forward.records] == nbytes, (route, forward.records)
+            assert backward.calls == 0
 
-    with count_comm() as forward:
-        out = objective(local, labels, group=group, vocab_start=start)
-    with count_comm() as backward:
-        out.loss.backward()
-    width = 10  # all ten numeric columns live on rank 0: the common padded width is 10
-    assert forward.ops() == ["all_reduce_max", "all_reduce_sum", "all_gather"]
-    assert [r.bytes for r in forward.records] == [4 * tokens, 2 * 4 * tokens, 4 * numeric_rows * width]
-    assert backward.calls == 0
+            with count_comm() as ce_only:
+                Objective(vocab, CASES["ce"])(local, labels, group=group, vocab_start=start)
+            ce_ops, ce_bytes = {"sum": (["all_reduce_max", "all_reduce_sum"], [4 * tokens, 8 * tokens]),
+                                "gather": (["all_reduce_max", "all_gather"], [4 * tokens, 4 * tokens])}[route or "gather"]
+            assert ce_only.ops() == ce_ops and [r.bytes for r in ce_only.records] == ce_bytes
 
-    with count_comm() as ce_only:
-        Objective(vocab, CASES["ce"])(local, labels, group=group, vocab_start=start)
-    assert ce_only.ops() == ["all_reduce_max", "all_reduce_sum"]  # no numeric gather for plain CE
-
-    no_numbers = torch.where(vocab.index_of[labels.clamp_min(0)] >= 0, 0, labels)  # 0 is not numeric here
-    with count_comm() as none:
-        out = objective(local, no_numbers, group=group, vocab_start=start)
-        out.loss.backward()
-    assert none.ops() == ["all_reduce_max", "all_reduce_sum"]  # no numeric row anywhere: nothing to gather
-    assert torch.isfinite(local.grad).all()
+            no_numbers = torch.where(vocab.index_of[labels.clamp_min(0)] >= 0, 0, labels)  # 0 is not numeric here
+            with count_comm() as none:
+                out = objective(local, no_numbers, group=group, vocab_start=start)
+                out.loss.backward()
+            assert none.ops() == ce_ops  # no numeric row anywhere: the same two collectives as CE alone
+            assert torch.isfinite(local.grad).all()
 
 
 def test_collectives_counted_exactly():
@@ -168,3 +229,89 @@ def _check_bad_layout(rank, world):
 
 def test_shards_that_do_not_cover_the_vocab_are_an_error():
     run_ranks(2, _check_bad_layout)
+
+
+PLAIN_IDS = list(range(3, 13))  # ten digit tokens, all in rank 0's slice [0, 19) of V = 37 at TP 2
+
+
+def _check_plain_vocab(rank, world):
+    """NumericVocab(ids, values) without vocab_size: under TP the shards tell the global width (37)."""
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    plain = NumericVocab(PLAIN_IDS, list(range(10)))  # vocab_size defaults to 13: below the logits' 37
+    sized = NumericVocab(PLAIN_IDS, list(range(10)), vocab_size=V)
+    g = torch.Generator().manual_seed(3)
+    logits, labels = 3 * torch.randn(3, 9, V, generator=g), make_labels(sized, g)
+    labels[2, 0] = V - 1  # a label beyond the plain vocabulary's own table, owned by the last rank
+    for config in (CASES["all"], CASES["ntil"]):
+        dense_in = logits.clone().requires_grad_(True)
+        dense = Objective(plain, config)(dense_in, labels)  # dense: any width above its largest id
+        dense.loss.backward()
+        reference = Objective(sized, config)(logits, labels)
+        torch.testing.assert_close(dense.loss, reference.loss, rtol=0, atol=0)
+        local_in = logits[..., start:end].clone().requires_grad_(True)
+        tp = Objective(plain, config)(local_in, labels, group=group, vocab_start=start)
+        tp.loss.backward()
+        torch.testing.assert_close(tp.loss, dense.loss, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], rtol=1e-6, atol=1e-6)
+    # a label outside the shards' [0, 37) is still bad input
+    with pytest.raises(ValueError, match=r"outside \[0, 37\)"):
+        functional.smmd(logits[..., start:end], torch.full((3, 9), V), plain, group=group, vocab_start=start)
+    # an explicit vocab_size that the shards contradict is refused, naming both widths
+    wrong = NumericVocab(PLAIN_IDS, list(range(10)), vocab_size=30)
+    with pytest.raises(ValueError, match=r"built for vocab_size=30.*tile \[0, 37\)"):
+        functional.smmd(logits[..., start:end], labels, wrong, group=group, vocab_start=start)
+
+
+def test_plain_vocab_takes_the_global_width_from_the_shards():
+    run_ranks(2, _check_plain_vocab)
+
+
+def _check_gap(rank, world):
+    vocab = NumericVocab(PLAIN_IDS, list(range(10)))
+    start, width = [(0, 18), (20, 17)][rank]  # ids 18 and 19 belong to no rank
+    logits, labels = torch.randn(2, 4, width), torch.full((2, 4), 3)
+    with pytest.raises(ValueError, match=r"leaves a gap before it.*must tile"):
+        functional.smmd(logits, labels, vocab, group=dist.group.WORLD, vocab_start=start)
+
+
+def test_shards_with_a_gap_are_an_error():
+    run_ranks(2, _check_gap)
+
+
+STANDALONE = [("ntl_was", {}), ("smmd", {}), ("dist2", {"normalize": "numeric", "weighting": "place_value"}),
+              ("ntil", {"noise_scale": 0.0})]
+
+
+def _check_standalone(rank, world):
+    """A numeric-only term on a vocab shard, alone and next to another consumer of the same logits:
+    equal to the dense call, one collective (the numeric block), none in backward."""
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    for vocab_name in ("spread", "rank0"):
+        vocab = NumericVocab(*VOCABS[vocab_name], vocab_size=V)
+        g = torch.Generator().manual_seed(11)
+        logits, labels = 3 * torch.randn(3, 9, V, generator=g), make_labels(vocab, g)
+        functional.smmd(logits[..., start:end], labels, vocab, group=group, vocab_start=start)  # layout exchange
+        for route in (None, "sum", "gather"):
+            for name, options in STANDALONE:
+                term = getattr(functional, name)
+                other = lambda x: 1e-3 * (x.float() ** 2).sum()  # noqa: E731  another consumer: a dense gradient
+                for with_other in (False, True):
+                    dense_in = logits.clone().requires_grad_(True)
+                    dense = term(dense_in, labels, vocab, **options)
+                    (dense + (other(dense_in) if with_other else 0)).backward()
+                    local_in = logits[..., start:end].clone().requires_grad_(True)
+                    with forced_route(route), count_comm() as forward:
+                        tp = term(local_in, labels, vocab, group=group, vocab_start=start, **options)
+                    with count_comm() as backward:
+                        (tp + (other(local_in) if with_other else 0)).backward()
+                    where = f"{vocab_name}/{name}/{route}/{with_other} rank {rank}"
+                    assert forward.calls == 1 and backward.calls == 0, (where, forward.ops(), backward.ops())
+                    torch.testing.assert_close(tp, dense, rtol=1e-6, atol=1e-6, msg=lambda m: f"{where}: {m}")
+                    torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], rtol=1e-6, atol=1e-6,
+                                               msg=lambda m: f"{where} grad: {m}")
+
+
+def test_standalone_numeric_terms_on_shards():
+    run_ranks(2, _check_standalone)

@@ -29,7 +29,7 @@ def numeric_position_weights(stats: LogitStats, position_weights: torch.Tensor |
         return None
     if position_weights.shape != stats.shape:
         raise ValueError(f"position_weights {tuple(position_weights.shape)} must match labels {tuple(stats.shape)}")
-    return position_weights.reshape(-1).to(stats.lse.device, torch.float32)[stats.numeric.rows]
+    return position_weights.reshape(-1).to(stats.valid.device, torch.float32)[stats.numeric.rows]
 
 
 def full_log_probs(stats: LogitStats) -> torch.Tensor:

@@ -125,3 +125,21 @@ def test_cpu_recipes_count_their_ranks_from_cpu_ranks_per_node():
     assert any(e.startswith("deepspeed.tp_size: 2 does not divide cluster.cpu_ranks_per_node 3") for e in rep.errors)
     rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=0"], offline=True, size=False)
     assert not rep.ok and "cluster.cpu_ranks_per_node" in rep.errors[0]
+
+
+def test_chunked_head_note_names_the_head_to_use():
+    from types import SimpleNamespace
+
+    def recipe(head, micro, seq):
+        return SimpleNamespace(loss=SimpleNamespace(head=head), train=SimpleNamespace(micro_batch_size=micro),
+                               data=SimpleNamespace(seq_len=seq))
+
+    rep = V.Report("r")
+    for hidden in (8192, 4096):  # H = 8 T, 4 T: d W dominates
+        rep = V.Report("r")
+        V.chunked_head_note(rep, recipe("chunked", 1, 1024), hidden_size=hidden)
+        assert len(rep.warnings) == 1 and "loss.head: logits" in rep.warnings[0]
+    for head, micro, seq in (("chunked", 4, 1024), ("chunked", 1, 4096), ("logits", 1, 1024), ("chunked", 1, None)):
+        rep = V.Report("r")
+        V.chunked_head_note(rep, recipe(head, micro, seq), hidden_size=8192)
+        assert rep.warnings == [], (head, micro, seq)
