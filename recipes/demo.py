@@ -23,12 +23,17 @@ Everything lands in `runs/demo/` (ignored by git). The numbers are whatever this
 few minutes of CPU fine-tuning on one seed is a test of the whole path, not a result about the
 losses (docs/study-smollm2/ is the study).
 
-    python -m recipes.demo [--tiny] [--steps N] [--out DIR] [--nproc 2]
+    python -m recipes.demo [--tiny] [--steps N] [--out DIR] [--nproc 2] [--resume]
+
+`--resume` reuses what an interrupted invocation with the same arguments finished in `--out`: the
+zero-shot evaluation, each training run whose exported model and metrics reached the last step, and
+that run's evaluation.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -66,13 +71,30 @@ def build_data(out: Path, n_train: int, n_eval: int, tokenizer: Path | None) -> 
     return tokenizer
 
 
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether `run_dir` holds an exported model whose metrics reached step `steps`."""
+    from recipes.report import read_metrics_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    if not ((run_dir / "final" / "config.json").is_file() and metrics.is_file()):
+        return False
+    rows = read_metrics_jsonl(str(metrics))
+    return bool(rows) and rows[-1]["step"] == steps
+
+
 def train_run(name: str, objective: str, out: Path, recipe: Path, model: list[str], steps: int | None,
-              nproc: int) -> Path:
+              nproc: int, resume: bool = False) -> Path:
+    from recipes.config import load_recipe
+
     run_dir = out / name.replace("+", "_")
     overrides = [f"name={name}", f"train.out_dir={run_dir}", f"loss.objective={objective}",
                  f"data.train={out / 'data' / 'train'}", *model]
     if steps is not None:
         overrides.append(f"train.steps={steps}")
+    if resume and finished(run_dir, load_recipe(recipe, overrides).train.steps):
+        log(f"reusing {name}: {run_dir} finished its steps")
+        return run_dir
+    (run_dir / "eval.json").unlink(missing_ok=True)  # a new model: its old evaluation is stale
     log(f"training {name}: {nproc} DeepSpeed ZeRO-3 ranks on CPU")
     seconds = run_recipe(recipe, overrides, nproc)
     log(f"trained {name} in {seconds:.0f} s")
@@ -88,10 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="DeepSpeed ranks (processes)")
     parser.add_argument("--train-examples", type=int, default=None, help="default: 6000 (tiny), 2000")
     parser.add_argument("--eval-examples", type=int, default=300)
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the finished parts of an interrupted invocation with the same arguments")
     args = parser.parse_args(argv)
 
-    from recipes.evaluate import evaluate
+    from recipes.evaluate import evaluate as run_evaluation
     from recipes.report import markdown_table, plot_curves, plot_probe, probe_model, read_metrics_jsonl
+
+    def evaluate(model_dir: str, data_dir: str, out: str, **kwargs) -> dict:
+        if args.resume and Path(out).is_file():
+            log(f"reusing {out}")
+            return json.loads(Path(out).read_text())
+        return run_evaluation(model_dir, data_dir, out=out, **kwargs)
 
     started = time.time()
     out = Path(args.out)
@@ -113,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(evaluate(str(backbone), str(out / "data" / "eval"), out=str(out / "zero_shot.json"),
                                 batch_size=50, max_new_tokens=max_new_tokens, name=BEFORE))
         probes[BEFORE] = probe_model(str(backbone), str(out / "data" / "eval"), limit=args.eval_examples)
-    runs = {name: train_run(name, objective, out, recipe, model, args.steps, args.nproc)
+    runs = {name: train_run(name, objective, out, recipe, model, args.steps, args.nproc, args.resume)
             for name, objective in OBJECTIVES.items()}
 
     for name, run_dir in runs.items():

@@ -71,6 +71,7 @@ class Setup:
     max_new_tokens: int = 8
     backbone: str | None = None  # recipes.backbone name: fine-tune it (and evaluate it zero-shot)
     keep_models: bool = True  # False: keep only seed 0's exported model (the probe's), drop the rest
+    probe_rows: int = 300  # test rows the digit probe reads per model
 
 
 SETUPS = {
@@ -81,7 +82,7 @@ SETUPS = {
     "smollm2": Setup("smollm2", REPO_ROOT / "recipes" / "configs" / "smollm2-study.yaml",
                      {"smollm2": (BACKBONE, "digits")}, out=REPO_ROOT / "docs" / "study-smollm2",
                      work=REPO_ROOT / "runs" / "study-smollm2", train_examples=5000, eval_examples=1000,
-                     max_new_tokens=8, backbone="smollm2", keep_models=False),
+                     max_new_tokens=8, backbone="smollm2", keep_models=False, probe_rows=100),
 }
 
 
@@ -324,12 +325,11 @@ def report(setup: Setup, work: Path, out: Path, grid: list[str], probe: bool = T
             probes = {}
             eval_dir = work / tokenizer / "data" / "eval"
             if tokenizer in found and eval_dir.exists():  # the backbone before training, as the first panel
-                probes["zero-shot"] = probe_model(str(backbone_dir(setup)), str(work / tokenizer / "data" / "eval"),
-                                                  limit=300)
+                probes["zero-shot"] = probe_model(str(backbone_dir(setup)), str(eval_dir), limit=setup.probe_rows)
             for r in records:
                 model_dir = work / "runs" / r["name"] / "final"
                 if r["tokenizer"] == tokenizer and r["seed"] == 0 and model_dir.exists():
-                    probes[r["loss"]] = probe_model(str(model_dir), str(work / tokenizer / "data" / "eval"), limit=300)
+                    probes[r["loss"]] = probe_model(str(model_dir), str(eval_dir), limit=setup.probe_rows)
             if probes:
                 plot_probe(probes, str(out / f"probe-{tokenizer}.png"))
     return table

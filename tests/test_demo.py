@@ -45,3 +45,10 @@ def test_demo_end_to_end_at_tiny_size(tmp_path):
         assert ("term/smmd" in rows[0]) == (name == "CE_SMMD")
     for plot in ("curves.png", "probe.png"):
         assert (out / plot).stat().st_size > 1000
+    # --resume with the same arguments reuses the finished runs and their evaluations
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("CE*/*") if p.name in ("eval.json", "metrics.jsonl")}
+    assert len(stamps) == 4
+    assert demo.main(["--tiny", "--resume", "--out", str(out), "--steps", "3", "--train-examples", "200",
+                      "--eval-examples", "24"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert (out / "results.md").read_text().splitlines() == table
