@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-min", type=float, default=None,
                         help="start no new run after this many minutes (the study resumes later)")
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--no-probe", action="store_true", help="leave the probe plots as they are (fast)")
     args = parser.parse_args(argv)
     setup = SETUPS[args.setup]
     work, out = Path(args.work or setup.work), Path(args.out or setup.out)
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             m = record["metrics"]
             log(f"{i}/{len(grid)} {record['name']}: exact match {m['exact_match']}, MAE {m['mae']},"
                 f" parse rate {m['parse_rate']} ({record['train_seconds']:.0f} s; {elapsed / 60:.1f} min so far)")
-    print(report(setup, work, out, [f"{t}-{loss}-s{s}" for t, loss, s in grid]))
+    print(report(setup, work, out, [f"{t}-{loss}-s{s}" for t, loss, s in grid], probe=not args.no_probe))
     return 0
 
 
