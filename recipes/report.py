@@ -6,7 +6,10 @@
 
 - table: one row per results JSON written by `recipes.evaluate`, one column per metric any of them
   reports (n, parse rate, exact match, MAE, R², time gap, relaxed accuracy), each followed by the
-  number of rows it used when the results say it; "–" where a run has none.
+  number of rows it used when the results say it; "–" where a run has none; with `interval=True` exact
+  match carries its 95% Wilson interval.
+- intervals: `wilson_interval` (one run's exact match over n problems) and `paired_bootstrap` (the
+  difference of two runs' exact match over the same problems, resampling problems).
 - curves: `metrics.jsonl` (one JSON object per optimizer step, as recipes/train.py writes it:
   "step", "loss", "ce", "term/<name>", "lr", ...); one panel per quantity (loss, ce, then each term),
   one line per run. Quantities a run does not log are simply absent from its panels.
@@ -75,19 +78,68 @@ def load_results(paths: Sequence[str]) -> list[dict]:
     return out
 
 
-def markdown_table(results: Sequence[dict]) -> str:
-    """One row per run (its `name`), one column per metric present in any run."""
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95% for the default z). Unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n successes, which is where a
+    zero-shot model's exact match sits."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval: n must be positive, got {n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: {successes} successes out of {n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_bootstrap(a: Sequence[float], b: Sequence[float], resamples: int = 10000, seed: int = 0,
+                     level: float = 0.95) -> dict:
+    """mean(a) - mean(b) over the same problems, with a percentile bootstrap interval.
+
+    `a[i]` and `b[i]` are two systems' scores on problem i (1/0 correct, or a mean over seeds): the
+    per-problem differences are resampled with replacement, so what the two share (a problem both get
+    right or both miss) cancels, which makes the interval much tighter than two separate ones.
+    Returns {"diff", "low", "high", "n", "p_le_0"} (p_le_0: share of resamples with a difference
+    <= 0, a one-sided bootstrap p-value for "a beats b")."""
+    if len(a) != len(b):
+        raise ValueError(f"paired_bootstrap: {len(a)} scores against {len(b)}; pair them over the same problems")
+    if not len(a):
+        raise ValueError("paired_bootstrap: no problems")
+    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples)
+    for start in range(0, resamples, 1000):  # 1000 resamples at a time bounds the index matrix
+        k = min(1000, resamples - start)
+        means[start:start + k] = diff[rng.integers(0, len(diff), size=(k, len(diff)))].mean(axis=1)
+    tail = (1 - level) / 2
+    return {"diff": float(diff.mean()), "low": float(np.quantile(means, tail)),
+            "high": float(np.quantile(means, 1 - tail)), "n": len(diff), "p_le_0": float((means <= 0).mean())}
+
+
+def markdown_table(results: Sequence[dict], interval: bool = False) -> str:
+    """One row per run (its `name`), one column per metric present in any run. `interval`: exact
+    match as "value [low, high]" with its 95% Wilson interval over the rows exact match used."""
     present = set()
     for r in results:
         present.update(k for k in r.get("metrics", {}) if k not in _SKIP)
     cols = [(k, h) for k, h in TABLE_COLUMNS if k in present]
     cols += [(k, k) for k in sorted(present - {k for k, _ in TABLE_COLUMNS})]
+    if interval:
+        cols = [(k, h + " [95% CI]" if k == "exact_match" else h) for k, h in cols]
     lines = ["| run | " + " | ".join(h for _, h in cols) + " |",
              "|---|" + "|".join("---:" for _ in cols) + "|"]
     for r in results:
         m = r.get("metrics", {})
         name = str(r.get("name", "?")).replace("|", "\\|")
-        lines.append(f"| {name} | " + " | ".join(_fmt(m.get(k)) for k, _ in cols) + " |")
+        cells = []
+        for k, _ in cols:
+            cell = _fmt(m.get(k))
+            scored = m.get("n_exact_match", m.get("n_numeric"))  # older results: numeric rows only
+            if interval and k == "exact_match" and m.get(k) is not None and scored:
+                low, high = wilson_interval(round(m[k] * scored), scored)
+                cell += f" [{low:.3f}, {high:.3f}]"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -113,22 +113,26 @@ def write_arithmetic_split(out: str | Path, n_train: int, n_eval: int, mix: list
 
 
 def build_plain_shards(source, tokenizer_dir: str | Path, out_dir: str | Path, max_length: int = 64,
-                       numeric_policy: str = "digits") -> dict:
-    """data_prep shards of one `data_prep.SourceConfig` with the plain template, in this process
-    (workers=0), replacing whatever `out_dir` held; returns the manifest's totals."""
+                       numeric_policy: str = "digits", template: str = "plain",
+                       system_prompt: str | None = None) -> dict:
+    """data_prep shards of one `data_prep.SourceConfig` (the plain template unless `template` says
+    "chat", with `system_prompt`), in this process (workers=0), replacing whatever `out_dir` held;
+    returns the manifest's totals."""
     from data_prep.build import BuildConfig, build
     from data_prep.tokenize import TokenizeConfig
 
-    cfg = BuildConfig(sources=[source], tokenize=TokenizeConfig(tokenizer=str(tokenizer_dir), template="plain",
+    cfg = BuildConfig(sources=[source], tokenize=TokenizeConfig(tokenizer=str(tokenizer_dir), template=template,
+                                                                system_prompt=system_prompt,
                                                                 max_length=max_length,
                                                                 numeric_policy=numeric_policy))
     return build(cfg, str(out_dir), workers=0, progress=False, overwrite=True)["totals"]
 
 
 def build_jsonl_shards(jsonl: str | Path, tokenizer_dir: str | Path, out_dir: str | Path,
-                       numeric_policy: str = "digits") -> dict:
-    """data_prep shards of a {"prompt", "target"} JSONL file (plain template); returns the manifest's totals."""
+                       numeric_policy: str = "digits", **template) -> dict:
+    """data_prep shards of a {"prompt", "target"} JSONL file (plain template unless `template=`,
+    `system_prompt=` say otherwise, as in `build_plain_shards`); returns the manifest's totals."""
     from data_prep.sources.base import SourceConfig
 
     return build_plain_shards(SourceConfig(kind="generic", path=str(jsonl)), tokenizer_dir, out_dir,
-                              numeric_policy=numeric_policy)
+                              numeric_policy=numeric_policy, **template)

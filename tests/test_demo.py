@@ -1,5 +1,7 @@
 """`make demo` (recipes/demo.py) at a tiny size: disjoint data, the 2-rank DeepSpeed runs, the table
-and the plots."""
+and the plots. The tiny random-weight path (`--tiny`) is what runs here; the SmolLM2 path is the same
+code with the backbone directory in place of the tiny model and tokenizer (tests stay offline and small;
+tests/recipes/test_backbone.py covers the conversion)."""
 
 from __future__ import annotations
 
@@ -29,9 +31,11 @@ def test_problems_are_disjoint_and_correct(tmp_path):
 
 def test_demo_end_to_end_at_tiny_size(tmp_path):
     out = tmp_path / "demo"
-    assert demo.main(["--out", str(out), "--steps", "3", "--train-examples", "200", "--eval-examples", "24"]) == 0
+    assert demo.main(["--tiny", "--out", str(out), "--steps", "3", "--train-examples", "200",
+                      "--eval-examples", "24"]) == 0
     table = (out / "results.md").read_text().splitlines()
     assert len([line for line in table if line.startswith("| CE")]) == 2, table  # a row per objective
+    assert "exact match [95% CI]" in table[0]
     for name in ("CE", "CE_SMMD"):
         results = json.loads((out / name / "eval.json").read_text())
         assert len(results["examples"]) == 24
@@ -41,3 +45,10 @@ def test_demo_end_to_end_at_tiny_size(tmp_path):
         assert ("term/smmd" in rows[0]) == (name == "CE_SMMD")
     for plot in ("curves.png", "probe.png"):
         assert (out / plot).stat().st_size > 1000
+    # --resume with the same arguments reuses the finished runs and their evaluations
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("CE*/*") if p.name in ("eval.json", "metrics.jsonl")}
+    assert len(stamps) == 4
+    assert demo.main(["--tiny", "--resume", "--out", str(out), "--steps", "3", "--train-examples", "200",
+                      "--eval-examples", "24"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+    assert (out / "results.md").read_text().splitlines() == table

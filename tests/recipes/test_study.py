@@ -33,6 +33,27 @@ def test_aggregate_means_and_spreads_over_seeds():
     assert "| digits | smmd | 1 | 50.0 (1 seed) | 4.00 (1 seed) |" in table
 
 
+def test_paired_comparison_against_ce_uses_the_seeds_both_have():
+    # 4 test problems. CE seeds 0 and 1 solve "1100" and "1000"; SMMD seeds 0, 1 and 2 solve "1110",
+    # "1100" and "1111". Seed 2 has no CE partner and is left out: per problem, SMMD's share of seeds
+    # 0-1 is [1, 1, .5, 0] and CE's [1, .5, 0, 0], so the difference is (0 + .5 + .5 + 0) / 4 = 0.25.
+    def run(loss, seed, correct):
+        return {**_record("smollm2", loss, seed, correct.count("1") / 4, 1.0), "name": f"smollm2-{loss}-s{seed}",
+                "correct": correct, "eval_ids_sha256": "same", "tokens_per_s": 50.0 + seed}
+
+    records = [run("ce", 0, "1100"), run("ce", 1, "1000"),
+               run("smmd", 0, "1110"), run("smmd", 1, "1100"), run("smmd", 2, "1111")]
+    ce, smmd = study.aggregate(records)
+    assert ce["vs_ce"] is None and ce["tokens_per_s"] == pytest.approx(50.5)
+    assert smmd["vs_ce"]["diff"] == pytest.approx(0.25) and smmd["vs_ce"]["seeds"] == 2
+    assert smmd["vs_ce"]["low"] >= 0.0 and smmd["vs_ce"]["high"] <= 0.5
+    assert "| +25.0 [" in study.markdown([ce, smmd]) and "(2 seeds) | 51 |" in study.markdown([ce, smmd])
+    records[-1]["eval_ids_sha256"] = "other"
+    records[2]["eval_ids_sha256"] = "other"
+    with pytest.raises(ValueError, match="different test problems"):
+        study.aggregate(records)
+
+
 def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     assert study.main(["--out", str(out), "--work", str(work), "--seeds", "1", "--steps", "2",
@@ -43,7 +64,10 @@ def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     record = json.loads((out / "runs" / "digits-smmd-s0.json").read_text())
     assert [r["step"] for r in record["curve"]] == [1, 2] and record["metrics"]["n"] == 16
     assert "term/smmd" in record["final"]
-    assert (out / "results.md").read_text().count("| digits |") == 2
+    results = (out / "results.md").read_text()
+    assert results.count("| digits |") == 2
+    assert "Runs done: 2 of 2 planned." in results and "Missing" not in results
+    assert len(record["correct"]) == 16 and record["tokens_per_s"] > 0
     for plot in ("curves-digits.png", "probe-digits.png"):
         assert (out / plot).stat().st_size > 1000
     # a second start finds every run done and only rebuilds the report
