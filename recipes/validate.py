@@ -56,6 +56,9 @@ from typing import Any
 # matches the announced size): prefer the hub's config when reachable.
 # `vision_config` is only used for `model.vision: true` recipes (else the text part alone is built).
 
+# Directories that `python -m recipes.backbone NAME` converts a packaged model into: (NAME, hub name).
+CONVERTED_BACKBONES = {"SmolLM2-135M-Instruct.Q4_1": ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")}
+
 KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
     "meta-llama/Meta-Llama-3-8B-Instruct": {
         "confidence": "high",
@@ -88,6 +91,13 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
         "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
                               out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
                               temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    },
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {  # the demo's backbone (recipes.backbone converts its GGUF)
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True),
     },
     "HuggingFaceTB/SmolLM3-3B": {
         "confidence": "high",
@@ -191,6 +201,11 @@ def resolve_model_config(recipe, offline: bool = False):
             return cfg, "Hugging Face hub", notes
         except Exception as err:  # noqa: BLE001
             notes.append(f"model.name_or_path: hub unreachable for {name!r} ({type(err).__name__})")
+    local = CONVERTED_BACKBONES.get(os.path.basename(os.path.normpath(name)))
+    if local is not None:  # `python -m recipes.backbone` has not written this directory yet
+        notes.append(f"model.name_or_path: {name} does not exist yet; `python -m recipes.backbone {local[0]}` "
+                     f"writes it (the demo does so itself)")
+        name = local[1]
     if name in KNOWN_BACKBONES:
         conf = KNOWN_BACKBONES[name]["confidence"]
         return _config_from_table(name, m.vision), f"offline fallback table (confidence: {conf})", notes
