@@ -28,10 +28,7 @@ checkpoint resumes to the same losses to the bit and exports a model that loads 
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import time
 
 import pytest
 import torch
@@ -39,7 +36,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import launch, read_metrics, run_to_end  # noqa: E402
+from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end  # noqa: E402
 
 STEPS = 4
 TERMS = {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0}, "dist2": {"weighting": "place_value"}}
@@ -206,16 +203,8 @@ def test_tp2_killed_resumes_to_the_same_losses_and_exports(workspace, runs):
     root, recipe = workspace
     out = root / "tp2-killed"
     overrides = [*LAYOUTS["tp2"][1], "train.save_every=1", "train.tensorboard=false"]
-    proc = launch(recipe, out, *overrides, "train.export=false")
-    deadline = time.time() + 600
-    metrics = out / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc = launch(recipe, out, *overrides, "train.export=false", log=root / "tp2-killed.log")
+    kill_after_logged_steps(proc, out, 2)
     assert len(read_metrics(out)) < STEPS
     output = run_to_end(recipe, out, *overrides)
     assert "resumed layouts from step" in output, output[-3000:]

@@ -11,10 +11,7 @@ generated arithmetic built through data_prep.
 from __future__ import annotations
 
 import math
-import os
 import random
-import signal
-import time
 
 import pytest
 import torch
@@ -22,7 +19,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import launch, read_metrics, run_to_end  # noqa: E402
+from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end  # noqa: E402
 
 STEPS = 8
 
@@ -89,16 +86,8 @@ def test_resume_after_kill_gives_the_uninterrupted_losses_to_the_bit(workspace, 
     root, recipe = workspace
     out = root / "killed"
     kill_after = random.Random().randint(3, STEPS - 1)  # a random point: after or between checkpoints
-    proc = launch(recipe, out)
-    deadline = time.time() + 600
-    metrics = out / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= kill_after:
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc = launch(recipe, out, log=root / "killed.log")
+    kill_after_logged_steps(proc, out, kill_after)
     assert len(read_metrics(out)) < STEPS
 
     output = run_to_end(recipe, out)

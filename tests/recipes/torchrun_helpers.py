@@ -4,19 +4,70 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2) -> subprocess.Popen:
+def launch(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2, log: Path | None = None) -> subprocess.Popen:
+    """torchrun of `recipes.train`. Its output goes to a pipe (read it with `communicate`) or, for a run
+    that is watched rather than read, to the file `log`: an unread pipe fills up and blocks the ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "recipes.train", str(recipe), f"train.out_dir={out_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    stdout = subprocess.PIPE if log is None else open(log, "w")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_after_logged_steps(proc: subprocess.Popen, out_dir: Path, steps: int, timeout: float = 600) -> None:
+    """Wait until the run has logged `steps` optimizer steps, then SIGKILL the whole job, as a crashed
+    node would: torchrun and every rank. Killing torchrun's process group is not enough, because torch
+    elastic starts each rank in a session of its own; a surviving rank would go on training into the
+    same run directory next to the restarted job."""
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline, f"the run logged fewer than {steps} steps in {timeout} s"
+        time.sleep(0.05)
+    job = [proc.pid, *_descendants(proc.pid)]
+    for pid in job:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in job[1:]):
+        assert time.time() < deadline + 30, "a rank of the killed job is still alive"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return "zombie" if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z" else "alive"
+    except (OSError, IndexError):
+        return "zombie"  # gone
 
 
 def run_to_end(recipe: Path, out_dir: Path, *overrides: str) -> str:
