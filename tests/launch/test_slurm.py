@@ -124,12 +124,14 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
             assert mounts.get(str(path)) == str(path), (path, mounts)
         assert step["env"]["HF_HOME"] == str(hf) and step["env"]["HF_HUB_OFFLINE"] == "1"
         assert step["env"]["NCCL_DEBUG"] == "WARN" and step["env"]["NCCL_SOCKET_IFNAME"] == "^lo,docker"
-    command = " ".join(jobs[0]["command"])
+    # the steps start in the background, so the fake srun may log them in either order
+    command = next(" ".join(s["command"]) for s in jobs if "ray start" not in " ".join(s["command"]))
     if mode == "torchrun":
         assert "--rdzv_endpoint=10.1.2.3:29500" in command, command
     else:
         assert "--start-head 10.1.2.3:6379" in command, command
-        assert jobs[1]["options"]["-w"] == "gpu-a2" and "--address=10.1.2.3:6379" in jobs[1]["command"]
+        worker = next(s for s in jobs if "ray start" in " ".join(s["command"]))
+        assert worker["options"]["-w"] == "gpu-a2" and "--address=10.1.2.3:6379" in worker["command"]
     if SHELLCHECK:
         check = subprocess.run([SHELLCHECK, "-s", "bash", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
