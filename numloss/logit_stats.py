@@ -121,6 +121,14 @@ class NumericOnlyStats(LogitStats):
     target_logit = _NeedsFullPass()
 
 
+def numeric_column(labels: torch.Tensor, valid: torch.Tensor, vocab: NumericVocab) -> torch.Tensor:
+    """The numeric column (index into V_num) of every label; -1 where the label is not numeric, is
+    ignored (`valid` False), or lies beyond the vocabulary's table."""
+    index_of = vocab.index_on(labels.device)
+    in_table = valid & (labels >= 0) & (labels < index_of.numel())
+    return torch.where(in_table, index_of[torch.where(in_table, labels, 0)], -1)
+
+
 def validate_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The mask of valid labels; ValueError for any label outside [0, vocab_size) but ignore_index."""
     valid = labels != ignore_index
@@ -343,10 +351,7 @@ def plan_labels(
     flat_labels = labels.reshape(-1).to(device)
     valid = validate_labels(flat_labels, vocab_size, ignore_index)
 
-    # Numeric column of every label (-1 for non-numeric, ignored, or beyond the vocabulary's table).
-    index_of = vocab.index_on(device)
-    in_table = valid & (flat_labels < index_of.numel())
-    column = torch.where(in_table, index_of[torch.where(in_table, flat_labels, 0)], -1)
+    column = numeric_column(flat_labels, valid, vocab)
     is_numeric = (column >= 0) if numeric else torch.zeros_like(valid)
 
     owns_target = valid & (flat_labels >= vocab_start) & (flat_labels < vocab_start + vocab_local)

@@ -44,7 +44,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .logit_stats import IGNORE_INDEX
+from .logit_stats import IGNORE_INDEX, numeric_column
 from .runs import numeric_runs
 from .vocab import NumericVocab
 
@@ -121,10 +121,7 @@ def denominator_key(term: str, options: Mapping | None = None) -> str:
 
 def numeric_label_mask(labels: torch.Tensor, vocab: NumericVocab, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """[...] True where the label is a numeric token of `vocab` (ignored labels are not)."""
-    valid = labels != ignore_index
-    index_of = vocab.index_on(labels.device)
-    in_table = valid & (labels >= 0) & (labels < index_of.numel())
-    return in_table & (index_of[torch.where(in_table, labels, 0)] >= 0)
+    return numeric_column(labels, labels != ignore_index, vocab) >= 0
 
 
 def place_value_weights(after: torch.Tensor) -> torch.Tensor:
