@@ -77,9 +77,6 @@ class NumericCausalLM(nn.Module):
     def loss_function(self, fn) -> None:
         self.model.loss_function = fn
 
-    def backbone(self) -> nn.Module:
-        return getattr(self.model, self.model.base_model_prefix)
-
     def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
         """The loss denominators of one batch of `forward`'s arguments (unshifted labels, as given to
         forward; labels alone, no model call). Sum them over a step with
