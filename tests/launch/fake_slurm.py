@@ -41,9 +41,14 @@ if os.environ.get("FAKE_SRUN_DRY") == "1" and command[0] != "hostname":
 cwd = options.get("--container-workdir") or os.getcwd()
 if "--container-image" in options:
     mounts = [m.split(":")[0] for m in str(options.get("--container-mounts", "")).split(",") if m]
-    # a private /tmp per step, as every pyxis container has its own
-    command = ["unshare", "-rm", "--propagation", "private", "sh", "-c",
-               'mount -t tmpfs tmpfs /tmp && exec "$@"', "sh", *command]
+    under_tmp = [m for m in mounts if m.startswith("/tmp/")]
+    # A private /tmp per step, as every pyxis container has its own; the step's mounts that lie under
+    # the host's /tmp (a checkout cloned there) are bound back in from it, as pyxis mounts them.
+    script = ('mount --bind /tmp /mnt && mount -t tmpfs tmpfs /tmp && n=$1 && shift && '
+              'while [ "$n" -gt 0 ]; do mkdir -p "$1" && mount --bind "/mnt/${{1#/tmp/}}" "$1" && shift && '
+              'n=$((n - 1)); done && exec "$@"')
+    command = ["unshare", "-rm", "--propagation", "private", "sh", "-c", script, "sh",
+               str(len(under_tmp)), *under_tmp, *command]
 os.chdir(cwd)
 os.execvp(command[0], command)
 '''
