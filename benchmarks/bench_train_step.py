@@ -1,19 +1,31 @@
-"""Training step time with CE + SMMD over CE alone, for the demo's tiny model, and tokens per second.
+"""Training step time of each numeric objective over CE alone, and tokens per second, measured in one run.
 
     python benchmarks/bench_train_step.py [--steps 30] [--batch 64] [--seq 24] [--threads 2]
+    python benchmarks/bench_train_step.py --backbone smollm2 [--steps 6] [--losses all]
 
-The model of `recipes/configs/demo.yaml` (a tiny Llama, vocab 64, N = 10 digit tokens) is wrapped in
-`NumericCausalLM` exactly as `recipes.train` does and stepped with torch AdamW (forward, backward,
-optimizer step) on batches whose labels are 25% digits and 25% ignored prompt. One process, no
-DeepSpeed: DeepSpeed's CPU collectives would add the same time to both and hide the objective's cost.
-The two objectives alternate step by step on the same batches, from the same initial weights; the
-medians are compared. Target (issue 6): at most 1.05 at N = 10.
+Two models:
+- default: the model of `recipes/configs/demo.yaml` (a tiny Llama, vocab 64, N = 10 digit tokens) on
+  random batches whose labels are 25% digits and 25% ignored prompt; CE against CE + SMMD.
+  Target (issue 6): at most 1.05 at N = 10.
+- `--backbone smollm2`: SmolLM2-135M-Instruct (V = 49,152, N = 10; made by `python -m recipes.backbone
+  smollm2`), on batches of the SmolLM2 study's arithmetic problems (data_prep's generator, the study's
+  mix and plain template: `<|im_start|>What is 12 + 7?\\n19<|im_end|>`, labels on the answer and the end
+  token), `--batch` 16 rows as the study's global batch, each objective of the study
+  (`recipes.study.LOSSES`, default weights). This is the cost of each term at the study's shapes that the
+  study's own runs cannot give when the machine is shared: their tokens/s say what the load was.
+
+The model is wrapped in `NumericCausalLM` with the logits head, as `recipes.train` does by default, and
+stepped with torch AdamW (forward, backward, optimizer step) in one process, no DeepSpeed: DeepSpeed's
+CPU collectives would add the same time to every objective and hide its cost. One model and one
+optimizer serve every objective (a step's cost does not depend on the weights' values; copies of a 135M
+model and its Adam state per objective would not fit beside other jobs). The objectives take turns step
+by step on the same batch, in a rotating order so that none always runs first; the medians are compared.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import statistics
 import time
 from pathlib import Path
@@ -27,50 +39,117 @@ from numloss.adapters.hf import NumericCausalLM
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--seq", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def tiny_setup(args):
+    """The demo's tiny Llama with random weights, random digit batches, and CE vs CE + SMMD."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = dict(yaml.safe_load(DEMO.read_text())["model"]["config"])
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(hf_config)
+    model = AutoModelForCausalLM.from_config(hf_config)
     vocab = NumericVocab(list(range(10, 20)), list(range(10)), vocab_size=hf_config.vocab_size)
-    runs = {}
-    for name, terms in (("CE", {}), ("CE+SMMD", {"smmd": {}})):
-        model = NumericCausalLM(copy.deepcopy(base), Objective(vocab, {"terms": terms}), chunked=False)
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-
     g = torch.Generator().manual_seed(1)
-    times = {name: [] for name in runs}
-    tokens = args.batch * args.seq
-    for step in range(args.steps + 3):
+
+    def batch():
         ids = torch.randint(20, hf_config.vocab_size, (args.batch, args.seq), generator=g)
         ids[:, args.seq // 2:: 2] = torch.randint(10, 20, (args.batch, len(range(args.seq // 2, args.seq, 2))), generator=g)
         labels = ids.clone()
         labels[:, : args.seq // 4] = -100
-        for name, (model, optimizer) in runs.items():
+        return ids, labels, None
+
+    objectives = {"ce": {"terms": {}}, "smmd": {"terms": {"smmd": {}}}}
+    return model, vocab, objectives, batch, f"tiny Llama, V={hf_config.vocab_size}, N=10"
+
+
+def backbone_setup(args):
+    """SmolLM2-135M-Instruct, the SmolLM2 study's problems and template, and the study's objectives."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipes.backbone import get_backbone
+    from recipes.study import LOSSES, MIX
+    from recipes.tiny import write_arithmetic_split
+
+    path = get_backbone(args.backbone)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits", vocab_size=model.config.vocab_size)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train, _ = write_arithmetic_split(tmp, args.batch * (args.steps + 1), 1, list(MIX), seed=0)
+        problems = [json.loads(line) for line in train.read_text().splitlines()]
+    rows = []
+    for p in problems:  # the plain template: BOS-like <|im_start|>, prompt, "\n", answer, <|im_end|>
+        prompt = tokenizer(f"<|im_start|>{p['prompt']}\n", add_special_tokens=False)["input_ids"]
+        answer = tokenizer(f"{p['target']}<|im_end|>", add_special_tokens=False)["input_ids"]
+        rows.append((prompt + answer, [-100] * len(prompt) + answer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batches = iter(rows[i:i + args.batch] for i in range(0, len(rows), args.batch))
+
+    def batch():
+        chunk = next(batches)
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in chunk])
+        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in chunk])
+        return ids, labels, mask
+
+    wanted = list(LOSSES) if args.losses == "all" else args.losses.split(",")
+    unknown = [name for name in wanted if name not in LOSSES]
+    if unknown:
+        raise SystemExit(f"unknown loss {unknown[0]!r}; the study's are {', '.join(LOSSES)}")
+    objectives = {name: LOSSES[name] for name in ["ce", *[w for w in wanted if w != "ce"]]}
+    return model, vocab, objectives, batch, f"SmolLM2-135M-Instruct, V={model.config.vocab_size}, N={vocab.size}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backbone", default=None, help="a recipes.backbone name (smollm2) instead of the tiny model")
+    parser.add_argument("--losses", default="all", help="--backbone: comma-separated study losses, or all")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per objective (30 tiny, 6 backbone)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (3 tiny, 1 backbone)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (64 tiny, 16 backbone)")
+    parser.add_argument("--seq", type=int, default=24, help="tiny model: tokens per row")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    tiny = args.backbone is None
+    args.steps = args.steps or (30 if tiny else 6)
+    args.batch = args.batch or (64 if tiny else 16)
+    warmup = args.warmup if args.warmup is not None else (3 if tiny else 1)
+    torch.set_num_threads(args.threads)
+    model, vocab, objectives, next_batch, what = (tiny_setup if tiny else backbone_setup)(args)
+
+    wrapped = {name: NumericCausalLM(model, Objective(vocab, spec), chunked=False) for name, spec in objectives.items()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    names = list(wrapped)
+    times = {name: [] for name in names}
+    tokens = []
+    for step in range(args.steps + warmup):
+        ids, labels, mask = next_batch()
+        tokens.append(ids.numel())
+        shift = step % len(names)  # rotate the order: no objective always runs first after a new batch
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            out = model(input_ids=ids, labels=labels)
+            out = wrapped[name](input_ids=ids, labels=labels, attention_mask=mask)
+            if not torch.isfinite(out.loss):
+                raise RuntimeError(f"{name}: non-finite loss {out.loss.item()} at step {step}")
             out.loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if step >= 3:  # warm-up steps not counted
+            if step >= warmup:
                 times[name].append(time.perf_counter() - start)
-    ce, smmd = statistics.median(times["CE"]), statistics.median(times["CE+SMMD"])
-    print(f"tiny Llama ({sum(p.numel() for p in base.parameters()) / 1e6:.2f}M params, V={hf_config.vocab_size}, N=10),"
-          f" batch {args.batch} x {args.seq} tokens, {args.threads} threads, median of {args.steps} steps")
-    print(f"{'objective':10} {'step ms':>8} {'tokens/s':>9}")
-    for name, t in (("CE", ce), ("CE+SMMD", smmd)):
-        print(f"{name:10} {1000 * t:8.1f} {tokens / t:9.0f}")
-    ratio = smmd / ce
-    print(f"ratio CE+SMMD / CE = {ratio:.3f} (target <= 1.05): {'ok' if ratio <= 1.05 else 'ABOVE TARGET'}")
+        print(f"step {step + 1}/{args.steps + warmup} done", flush=True)
+    per_step = statistics.mean(tokens[warmup:])
+    print(f"{what}, {args.batch} rows x {per_step / args.batch:.1f} tokens (padding included),"
+          f" {args.threads} threads, median of {args.steps} steps after {warmup} warm-up")
+    print(f"{'objective':12} {'step s':>8} {'tokens/s':>9} {'vs CE':>6}")
+    ce = statistics.median(times["ce"])
+    for name in names:
+        t = statistics.median(times[name])
+        print(f"{name:12} {t:8.3f} {per_step / t:9.1f} {t / ce:6.3f}")
+    if tiny:
+        ratio = statistics.median(times["smmd"]) / ce
+        print(f"ratio CE+SMMD / CE = {ratio:.3f} (target <= 1.05): {'ok' if ratio <= 1.05 else 'ABOVE TARGET'}")
 
 
 if __name__ == "__main__":
