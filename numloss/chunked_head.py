@@ -139,10 +139,12 @@ class _ChunkedHeadFn(torch.autograd.Function):
         (target_bounds, num_bounds), width = ctx.bounds, ctx.width
         grad_target = grad_target[target_rows]  # the owned targets' gradients, in chunk order
         grad_numeric = own_columns_gradient(grad_numeric, ctx.layout)[:, num_order]  # [M, n_local], chunk order
-        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)  # each row written once
-        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32)  # fp32 sum over chunks
+        # a frozen input (no gradient wanted) skips its GEMM; the same on every TP rank, as the graph is
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if want_weight else None
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_hidden else None  # fp32 sum
         # bf16: a [T, H] buffer for each chunk's bf16 product before it is added (no mixed-dtype addmm on CPU)
-        product = None if weight.dtype == torch.float32 else hidden.new_empty(hidden.shape)
+        product = hidden.new_empty(hidden.shape) if want_hidden and weight.dtype != torch.float32 else None
         buffers = _ChunkBuffers(hidden, weight, width)
         for k, start in enumerate(range(0, weight.shape[0], width)):
             w = weight[start:start + width]
@@ -158,14 +160,17 @@ class _ChunkedHeadFn(torch.autograd.Function):
                                 accumulate=True)
             if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
                 grad = logits.copy_(grad)
-            torch.mm(grad.t(), hidden, out=grad_weight[start:start + width])
-            if product is None:
-                grad_hidden.addmm_(grad, w)
-            else:
+            if want_weight:  # d W[c] = gᵀ h, straight into its rows: each row of d W is written once
+                torch.mm(grad.t(), hidden, out=grad_weight[start:start + width])
+            if product is not None:
                 grad_hidden.add_(torch.mm(grad, w, out=product))
+            elif want_hidden:
+                grad_hidden.addmm_(grad, w)
         del buffers, product
-        all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
-        return (grad_hidden.to(hidden.dtype), grad_weight,
+        if want_hidden:
+            all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return (grad_hidden, grad_weight,
                 None, None, None, None, None, None, None, None)
 
 

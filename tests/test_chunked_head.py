@@ -189,6 +189,23 @@ def test_bf16_weight_gradient_is_rounded_once():
     assert (grads["chunked"] == grads["logits"]).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_frozen_input_gets_no_gradient_and_the_other_is_exact(frozen):
+    """A frozen lm_head (or hidden states that need no gradient) skips that GEMM in backward; the other
+    input's gradient is unchanged."""
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    objective = Objective(vocab, CONFIGS["full_normaliser"])
+    hidden, weight, labels = make_batch(0)
+    _, ref_dh, ref_dw = reference(objective, hidden, weight, labels)
+    h, w = hidden.clone().requires_grad_(frozen != "hidden"), weight.clone().requires_grad_(frozen != "weight")
+    objective.from_hidden(h, w, labels, chunk_size=5).loss.backward()
+    assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
+    if frozen == "weight":
+        torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(w.grad, ref_dw, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_are_errors():
     vocab = NumericVocab(*VOCAB, vocab_size=V)
     hidden, weight, labels = make_batch(0)
