@@ -27,7 +27,7 @@ logits path's three: 4/3 of its matmul work, the price of not storing [T, V].
 
 Chunk size: `chunk_size` keeps its meaning in memory: a chunk holds at most `chunk_size` tokens' worth of
 logits, `Vc = min(ceil(V_local / MIN_CHUNKS), max(1, chunk_size · V_local // T))` columns for all T
-tokens. At least `MIN_CHUNKS` chunks, so a chunk never holds more than an eighth of the batch's logits:
+tokens. So a chunk has at most ceil(V_local / MIN_CHUNKS) columns, about an eighth of the batch's logits:
 that keeps the head below the logits path when d W dominates (1024 tokens with H = 8192).
 
 Parallel contract: with a TP group, `weight` is this rank's vocab shard [V_local, H] starting at
@@ -54,12 +54,12 @@ from .vocab import NumericVocab
 DEFAULT_CHUNK_SIZE = 1024
 
 
-MIN_CHUNKS = 8  # the vocabulary shard is cut into at least this many chunks (see `chunk_columns`)
+MIN_CHUNKS = 8  # a chunk has at most ceil(V_local / MIN_CHUNKS) columns (see `chunk_columns`)
 
 
 def chunk_columns(tokens: int, vocab_local: int, chunk_size: int) -> int:
     """Vc, the columns of one vocab chunk: at most `chunk_size` tokens' worth of logits ([T, Vc] holds
-    no more entries than [chunk_size, V_local]) and at most 1 / MIN_CHUNKS of the shard."""
+    no more entries than [chunk_size, V_local]) and at most ceil(V_local / MIN_CHUNKS) columns."""
     per_budget = max(1, chunk_size * vocab_local // max(tokens, 1))
     return max(1, min(-(-vocab_local // MIN_CHUNKS), per_budget))
 
