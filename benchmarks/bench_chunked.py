@@ -1,6 +1,6 @@
 """Peak memory and time of one forward+backward: the chunked head vs the logits path, swept over shapes.
 
-    python benchmarks/bench_chunked.py [--scale 8] [--dtype bf16] [--rounds 2] [--plot runs/bench/chunked.png]
+    python benchmarks/bench_chunked.py [--scale 8] [--dtype bf16] [--rounds 2] [--steps 1] [--plot runs/bench/chunked.png]
     python benchmarks/bench_chunked.py --tokens 4096 --hidden 1024 --vocab 128256 --dtype fp32   # one shape
 
 Both compute CE + SMMD (N = 1000 integer tokens, 20% numeric positions; the sweep divides N too) from hidden states [T, H] and an
@@ -16,10 +16,18 @@ buffers that matter ([T, V] logits, [V, H] weight gradient, [C, V] chunk, [T, H]
 the full shapes; the full shapes would take minutes per step here (bf16 matmuls run at ~18 GFLOPS on
 these CPUs). Times are of the scaled shapes.
 
-On these CPUs (no bf16 instructions) a bf16 matmul converts its operands to fp32 inside the kernel: each
-GEMM with the weight allocates an fp32 [V, H] copy (RSS sees it; a GPU has no such copy) and costs an
-O(V H) conversion, once per GEMM, so the chunked head (three GEMMs per chunk) pays it per chunk. Run with
-`--dtype fp32` too: it shows the algorithm's own ratios without that artifact.
+Cost: the chunked head cuts the vocabulary into chunks and does four GEMMs of [T, H] x [H, V] in all
+(the logits, the same logits again in backward, d W, d hidden) against the logits path's three, so where
+the GEMMs dominate (fp32 here, bf16 on a GPU) it takes about 4/3 of the logits path's time. On these CPUs
+(no bf16 instructions) a bf16 matmul converts its operands to fp32 inside the kernel (RSS sees the copies;
+a GPU has none): both heads convert the weight once per GEMM, but the logits path also converts its
+[T, V] operands, which the chunked head's chunks keep small, so in bf16 it can be the faster here. Run
+with `--dtype fp32` too: it shows the algorithm's own ratio without that artifact.
+
+Threads: with the default thread count on a loaded machine (more runnable processes than cores) each op
+waits at its parallel region's barrier for a thread that is not running, so the step time grows with
+the number of ops, and the chunked head issues ~8x more (each op once per chunk); the time ratio then
+measures the load. Run with `OMP_NUM_THREADS=1` as well (the children inherit it) to compare the heads.
 
 Each (shape, variant) runs in its own process, after a small warm-up step (so library initialisation is
 not counted). Two memory measures of what the step adds (logits, softmax, gradients, buffers, and d W,
@@ -30,7 +38,9 @@ the weight's gradient, [V, H], which both paths must produce):
   and frees (`live_tensor_peak`): the peak a GPU allocator would hold, without kernel scratch. The
   targets are judged on it. "excl. dW" subtracts d W's size from both peaks: conservative for the
   chunked head (the logits path's peak may come before its d W exists). Time is the fastest of `--rounds` processes
-per variant, run alternately (logits, chunked, logits, ...) so load that comes and goes hits both alike.
+per variant, run alternately (logits, chunked, logits, ...) so load that comes and goes hits both alike;
+each process times its first full-size step (first touch of every buffer included), or with `--steps K`
+the fastest of K steps (the steady state a training loop sees).
 Targets (issue 14): chunked peak below the logits path's at every shape, at most 0.25x from T = 4096 up;
 time at most 1.3x. With d W counted, a ratio below (d W) / (logits path peak) ≈ H / (5 T) is impossible
 for any head; the table prints that bound.
@@ -130,20 +140,25 @@ def run_variant(args) -> dict:
     loss = step(hidden, weight, labels)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    for _ in range(args.steps - 1):  # steady state: buffers already touched, allocator warm
+        hidden.grad = weight.grad = None
+        start = time.perf_counter()
+        step(hidden, weight, labels)
+        seconds = min(seconds, time.perf_counter() - start)
     hidden.grad = weight.grad = None
     tensor_peak = live_tensor_peak(lambda: step(hidden, weight, labels))  # a second step, not timed
     return {"variant": args.variant, "peak_bytes": peak, "tensor_bytes": tensor_peak, "seconds": seconds,
             "loss": loss, "grad_weight_bytes": weight.numel() * weight.element_size()}
 
 
-def measure(tokens, hidden, vocab, chunk, dtype, rounds, numeric) -> dict[str, dict]:
+def measure(tokens, hidden, vocab, chunk, dtype, rounds, numeric, steps=1) -> dict[str, dict]:
     """Alternate the variants' processes and keep, per variant, the fastest time and the largest peak."""
     results: dict[str, dict] = {}
     for _ in range(rounds):
         for variant in ("logits", "chunked"):
             cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant, f"--tokens={tokens}",
                    f"--hidden={hidden}", f"--vocab={vocab}", f"--chunk={chunk}", f"--dtype={dtype}",
-                   f"--numeric={numeric}"]
+                   f"--numeric={numeric}", f"--steps={steps}"]
             r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             best = results.get(variant)
             if best is None:
@@ -165,6 +180,8 @@ def main():
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--numeric", type=int, default=1000, help="N numeric tokens (the sweep divides it too)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating processes per variant and shape")
+    parser.add_argument("--steps", type=int, default=1,
+                        help="timed steps per process, the fastest kept (1: the first step only)")
     parser.add_argument("--plot", default="runs/bench/chunked.png", help="PNG of the sweep ('' for none)")
     parser.add_argument("--variant", choices=["chunked", "logits"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -181,14 +198,15 @@ def main():
         vocab, chunk, numeric = -(-FULL_V // s), FULL_CHUNK // s, args.numeric // s
     mib = 2**20
     print(f"CE + SMMD fwd+bwd, {args.dtype} hidden and weight, N={numeric}, 20% numeric, V={vocab}, chunk cap {chunk}"
-          + (f"; full shapes / {args.scale} (V {FULL_V} / {args.scale})" if not args.tokens else ""))
+          + (f"; full shapes / {args.scale} (V {FULL_V} / {args.scale})" if not args.tokens else "")
+          + f"; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, load {os.getloadavg()[0]:.1f}")
     header = (f"{'T':>5} {'H':>5} | {'T run':>5} {'H run':>5} | RSS MiB {'logits':>7} {'chunked':>7} {'ratio':>6}"
               f" | tensor MiB {'logits':>7} {'chunked':>7} {'ratio':>6} {'bound':>6} {'excl.dW':>7}"
               f" | {'logits s':>8} {'chunked s':>9} {'ratio':>6} | {'loss diff':>9}  ok")
     print(header)
     rows, all_ok = [], True
     for t, h, t_run, h_run in shapes:
-        r = measure(t_run, h_run, vocab, chunk, args.dtype, args.rounds, numeric)
+        r = measure(t_run, h_run, vocab, chunk, args.dtype, args.rounds, numeric, args.steps)
         lg, ch = r["logits"], r["chunked"]
         dw = lg["grad_weight_bytes"]
         rss = ch["peak_bytes"] / lg["peak_bytes"]

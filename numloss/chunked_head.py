@@ -2,30 +2,40 @@
 
 At Llama-3 scale (V = 128256) the fp32 logits of 8192 tokens take 4.2 GB and the usual path holds
 several copies (logits, the softmax, their gradient). Here `hidden [T, H] @ weightᵀ` is computed one
-chunk of tokens at a time; each chunk's logits live only while that chunk is processed.
+chunk of the VOCABULARY at a time: a chunk is the logits of every token for Vc columns, [T, Vc], and it
+lives only while that chunk is processed.
 
-How the backward avoids a second pass over the vocabulary. The gradient of the loss with respect to
-chunk logits is `g_t · softmax_t + S` where `g_t` is d loss / d lse_t and S is sparse (the target logit
-and the N numeric columns). So:
+Forward, per vocab chunk c: `x = h @ W_cᵀ` (in the weight's dtype, then fp32), merged into running
+per-row (max, sum of exp) by the online log-sum-exp rule (on a new max m', the old sum is rescaled by
+exp(m - m')); the target logit is picked where the target falls in the chunk, and the numeric columns
+that fall in it at the numeric rows. Only after the last chunk are the per-row statistics combined over
+the TP ranks, once for the whole batch: a step costs the logits path's two collectives, whatever the
+chunking. Saved for backward: hidden, the weight, lse [T] and the small index tensors.
 
-- d hidden_t = g_t · (softmax_t @ W) + S_t @ W: the [T, H] products `softmax_t @ W` are kept from the
-  forward and scaled by g_t in backward, exactly, whatever g is.
-- d W = Σ_t g_t softmax_tᵀ h_t + Sᵀ h: the forward accumulates `Σ_valid softmax_tᵀ h_t` assuming
-  g_t = k on every valid row (what token-mean CE gives), straight into the tensor that becomes d W (in
-  the weight's dtype: the only [V, H] buffer the head allocates). Backward takes k as the median of g over valid
-  rows and corrects, by recomputing their logits, only the rows where g differs from that (the numeric
-  rows of a term that uses the full-vocabulary normaliser: GCE, DIST2 "full", NTL `reweigh`). Plain CE,
-  SMMD, NTL-WAS, NTIL recompute nothing.
+Backward, per vocab chunk: recompute x, form the chunk's gradient of the loss w.r.t. its logits,
+`g = exp(x - lse) · d loss/d lse` (fp32) plus the sparse part (d loss/d target logit at the rows whose
+target is in the chunk, the numeric columns' gradient at the numeric rows), then
+- d W[c] = gᵀ h, written straight into its rows of the weight's gradient: every row of d W is written
+  exactly once (no accumulation over chunks: a bf16 d W is rounded once, as the logits path's);
+- d h += g W_c, accumulated over chunks in fp32 [T, H].
+This is exact for any d loss/d lse (no assumption on the loss), and holds no [T, V] and no extra [V, H]
+buffer: the head's memory is d W (which every head produces), one chunk's logits in fp32 and the weight's
+dtype, and a few [T, H] buffers.
 
-So forward costs three [C, V]x matmuls per chunk and backward only small ones: the same matmul work
-as the logits path, with a peak of d W plus one chunk's logits instead of several full copies. A batch is
-cut into at least eight chunks, so a chunk's logits never outweigh an eighth of the batch's.
+Cost: four GEMMs of [T, H] x [H, V_local] (forward logits; backward logits again, d W, d h) against the
+logits path's three: 4/3 of its matmul work, the price of not storing [T, V].
+
+Chunk size: `chunk_size` keeps its meaning in memory: a chunk holds at most `chunk_size` tokens' worth of
+logits, `Vc = min(ceil(V_local / MIN_CHUNKS), max(1, chunk_size · V_local // T))` columns for all T
+tokens. So a chunk has at most ceil(V_local / MIN_CHUNKS) columns, about an eighth of the batch's logits:
+that keeps the head below the logits path when d W dominates (1024 tokens with H = 8192).
 
 Parallel contract: with a TP group, `weight` is this rank's vocab shard [V_local, H] starting at
-`vocab_start`, `hidden` and labels are identical on every rank; each chunk issues the two collectives
-of the log-sum-exp, its numeric columns riding in the second (`numloss.parallel`; every rank must see
-the same T and chunking, which replicated labels guarantee), and backward all-reduces d hidden over the group,
-because this head stands in for a column-parallel linear layer whose input is replicated.
+`vocab_start`; `hidden` and labels are identical on every rank. Forward issues the two collectives of
+the log-sum-exp, once per call, the numeric columns riding in the second (`numloss.parallel`); ranks may
+cut their shards into different numbers of chunks (no collective runs per chunk). Backward all-reduces
+d hidden over the group, because this head stands in for a column-parallel linear layer whose input is
+replicated.
 
 ZeRO-3: the weight must be gathered while this runs, forward and backward. `numloss.hf` registers the
 lm_head weight as an external parameter of the module that calls this, so DeepSpeed gathers it with that
@@ -37,102 +47,130 @@ from __future__ import annotations
 
 import torch
 
-from .logit_stats import (
-    IGNORE_INDEX,
-    LogitStats,
-    combine_across_ranks,
-    local_row_stats,
-    own_columns_gradient,
-    plan_labels,
-)
+from .logit_stats import IGNORE_INDEX, LogitStats, combine_across_ranks, own_columns_gradient, plan_labels
 from .parallel import all_reduce_
 from .vocab import NumericVocab
 
 DEFAULT_CHUNK_SIZE = 1024
 
 
-MIN_CHUNKS = 8  # a batch is cut into at least this many chunks (see `chunked_logit_stats`)
+MIN_CHUNKS = 8  # a chunk has at most ceil(V_local / MIN_CHUNKS) columns (see `chunk_columns`)
+
+
+def chunk_columns(tokens: int, vocab_local: int, chunk_size: int) -> int:
+    """Vc, the columns of one vocab chunk: at most `chunk_size` tokens' worth of logits ([T, Vc] holds
+    no more entries than [chunk_size, V_local]) and at most ceil(V_local / MIN_CHUNKS) columns."""
+    per_budget = max(1, chunk_size * vocab_local // max(tokens, 1))
+    return max(1, min(-(-vocab_local // MIN_CHUNKS), per_budget))
+
+
+def _group_by_chunk(columns: torch.Tensor, width: int, vocab_local: int) -> tuple[torch.Tensor, list[int]]:
+    """The order that sorts `columns` (positions in the shard) by chunk, and the bounds of each chunk's
+    run in that order: chunk k's entries are `order[bounds[k]:bounds[k + 1]]`. One host sync, in forward."""
+    order = columns.argsort(stable=True)
+    starts = torch.arange(0, vocab_local + width, width, device=columns.device).clamp_(max=vocab_local)
+    return order, torch.searchsorted(columns[order], starts).tolist()
+
+
+class _ChunkBuffers:
+    """One chunk's logits in the weight's dtype and, for a low-precision weight, their fp32 copy: allocated
+    once per pass and reused by every chunk (the last, shorter one takes the front of each), so a pass
+    allocates (and first-touches) them once instead of once per chunk."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, width: int):
+        size = hidden.shape[0] * min(width, weight.shape[0])
+        self.logits = hidden.new_empty(size, dtype=weight.dtype)
+        self.fp32 = None if weight.dtype == torch.float32 else hidden.new_empty(size, dtype=torch.float32)
+
+    def chunk(self, hidden: torch.Tensor, weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [T, Vc] in the weight's dtype, fp32 logits [T, Vc]: the same tensor for an fp32 weight)."""
+        shape = (hidden.shape[0], weight_rows.shape[0])
+        logits = torch.mm(hidden, weight_rows.t(), out=self.logits[:shape[0] * shape[1]].view(shape))
+        if self.fp32 is None:
+            return logits, logits
+        return logits, self.fp32[:shape[0] * shape[1]].view(shape).copy_(logits)
 
 
 class _ChunkedHeadFn(torch.autograd.Function):
-    """(hidden [T, H], weight [V_local, H]) -> (lse [T], target_logit [T], numeric logits [M, N]).
+    """(hidden [T, H], weight [V_local, H]) -> (lse [T], target_logit [T], numeric logits [M, N]), fp32.
 
-    Memory: besides [T, H]-sized buffers, one chunk's logits (fp32, and the weight's dtype) and d W itself,
-    which the forward accumulates in the weight's dtype (the gradient autograd hands to the weight; no
-    fp32 [V, H] accumulator, no fp32 copy of the weight). Each chunk's contribution is one GEMM that adds
-    into d W (fp32 accumulation inside the GEMM), so a bf16 d W is rounded once per chunk.
+    See the module docstring for the forward (online log-sum-exp over vocab chunks, one TP combine) and
+    the backward (d W written once per chunk, d hidden accumulated in fp32).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, chunk_size, group):
-        tokens = hidden.shape[0]
-        lse = hidden.new_empty(tokens, dtype=torch.float32)
-        target = torch.empty_like(lse)
-        numeric = hidden.new_empty((num_rows.numel(), layout.columns), dtype=torch.float32)
-        softmax_w = hidden.new_empty(hidden.shape, dtype=torch.float32)  # softmax_t @ W per token
-        grad_weight = torch.zeros_like(weight)  # Σ_valid softmaxᵀ h: becomes d W in backward
-        for start in range(0, tokens, chunk_size):
-            end = min(start + chunk_size, tokens)
-            h = hidden[start:end]
-            logits = h @ weight.t()  # [C, V_local] in the weight's dtype
-            x = logits.float()  # fp32 math; no copy for fp32 weights
-            lo, hi = torch.searchsorted(num_rows, torch.tensor([start, end], device=num_rows.device)).tolist()
-            numeric_owned = x[(num_rows[lo:hi] - start)[:, None], num_cols[None, :]]
-            # x is this chunk's own buffer: it becomes exp(x - row max), then the softmax, in place
-            row_max, sum_exp, tgt = local_row_stats(x, target_local[start:end], owns_target[start:end], in_place=True)
-            lse[start:end], target[start:end], numeric[lo:hi] = combine_across_ranks(
-                row_max, sum_exp, tgt, owns_target[start:end], valid[start:end], numeric_owned, layout, group)
-            probs = x.mul_(torch.exp(row_max - lse[start:end])[:, None])
-            if probs is not logits:  # bf16 weights: the softmax goes back into the chunk's bf16 buffer
-                probs = logits.copy_(probs)
-                del x
-            softmax_w[start:end] = probs @ weight
-            grad_weight.addmm_(probs.mul_(valid[start:end, None]).t(), h)
-            del logits, probs
-        ctx.chunk_size = chunk_size
+    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, width, group):
+        tokens, vocab_local = hidden.shape[0], weight.shape[0]
+        row_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
+        sum_exp = hidden.new_zeros(tokens, dtype=torch.float32)
+        target = hidden.new_zeros(tokens, dtype=torch.float32)  # 0 where this rank does not own the target
+        numeric_owned = hidden.new_empty((num_rows.numel(), num_cols.numel()), dtype=torch.float32)
+        # where each owned target and each owned numeric column falls, grouped by chunk (computed once)
+        target_rows = owns_target.nonzero().flatten()
+        order, target_bounds = _group_by_chunk(target_local[target_rows], width, vocab_local)
+        target_rows = target_rows[order]
+        target_cols = target_local[target_rows]
+        num_order, num_bounds = _group_by_chunk(num_cols, width, vocab_local)
+        num_cols = num_cols[num_order]
+        buffers = _ChunkBuffers(hidden, weight, width)
+        for k, start in enumerate(range(0, vocab_local, width)):
+            _, x = buffers.chunk(hidden, weight[start:start + width])  # [T, Vc] fp32
+            t0, t1 = target_bounds[k], target_bounds[k + 1]
+            rows = target_rows[t0:t1]
+            target[rows] = x[rows, target_cols[t0:t1] - start]
+            n0, n1 = num_bounds[k], num_bounds[k + 1]
+            if n1 > n0:
+                numeric_owned[:, num_order[n0:n1]] = x[num_rows[:, None], num_cols[None, n0:n1] - start]
+            # online log-sum-exp: rescale the running sum to the new row max, add this chunk's exp(x - max)
+            new_max = torch.maximum(row_max, torch.amax(x, dim=1))  # amax: no argmax (max(dim) is ~7x slower on CPU)
+            sum_exp.mul_(torch.exp(row_max - new_max)).add_(x.sub_(new_max[:, None]).exp_().sum(dim=1))
+            row_max = new_max
+        del buffers
+        lse, target, numeric = combine_across_ranks(row_max, sum_exp, target, owns_target, valid, numeric_owned,
+                                                    layout, group)
+        ctx.width, ctx.bounds = width, (target_bounds, num_bounds)
         ctx.group, ctx.layout = group, layout
-        ctx.consumed = False
-        ctx.save_for_backward(hidden, weight, lse, softmax_w, grad_weight, target_local, owns_target, valid,
-                              num_rows, num_cols)
+        ctx.save_for_backward(hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order)
         return lse, target, numeric
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target, grad_numeric):
-        (hidden, weight, lse, softmax_w, grad_weight, target_local, owns_target, valid,
-         num_rows, num_cols) = ctx.saved_tensors
-        if ctx.consumed:
-            raise RuntimeError("the chunked head's backward reuses its saved buffers: it can run only once"
-                               " (retain_graph=True with a second backward is not supported)")
-        ctx.consumed = True
-        grad_hidden = softmax_w.mul_(grad_lse[:, None])  # in place: the [T, H] buffer is not needed again
-        k = grad_lse[valid].median() if valid.any() else grad_lse.new_zeros(())
-        grad_weight.mul_(k.item())  # in place: the forward's accumulator is d W (a float scalar: k unrounded)
-        # rows whose d loss / d lse differs from k·valid: recompute their softmax and correct d W
-        rest = grad_lse - k * valid
-        rows = rest.nonzero().flatten()
-        for start in range(0, rows.numel(), ctx.chunk_size):
-            r = rows[start:start + ctx.chunk_size]
-            probs = (hidden[r] @ weight.t()).float().sub_(lse[r, None]).exp_().mul_(rest[r, None])
-            grad_weight.addmm_(probs.to(weight.dtype).t(), hidden[r])
-
-        # the sparse part, in fp32 on [T, H]-sized rows: target logits and numeric columns
-        owned = owns_target.nonzero().flatten()
-        g_target = grad_target[owned, None]
-        weight_rows, hidden_rows = [target_local[owned]], [g_target * hidden[owned].float()]
-        grad_hidden[owned] += g_target * weight[target_local[owned]].float()  # rows are distinct
-        if num_rows.numel() and num_cols.numel():
-            grad_numeric = own_columns_gradient(grad_numeric, ctx.layout)
-            grad_hidden[num_rows] += grad_numeric @ weight[num_cols].float()
-            weight_rows.append(num_cols)
-            hidden_rows.append(grad_numeric.t() @ hidden[num_rows].float())
-        # summed per weight row in fp32 first, then added to d W once (one rounding for a bf16 d W)
-        unique, inverse = torch.cat(weight_rows).unique(return_inverse=True)
-        sparse = torch.zeros((unique.numel(), weight.shape[1]), dtype=torch.float32, device=weight.device)
-        sparse.index_add_(0, inverse, torch.cat(hidden_rows))
-        grad_weight[unique] = sparse.add_(grad_weight[unique]).to(grad_weight.dtype)
-
-        all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
-        return (grad_hidden.to(hidden.dtype), grad_weight,
+        hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order = ctx.saved_tensors
+        (target_bounds, num_bounds), width = ctx.bounds, ctx.width
+        grad_target = grad_target[target_rows]  # the owned targets' gradients, in chunk order
+        grad_numeric = own_columns_gradient(grad_numeric, ctx.layout)[:, num_order]  # [M, n_local], chunk order
+        # a frozen input (no gradient wanted) skips its GEMM; the same on every TP rank, as the graph is
+        want_hidden, want_weight = ctx.needs_input_grad[:2]
+        grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if want_weight else None
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_hidden else None  # fp32 sum
+        # bf16: a [T, H] buffer for each chunk's bf16 product before it is added (no mixed-dtype addmm on CPU)
+        product = hidden.new_empty(hidden.shape) if want_hidden and weight.dtype != torch.float32 else None
+        buffers = _ChunkBuffers(hidden, weight, width)
+        for k, start in enumerate(range(0, weight.shape[0], width)):
+            w = weight[start:start + width]
+            logits, grad = buffers.chunk(hidden, w)
+            # d loss / d logits of the chunk, fp32: the softmax scaled by d loss / d lse ...
+            grad.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
+            # ... plus the target logits and the numeric columns that fall in this chunk
+            t0, t1 = target_bounds[k], target_bounds[k + 1]
+            grad.index_put_((target_rows[t0:t1], target_cols[t0:t1] - start), grad_target[t0:t1], accumulate=True)
+            n0, n1 = num_bounds[k], num_bounds[k + 1]
+            if n1 > n0 and num_rows.numel():
+                grad.index_put_((num_rows[:, None], num_cols[None, n0:n1] - start), grad_numeric[:, n0:n1],
+                                accumulate=True)
+            if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
+                grad = logits.copy_(grad)
+            if want_weight:  # d W[c] = gᵀ h, straight into its rows: each row of d W is written once
+                torch.mm(grad.t(), hidden, out=grad_weight[start:start + width])
+            if product is not None:
+                grad_hidden.add_(torch.mm(grad, w, out=product))
+            elif want_hidden:
+                grad_hidden.addmm_(grad, w)
+        del buffers, product
+        if want_hidden:
+            all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return (grad_hidden, grad_weight,
                 None, None, None, None, None, None, None, None)
 
 
@@ -147,10 +185,10 @@ def chunked_logit_stats(
     numeric: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LogitStats:
-    """`LogitStats` of `hidden [..., H] @ weightᵀ` with `labels [...]`, chunk by chunk over tokens.
+    """`LogitStats` of `hidden [..., H] @ weightᵀ` with `labels [...]`, chunk by chunk over the vocabulary.
 
-    `chunk_size` is the largest chunk; a batch of T tokens is cut into at least `MIN_CHUNKS` chunks
-    (chunks of min(chunk_size, ceil(T / MIN_CHUNKS)) tokens).
+    `chunk_size` bounds a chunk's logits to `chunk_size` tokens' worth (see `chunk_columns`): with T tokens
+    a chunk has min(ceil(V_local / MIN_CHUNKS), chunk_size · V_local // T) columns.
 
     Equal (up to fp32 rounding) to `compute_logit_stats(hidden @ weight.T, labels, ...)`; see the module
     docstring for memory, the backward and the TP/ZeRO-3 contract.
@@ -160,16 +198,14 @@ def chunked_logit_stats(
                          " expected hidden [..., H] with labels [...]")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [V_local, {hidden.shape[-1]}] for hidden {tuple(hidden.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     plan = plan_labels(labels, vocab, weight.shape[0], hidden.device, group, vocab_start, ignore_index, numeric)
-    tokens = plan.labels.numel()
-    # At least MIN_CHUNKS chunks: the head then never holds more than an eighth of the batch's logits,
-    # which is what keeps it below the logits path when d W (as large as the weight) dominates, e.g.
-    # 1024 tokens with H = 8192. Every TP rank has the same T (replicated labels): the same chunks.
-    chunk_size = max(1, min(chunk_size, -(-tokens // MIN_CHUNKS)))
+    width = chunk_columns(plan.labels.numel(), weight.shape[0], chunk_size)
     lse, target_logit, numeric_logits = _ChunkedHeadFn.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, plan.target_local, plan.owns_target, plan.valid,
-        plan.num_rows, plan.layout.local_cols.to(hidden.device), plan.layout, chunk_size, group,
+        plan.num_rows, plan.layout.local_cols.to(hidden.device), plan.layout, width, group,
     )
     return plan.stats(lse, target_logit, numeric_logits)

@@ -154,7 +154,9 @@ class Objective:
                     vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                     counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
-        TP), with logits computed chunk by chunk (`numloss.chunked_head`)."""
+        TP), with logits computed one vocabulary chunk at a time and never for the whole vocabulary at once
+        (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
+        collectives as the logits path, plus d hidden's all-reduce in backward under TP."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
                                     self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size)
         return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)

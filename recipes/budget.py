@@ -12,8 +12,10 @@ activation (2 in bf16, 4 in fp32), P parameters.
   a x seq attention probabilities twice. Without gradient checkpointing all L layers are held; with it,
   each layer's input (h per token) plus one layer recomputed during the backward.
 - The head: logits path: [T, V/t] logits in the model dtype, their fp32 copy for the loss, its
-  gradient and the logits' gradient, (2e + 8) bytes per entry; chunked: the same for `chunk_size`
-  rows at a time plus the hidden states.
+  gradient and the logits' gradient, (2e + 8) bytes per entry; chunked (one vocabulary chunk at a time,
+  numloss.chunked_head): a chunk of min(chunk_size, T/8) tokens' worth of the V/t logits, in the model
+  dtype and fp32 (e + 4 bytes per entry; 4 in fp32), plus d hidden's fp32 accumulator and one product
+  in the model dtype, T x h x (4 + e).
 - Host RAM per node: at load, ZeRO 0-2 with AutoTP materialise the whole model per rank (ranks/node
   x P x e); otherwise each rank streams it a checkpoint shard (~5 GB) at a time (ZeRO-3 partitioned,
   ZeRO 0-2 at TP 1 straight onto its GPU, recipes.model.load_placement). At export (recipes.export) each rank holds
@@ -74,10 +76,11 @@ def activation_bytes(s: Shape, tokens: int, tp: int, seq: int, act_bytes: int, c
 
 
 def head_bytes(s: Shape, tokens: int, tp: int, act_bytes: int, chunked: bool, chunk_size: int) -> float:
-    per_entry = 2 * act_bytes + 8
     if chunked:
-        return min(chunk_size, tokens) * s.vocab * per_entry + tokens * s.hidden * act_bytes
-    return tokens * (s.vocab / tp) * per_entry
+        chunk_tokens = min(chunk_size, -(-tokens // 8))  # at least 8 vocab chunks: numloss.chunked_head.MIN_CHUNKS
+        per_entry = act_bytes + 4 if act_bytes < 4 else 4
+        return chunk_tokens * (s.vocab / tp) * per_entry + tokens * s.hidden * (4 + act_bytes)
+    return tokens * (s.vocab / tp) * (2 * act_bytes + 8)
 
 
 def checkpoint_bytes(params: int, act_bytes: int) -> float:

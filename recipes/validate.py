@@ -302,16 +302,19 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
     """Which head pays for the recipe's shapes (benchmarks/bench_chunked.py). Both heads produce d W, the
     [V, H] gradient of the lm_head; the logits path adds ~10 bytes per logit ([T, V]) on top, the chunked
     head about an eighth of that. So the chunked head's saving shrinks as H grows past T, the tokens of a
-    micro-batch: from H >= 4 T it saves under ~15% of the head's memory (measured: 0.88x at T = 1024,
-    H = 4096; 0.98x at H = 8192) and costs more time (it passes over d W once per chunk)."""
+    micro-batch: from H >= 4 T it saves about 10% of the head's memory or less (measured: 0.89x at
+    T = 1024, H = 4096; 0.95x at H = 8192), while it always does four GEMMs of [T, H] x [H, V] to the
+    logits path's three (it recomputes the logits in backward): ~4/3 of the time where the GEMMs dominate,
+    as expected on a GPU (measured on CPU, one thread: 1.0-1.33x in fp32, 0.6-1.2x in bf16)."""
     if recipe.loss.head != "chunked" or not hidden_size or not recipe.data.seq_len:
         return
     tokens = recipe.train.micro_batch_size * recipe.data.seq_len
     if hidden_size >= 4 * tokens:
         rep.warnings.append(
             f"loss.head: chunked saves little at {tokens} tokens per micro-batch with hidden size {hidden_size}"
-            " (d W, [V, H], dominates both heads' memory): loss.head: logits is about as small and faster;"
-            " the chunked head pays from micro_batch_size x seq_len > hidden_size / 4")
+            " (d W, [V, H], dominates both heads' memory): loss.head: logits is about as small and faster"
+            " (the chunked head recomputes the logits in backward: 4 GEMMs to 3); the chunked head pays from"
+            " micro_batch_size x seq_len > hidden_size / 4")
 
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,

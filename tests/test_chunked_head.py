@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from numloss import NumericVocab, Objective, count_comm
-from numloss.chunked_head import MIN_CHUNKS
+from numloss.chunked_head import chunk_columns, chunked_logit_stats
+from numloss.logit_stats import compute_logit_stats
 from tests.distributed import run_ranks
 from tests.test_vocab_parallel import forced_route, shard_bounds
 
@@ -107,6 +108,104 @@ def test_bf16_chunked_agrees_with_bf16_logits_path(config):
     assert max(errors["chunked"]) < 2e-2, errors
 
 
+NUMERIC_SPREAD = [5, 290, 50, 100, 150, 77, 200, 250, 299, 123]  # not sorted: columns out of vocab order
+
+
+def test_bf16_vocab_chunks_equal_float64_dense():
+    """bf16 hidden and weight, a vocabulary cut into 9 chunks (the last one short) with targets and the
+    numeric columns in many of them: lse, target logit, numeric logits, d hidden and d W against a float64
+    dense computation from the same (bf16-representable) values, under an uneven d loss / d lse (random
+    weights on every output, so no assumption about the loss), within the bf16 logits path's own error."""
+    g = torch.Generator().manual_seed(9)
+    t, h_dim, v, chunk = 32, 48, 300, 4
+    width = chunk_columns(t, v, chunk)
+    assert (width, -(-v // width)) == (37, 9)
+    assert len({c // width for c in NUMERIC_SPREAD}) == 9  # the numeric columns fall in every chunk
+    vocab = NumericVocab(NUMERIC_SPREAD, list(range(10)), vocab_size=v)
+    hidden = torch.randn(t, h_dim, generator=g).bfloat16()
+    weight = (2 * torch.randn(v, h_dim, generator=g) / h_dim**0.5).bfloat16()
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[::3] = torch.tensor(NUMERIC_SPREAD)[torch.randint(0, 10, (len(labels[::3]),), generator=g)]
+    labels[2::3][:9] = torch.arange(9) * width + 3  # a target in every chunk (77, in the third, is numeric)
+    labels[1] = -100
+    rows = (labels[:, None] == torch.tensor(NUMERIC_SPREAD)).any(1).nonzero().flatten()
+    coef = [torch.rand(t, generator=g) + 0.5, torch.randn(t, generator=g), torch.randn(rows.numel(), 10, generator=g)]
+
+    def outputs(stats):
+        return stats.lse, stats.target_logit, stats.numeric.logits
+
+    def dense64(h, w):  # the independent reference: float64 logits, logsumexp, gathers
+        x = h @ w.t()
+        valid = labels >= 0
+        target = torch.where(valid, x.gather(1, labels.clamp_min(0)[:, None]).squeeze(1), 0.0)
+        return x.logsumexp(1), target, x[rows][:, NUMERIC_SPREAD]
+
+    results = {}
+    for path in ("dense64", "logits_bf16", "chunked_bf16"):
+        dtype = torch.float64 if path == "dense64" else torch.bfloat16
+        h, w = hidden.to(dtype, copy=True).requires_grad_(True), weight.to(dtype, copy=True).requires_grad_(True)
+        if path == "dense64":
+            outs = dense64(h, w)
+        elif path == "logits_bf16":
+            outs = outputs(compute_logit_stats(h @ w.t(), labels, vocab))
+        else:
+            outs = outputs(chunked_logit_stats(h, w, labels, vocab, chunk_size=chunk))
+        assert outs[2].shape == (rows.numel(), 10)
+        sum((c.to(o.dtype) * o).sum() for c, o in zip(coef, outs)).backward()
+        results[path] = [o.detach().double() for o in outs] + [h.grad.double(), w.grad.double()]
+    names = ("lse", "target", "numeric", "d hidden", "d W")
+    for name, ref, logits, chunked in zip(names, results["dense64"], results["logits_bf16"], results["chunked_bf16"]):
+        err_chunked, err_logits = [float((a - ref).norm() / ref.norm()) for a in (chunked, logits)]
+        assert err_chunked <= max(1.5 * err_logits, 1e-3), (name, err_chunked, err_logits)
+        assert err_chunked < 1e-2, (name, err_chunked)
+
+
+def test_bf16_weight_gradient_is_rounded_once():
+    """Each row of a bf16 d W is written by one GEMM (fp32 accumulation inside it) from the same bf16
+    gradient of the logits as the logits path's, and rounded to bf16 once: at 16 vocab chunks it is the
+    logits path's d W bit for bit in nearly every entry (the rest differ by the fp32 rounding of the
+    online lse), and as close to float64. The token-chunked head this replaced added 16 chunks'
+    contributions into a bf16 d W (one rounding per chunk): it matched the logits path in 55% of the
+    entries and fails here (its error against float64 was no larger, 0.0022 against 0.0028, so the bit
+    comparison is what tells the two apart)."""
+    g = torch.Generator().manual_seed(4)
+    t, h_dim, v = 512, 64, 768
+    vocab = NumericVocab(list(range(100, 110)), list(range(10)), vocab_size=v)
+    hidden = torch.randn(t, h_dim, generator=g).bfloat16()
+    weight = (torch.randn(v, h_dim, generator=g) / h_dim**0.5).bfloat16()
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[::3] = torch.randint(100, 110, labels[::3].shape, generator=g)
+    objective = Objective(vocab, CONFIGS["smmd"])
+    _, _, ref_dw = reference(objective, hidden.double(), weight.double(), labels)
+    grads = {}
+    for path in ("logits", "chunked"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = objective.from_hidden(h, w, labels, chunk_size=32) if path == "chunked" else objective(h @ w.t(), labels)
+        out.loss.backward()
+        grads[path] = w.grad
+    assert -(-v // chunk_columns(t, v, 32)) == 16
+    err = {path: float((dw.double() - ref_dw).norm() / ref_dw.norm()) for path, dw in grads.items()}
+    assert err["chunked"] <= 1.1 * err["logits"], err
+    assert (grads["chunked"] == grads["logits"]).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("frozen", ["hidden", "weight"])
+def test_frozen_input_gets_no_gradient_and_the_other_is_exact(frozen):
+    """A frozen lm_head (or hidden states that need no gradient) skips that GEMM in backward; the other
+    input's gradient is unchanged."""
+    vocab = NumericVocab(*VOCAB, vocab_size=V)
+    objective = Objective(vocab, CONFIGS["full_normaliser"])
+    hidden, weight, labels = make_batch(0)
+    _, ref_dh, ref_dw = reference(objective, hidden, weight, labels)
+    h, w = hidden.clone().requires_grad_(frozen != "hidden"), weight.clone().requires_grad_(frozen != "weight")
+    objective.from_hidden(h, w, labels, chunk_size=5).loss.backward()
+    assert (h.grad is None) == (frozen == "hidden") and (w.grad is None) == (frozen == "weight")
+    if frozen == "weight":
+        torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(w.grad, ref_dw, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_are_errors():
     vocab = NumericVocab(*VOCAB, vocab_size=V)
     hidden, weight, labels = make_batch(0)
@@ -146,10 +245,12 @@ def _check_tp_routed(rank, world, configs):
                 torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where} dh: {m}")
                 torch.testing.assert_close(w.grad, ref_dw[start:end], rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{where} dw: {m}")
-                chunks = -(-24 // min(chunk, -(-24 // MIN_CHUNKS)))  # at least MIN_CHUNKS chunks
-                # two per chunk (the numeric columns ride in them), then d hidden once in backward
-                assert len(comm.ops()) == 2 * chunks + 1, comm.ops()
-                assert comm.ops()[0:-1:2] == ["all_reduce_max"] * chunks
+                # the log-sum-exp's two (the numeric columns ride in them) once for the whole batch, however
+                # many vocab chunks this rank's shard is cut into, then d hidden once in backward
+                chunks = -(-(end - start) // chunk_columns(24, end - start, chunk))
+                assert chunks >= 6, chunks  # 18 or 19 columns: 6-7 chunks of 3, or 9-10 of 2
+                assert len(comm.ops()) == 3, comm.ops()
+                assert comm.ops()[0] == "all_reduce_max" and comm.ops()[1] in ("all_reduce_sum", "all_gather")
                 assert comm.ops()[-1] == "all_reduce_sum"
 
 

@@ -4,7 +4,8 @@ Each rank builds the same full logits, keeps its vocab slice, and runs the objec
 the loss and the gradient of its slice must match the dense single-process run (fp32: 1e-6). Layouts
 cover a vocab not divisible by TP, numeric columns spread over ranks, all in rank 0, and none in some
 ranks, by both routes the numeric columns can take (riding in the SUM all-reduce, or in the all-gather).
-The collectives of one step are counted and their bytes asserted exactly: two per step, whatever the terms.
+The collectives of one step are counted and their bytes asserted exactly: two per step, whatever the terms,
+from logits or from hidden states (the chunked head, which adds d hidden's all-reduce in backward).
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ def _check_comm(rank, world):
     vocab = NumericVocab(*VOCABS["rank0"], vocab_size=V)
     g = torch.Generator().manual_seed(7)
     logits, labels = torch.randn(3, 9, V, generator=g), make_labels(vocab, g)
+    hidden, weight = torch.randn(3, 9, 16, generator=g), torch.randn(V, 16, generator=g) / 4
     tokens, numeric_rows = labels.numel(), int((vocab.index_of[labels.clamp_min(0)] >= 0)[labels >= 0].sum())
     local = logits[..., start:end].clone().requires_grad_(True)
     objective = Objective(vocab, CASES["all"])
@@ -212,6 +214,17 @@ def _check_comm(rank, world):
                 out.loss.backward()
             assert none.ops() == ce_ops  # no numeric row anywhere: the same two collectives as CE alone
             assert torch.isfinite(local.grad).all()
+
+            # The chunked head: the same two collectives, once per step however many vocab chunks its shard
+            # is cut into; backward sends only d hidden (the column-parallel input's gradient, [T, H] fp32).
+            for chunk_size in (1, 1000):  # 1 column per chunk (18 or 19 chunks); ceil(V_local / 8) columns
+                h, w = hidden.clone().requires_grad_(True), weight[start:end].clone().requires_grad_(True)
+                with count_comm() as forward:
+                    out = objective.from_hidden(h, w, labels, group=group, vocab_start=start, chunk_size=chunk_size)
+                with count_comm() as backward:
+                    out.loss.backward()
+                assert forward.ops() == ops and [r.bytes for r in forward.records] == nbytes, (route, forward.records)
+                assert backward.ops() == ["all_reduce_sum"] and backward.bytes == 4 * h.numel(), backward.records
 
 
 def test_collectives_counted_exactly():

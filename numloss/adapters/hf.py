@@ -108,7 +108,7 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
 
     Logits path: `full_forward(...)` (the HF model's own forward) gives `[b, s, V_local]` logits.
     Chunked: only the backbone (`model.<base_model_prefix>`) runs, and its last hidden states meet the
-    lm_head weight (this rank's vocab shard under AutoTP) chunk by chunk."""
+    lm_head weight (this rank's vocab shard under AutoTP) one vocabulary chunk at a time."""
     shard = find_vocab_shard(model)
     per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids}
     if not chunked:
