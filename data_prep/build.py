@@ -15,34 +15,23 @@ Decisions:
 - `max_reject_fraction` guards against a misconfigured build (a wrong field name rejects every
   record): above it the build fails after writing the rejects, naming the top reasons, and writes
   no manifest.
-- Worker processes start with "forkserver" where the platform has it, else "spawn"; never "fork" by
-  default. The main process has used torch's OpenMP thread pool (the numeric vocabulary of a 128k+
-  token tokenizer is built with parallel torch ops) and the tokenizer's threads before the pool
-  starts; a forked child inherits those pools without their threads, and its first parallel op waits
-  forever (a build with a real tokenizer hung in every worker). A forkserver is a fresh interpreter
-  that never ran a thread pool: it imports the heavy modules once (`_PRELOAD`) and forks each worker
-  from that clean state, so workers start in about the time a fork takes plus loading the tokenizer.
-  `start_method="fork"` is still accepted for callers that know their main process is single-threaded.
-- Workers encode single-threaded (TOKENIZERS_PARALLELISM=false, one torch thread) so that `workers`
-  processes use `workers` cores. With workers=0 the tokenizer's own threads are used.
-- Watchdog: with workers, the main process waits for each chunk with a deadline. When no chunk has
-  come back for `stall_timeout` seconds of waiting (a worker hung or was killed: a pool never returns
-  a lost task), the build stops its workers and fails with a TimeoutError naming the part and the
-  records it waited for, instead of hanging. Finished parts are kept; a rerun resumes after them.
+- Workers (workers.py): they start first, and while they load the tokenizer the main process hashes
+  the input; the header (tokenizer and numeric vocabulary) comes from a worker, so the main process
+  never loads the tokenizer itself. A watchdog fails a build whose workers return nothing for
+  `stall_timeout` seconds (a worker hung, in its set-up or on a chunk, or was killed: a pool never
+  returns a lost task) with a TimeoutError naming the part and the records it waited for, instead of
+  hanging. Finished parts are kept; a rerun resumes after them.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
-import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -52,8 +41,9 @@ import pyarrow.compute as pc
 
 from . import shards as S
 from .pack import pack_table
-from .sources import BadRecord, SourceConfig, make_source
-from .tokenize import IGNORE_INDEX, Encoder, Item, TokenizeConfig, load_tokenizer, tokenizer_fingerprint
+from .sources import SourceConfig, make_source
+from .tokenize import IGNORE_INDEX, Encoder, TokenizeConfig
+from .workers import DEFAULT_STALL_TIMEOUT, Stalled, start_encoding
 
 
 @dataclass
@@ -78,57 +68,6 @@ class BuildConfig:
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-# ---- worker side -------------------------------------------------------------------------------
-_WORKER: dict[str, Any] = {}
-
-# What the forkserver imports once, before it forks workers: each worker then starts with them loaded
-# (importing transformers and torch takes seconds per process otherwise). Importing starts no thread.
-# "__main__" is what Python preloads by default: the caller's script, imported once, not per worker.
-_PRELOAD = ["__main__", "data_prep.build", "numloss.vocab", "transformers",
-            "transformers.models.auto.tokenization_auto"]
-
-DEFAULT_STALL_TIMEOUT = 600.0
-
-
-def _init_worker(cfg: BuildConfig, single_threaded: bool, environ: dict[str, str] | None = None) -> None:
-    try:
-        if environ is not None:  # the main process's environment now, as a fork would have it (a
-            os.environ.clear()   # forkserver child has the environment the server started with)
-            os.environ.update(environ)
-        if single_threaded:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            import torch
-
-            torch.set_num_threads(1)  # the numeric vocabulary's table ops: one core per worker
-        _WORKER["sources"] = [make_source(s) for s in cfg.sources]
-        _WORKER["encoder"] = Encoder(cfg.tokenize)
-    except Exception as e:  # a Pool restarts a worker whose initializer raises, forever: report it instead
-        _WORKER["error"] = f"worker set-up failed: {e}\n{traceback.format_exc()}"
-
-
-def _encode_chunk(chunk: list[tuple[int, int, str, Any]]):
-    """chunk: (record, source index, ref, raw) -> (rows RecordBatch, rejects)."""
-    if "error" in _WORKER:
-        raise RuntimeError(_WORKER["error"])
-    try:
-        sources, encoder = _WORKER["sources"], _WORKER["encoder"]
-        items, rejects = [], []
-        for record, si, ref, raw in chunk:
-            src = sources[si]
-            example_id = f"{src.kind}/{ref}"
-            try:
-                items.append(Item(record, example_id, src.to_example(raw, ref)))
-            except BadRecord as e:
-                rejects.append({"record": record, "example_id": example_id, "reason": e.reason,
-                                "detail": e.detail})
-        batch, too_long = encoder.encode(items)
-        rejects = sorted(rejects + too_long, key=lambda r: r["record"])
-        return batch, rejects
-    except Exception as e:  # name the records, keep the traceback: pool errors are otherwise opaque
-        first = chunk[0][2] if chunk else "?"
-        raise RuntimeError(f"encoding records from {first} failed: {e}\n{traceback.format_exc()}") from None
 
 
 # ---- main side ---------------------------------------------------------------------------------
@@ -198,19 +137,10 @@ def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
     return 9 * n_tok + img + 64
 
 
-class _Stalled(Exception):
-    """No chunk came back for `idle` seconds while the main process waited for records first..last."""
-
-    def __init__(self, first: int, last: int, ref: str, idle: float, returned_any: bool):
-        super().__init__(f"records {first}-{last}")
-        self.first, self.last, self.ref, self.idle = first, last, ref, idle
-        self.returned_any = returned_any
-
-
 class Builder:
     """One build. `workers`: encoding processes (0: encode in this process); `start_method`: how they
-    start (default "forkserver", else "spawn"; see the module docstring); `stall_timeout`: seconds
-    without any chunk coming back before the build fails (None: wait forever)."""
+    start (default "forkserver", else "spawn"; see workers.py); `stall_timeout`: seconds without any
+    task coming back before the build fails (None: wait forever)."""
 
     def __init__(self, cfg: BuildConfig, out_dir: str, workers: int = 2, chunk_size: int = 256,
                  progress: bool = True, overwrite: bool = False, start_method: str | None = None,
@@ -235,30 +165,20 @@ class Builder:
 
     # The identity of a build: what a resume must match.
     def header(self) -> dict:
-        tok = load_tokenizer(self.cfg.tokenize)
-        enc = Encoder(self.cfg.tokenize, tokenizer=tok)
+        """The header, computed in this process (it loads the tokenizer)."""
+        return self._header(Encoder(self.cfg.tokenize).describe(), [s.fingerprint() for s in self.sources])
+
+    def _header(self, described: dict, sources: list[dict]) -> dict:
+        """described: `Encoder.describe()` of the build's tokenize config; sources: their fingerprints."""
         cfg = self.cfg.to_dict()
         return {
             "format": "numloss.data_prep",
             "config": cfg,
             "config_fingerprint": _digest(cfg),
             "packed": self.cfg.shards.pack_length is not None,
-            "tokenizer": {
-                "name": self.cfg.tokenize.tokenizer,
-                "fingerprint": tokenizer_fingerprint(tok),
-                "length": len(tok),
-                "pad_token_id": tok.pad_token_id,
-                "bos_token_id": tok.bos_token_id,
-                "eos_token_id": tok.eos_token_id,
-                "template": enc.template.kind,
-            },
-            "numeric_vocab": {
-                "policy": self.cfg.tokenize.numeric_policy,
-                "size": enc.vocab.size,
-                "token_ids": enc.vocab.token_ids.tolist(),
-                "values": enc.vocab.values.tolist(),
-            },
-            "sources": [s.fingerprint() for s in self.sources],
+            "tokenizer": described["tokenizer"],
+            "numeric_vocab": described["numeric_vocab"],
+            "sources": sources,
         }
 
     def _records(self, start: int) -> Iterator[tuple[int, int, str, Any]]:
@@ -279,77 +199,41 @@ class Builder:
         if chunk:
             yield chunk
 
-    def _results(self, start: int):
-        """Encoded chunks in input order, from `workers` processes with bounded look-ahead."""
-        if self.workers <= 0:
-            _init_worker(self.cfg, single_threaded=False)
-            for chunk in self._chunks(start):
-                yield len(chunk), _encode_chunk(chunk)
-            return
-        ctx = mp.get_context(self.start_method)
-        if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(_PRELOAD)  # no effect once this process's forkserver runs
-        # (start_method "fork") Forked workers share the parent's pages until they write to them, and
-        # the cyclic garbage collector writes to every object it visits: frozen objects are never
-        # visited, so a worker's first collections do not copy the parent's heap (about 0.1 s per worker
-        # with torch loaded).
-        gc.freeze()
-        try:
-            pool = ctx.Pool(self.workers, initializer=_init_worker,
-                            initargs=(self.cfg, True, dict(os.environ)))
-        finally:
-            gc.unfreeze()
-        # When a chunk last came back, and how many have (set by the pool's result thread).
-        last_return = [time.monotonic(), 0]
-
-        def returned(_):
-            last_return[0] = time.monotonic()
-            last_return[1] += 1
-
-        with pool:
-            pending: collections.deque = collections.deque()
-
-            def take():
-                first, last, ref, n, res = pending.popleft()
-                self._wait(res, last_return, first, last, ref)
-                return n, res.get()
-
-            for chunk in self._chunks(start):
-                res = pool.apply_async(_encode_chunk, (chunk,), callback=returned, error_callback=returned)
-                pending.append((chunk[0][0], chunk[-1][0], chunk[0][2], len(chunk), res))
-                while len(pending) > 2 * self.workers + 2:
-                    yield take()
-            while pending:
-                yield take()
-
-    def _wait(self, res, last_return: list, first: int, last: int, ref: str) -> None:
-        """Wait for `res` until no chunk has come back for `stall_timeout` seconds of this wait."""
-        if self.stall_timeout is None:
-            return
-        began = time.monotonic()
-        while not res.ready():
-            idle = time.monotonic() - max(began, last_return[0])
-            if idle >= self.stall_timeout:
-                raise _Stalled(first, last, ref, idle, returned_any=last_return[1] > 0)
-            res.wait(self.stall_timeout - idle)
-
     def run(self) -> dict:
         os.makedirs(self.out_dir, exist_ok=True)
-        header = self.header()
-        manifest_path = os.path.join(self.out_dir, S.MANIFEST)
+        if not self.overwrite and os.path.exists(os.path.join(self.out_dir, S.MANIFEST)):
+            done = S.read_manifest(self.out_dir)  # nothing to encode: no workers, the header here
+            if _identity(done) == _identity(self.header()):
+                return done  # already built: nothing to do
+            raise FileExistsError(f"{self.out_dir} holds a finished build of a different config/input; "
+                                  "pass overwrite=True (--overwrite) to replace it")
+        # The workers start now and load the tokenizer while this process hashes the input.
+        with start_encoding(self.cfg.sources, self.cfg.tokenize, self.workers, self.start_method,
+                            self.stall_timeout) as encoding:
+            sources = [s.fingerprint() for s in self.sources]
+            try:
+                described = encoding.describe()
+            except Stalled as e:
+                raise TimeoutError(
+                    f"data_prep build: no worker finished its set-up (loading the tokenizer "
+                    f"{self.cfg.tokenize.tokenizer!r}) in {e.idle:.0f} s (stall_timeout); the workers were "
+                    "stopped and nothing was written. If the workers could not start, the errors above "
+                    f"say why{_MAIN_GUARD_HINT}") from None
+            header = self._header(described, sources)
+            parts = self._prepare(header)
+            parts = self._encode(encoding, header, parts)
+        self._check_rejects(parts)
+        return S.finish(self.out_dir, parts, header)
+
+    def _prepare(self, header: dict) -> list[dict]:
+        """Clear the output (overwrite) or check and verify what a previous run of this build left
+        (resume); return the finished parts to keep."""
         if self.overwrite:
             for name in os.listdir(self.out_dir):
                 if name.startswith("shard-") or name in (S.MANIFEST, S.PROGRESS, S.REJECTS, S.REJECT_PARTS) \
                         or name.endswith(".tmp"):
                     p = os.path.join(self.out_dir, name)
                     shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        if os.path.exists(manifest_path):
-            done = S.read_manifest(self.out_dir)
-            if _identity(done) == _identity(header):
-                return done  # already built: nothing to do
-            raise FileExistsError(f"{self.out_dir} holds a finished build of a different config/input; "
-                                  "pass overwrite=True (--overwrite) to replace it")
-
         parts: list[dict] = []
         progress = S.load_progress(self.out_dir)
         if progress is not None:
@@ -360,7 +244,10 @@ class Builder:
         keep = {p["rejects_file"] for p in parts} | {p["shard"]["file"] for p in parts if p["shard"]}
         S.remove_stale(self.out_dir, keep)
         self._save_progress(header, parts)
+        return parts
 
+    def _encode(self, encoding, header: dict, parts: list[dict]) -> list[dict]:
+        """Encode the records after the finished `parts` and write them into parts; return all parts."""
         start = parts[-1]["end_record"] if parts else 0
         part = self._new_part(len(parts))
         next_record = start
@@ -370,9 +257,8 @@ class Builder:
 
             bar = tqdm(unit="rec", desc="data_prep build", initial=start, dynamic_ncols=True)
         target = self.cfg.shards.shard_bytes
-        results = self._results(start)
         try:
-            for n, (batch, rejects) in results:
+            for n, (batch, rejects) in encoding.results(self._chunks(start)):
                 kept_records = _np(batch.column("record"), np.int64)
                 # Running size of the part after each row; the part closes after the first row that
                 # reaches the target (sizes are positive, so the running sums are increasing).
@@ -402,7 +288,7 @@ class Builder:
             if part.rows or part.pieces or part.rejects:
                 parts.append(self._close(part, next_record))
                 self._save_progress(header, parts)
-        except _Stalled as e:  # raised out of _results: its pool has been terminated on the way
+        except Stalled as e:  # the workers are terminated when the build leaves the pool's context
             part.abort()
             raise TimeoutError(
                 f"data_prep build stalled in part {part.index} ({S.shard_name(part.index)}): no worker "
@@ -411,16 +297,14 @@ class Builder:
                 f"workers were stopped. The {len(parts)} finished parts are kept: rerun to resume."
                 + ("" if e.returned_any else
                    " No chunk came back at all: if the workers could not start, the errors above say why"
-                   " (a script that calls data_prep.build with workers needs `if __name__ == \"__main__\":`)")
+                   + _MAIN_GUARD_HINT)
             ) from None
         except BaseException:
             part.abort()
-            results.close()  # a failure here, while _results is suspended, terminates its pool
             raise
         if bar is not None:
             bar.close()
-        self._check_rejects(parts)
-        return S.finish(self.out_dir, parts, header)
+        return parts
 
     def _new_part(self, index: int) -> _Part:
         return _Part(index, self.out_dir, self.cfg.shards)
@@ -474,6 +358,9 @@ class Builder:
                 f"{rejected} of {read} records rejected (> max_reject_fraction "
                 f"{self.cfg.max_reject_fraction}); top reasons {top}; see the parts under "
                 f"{os.path.join(self.out_dir, S.REJECT_PARTS)}")
+
+
+_MAIN_GUARD_HINT = (" (a script that calls data_prep.build with workers needs `if __name__ == \"__main__\":`)")
 
 
 def _identity(header: dict) -> tuple:

@@ -375,6 +375,28 @@ class Encoder:
 
         self._char_to_token = Encoding.char_to_token
 
+    def describe(self) -> dict[str, dict]:
+        """The tokenizer and the numeric vocabulary as a build's header records them (plain JSON
+        values: a worker process computes them for the main process)."""
+        tok, vocab = self.tok, self.vocab
+        return {
+            "tokenizer": {
+                "name": self.cfg.tokenizer,
+                "fingerprint": tokenizer_fingerprint(tok),
+                "length": len(tok),
+                "pad_token_id": tok.pad_token_id,
+                "bos_token_id": tok.bos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "template": self.template.kind,
+            },
+            "numeric_vocab": {
+                "policy": self.cfg.numeric_policy,
+                "size": vocab.size,
+                "token_ids": vocab.token_ids.tolist(),
+                "values": vocab.values.tolist(),
+            },
+        }
+
     def encode(self, items: list[Item]) -> tuple[pa.RecordBatch, list[dict[str, Any]]]:
         """The kept rows (in input order) and the rejects ({"record", "example_id", "reason", "detail"}).
 

@@ -178,6 +178,20 @@ def test_float_policy(wrap):
     assert _pairs(NumericVocab.from_tokenizer(tok, policy="integers")) == {4: 2.0, 5: 10.0}
 
 
+
+@pytest.mark.parametrize("space_variants", [False, True])
+@pytest.mark.parametrize("policy", ["digits", "integers", "float"])
+def test_from_tokenizer_equals_parsing_every_token(policy, space_variants):
+    """from_tokenizer parses only tokens that can be numbers; the result is parse_numeric_token over the
+    whole vocabulary, ids ascending, including texts the patterns accept before a final newline."""
+    edge = ["3\n", "Ġ3\n", "12\n", "1.5\n", "7 ", " 7", "▁4", "Ġ.5", "x3", "3x", "\n", "", "5"]
+    tok = word_level(FLOAT_TOKENS + edge)
+    vocab = NumericVocab.from_tokenizer(tok, policy=policy, space_variants=space_variants)
+    expected = _expected(tok, lambda t: parse_numeric_token(t, policy, 999, space_variants))
+    assert vocab.token_ids.tolist() == sorted(expected)
+    assert _pairs(vocab) == expected
+    assert (vocab.index_of >= 0).sum() == len(expected)
+
 def test_parse_numeric_token_table():
     assert parse_numeric_token("7", "digits") == 7.0
     assert parse_numeric_token("07", "digits") is None

@@ -65,16 +65,42 @@ def train_tokenizer(out_dir: str, style: str, chat_template: bool = False, vocab
 
 
 def hanging_encode_chunk(chunk):
-    """data_prep.build's _encode_chunk, except that the chunk starting at record
+    """data_prep.workers' _encode_chunk, except that the chunk starting at record
     $DATA_PREP_TEST_HANG_AT never returns (a hung worker, for the watchdog test)."""
     import time
 
-    from data_prep.build import _encode_chunk
+    from data_prep.workers import _encode_chunk
 
     if chunk[0][0] == int(os.environ["DATA_PREP_TEST_HANG_AT"]):
         time.sleep(3600)
     return _encode_chunk(chunk)
 
+
+
+def hanging_init_worker(*args):
+    """data_prep.workers' _init_worker, except that it never returns (a worker stuck in its set-up)."""
+    import time
+
+    time.sleep(3600)
+
+
+class TwoArgError(Exception):
+    """An exception that pickles but cannot be unpickled (its __init__ takes two arguments)."""
+
+    def __init__(self, what, why):
+        super().__init__(f"{what}: {why}")
+
+
+def unsendable_init_worker(sources, tokenize, environ=None):
+    """data_prep.workers' _init_worker, with a set-up that raises a TwoArgError."""
+    from data_prep import workers
+
+    class Failing(workers.Worker):
+        def __init__(self, *args):
+            raise TwoArgError("tokenizer", "exploded")
+
+    workers.Worker = Failing  # in this worker process only
+    workers._init_worker(sources, tokenize, environ)
 
 # ---- fixture files -----------------------------------------------------------------------------
 GSM8K_ROWS = [

@@ -1,12 +1,12 @@
 """Builds with tokenizers of real size (128k-151k tokens, assembled offline), in worker processes.
 
 A numeric vocabulary of a real tokenizer is big enough that torch builds its tables with its OpenMP
-thread pool, in the main process (the build's header) and again in each worker. Workers forked from
-that main process inherited the pool without its threads and waited forever; these tests run the
-command line in a subprocess with a deadline, so a hang fails the test instead of hanging the suite.
+thread pool, in each worker (and in the main process with workers=0, or wherever a caller built one).
+Workers forked from a main process that had done so inherited the pool without its threads and waited
+forever; these tests run the command line in a subprocess with a deadline, so a hang fails the test
+instead of hanging the suite.
 """
 
-import importlib
 import os
 import subprocess
 import sys
@@ -18,7 +18,7 @@ from helpers import GSM8K_ROWS, hanging_encode_chunk, write_jsonl
 from test_build import ROOT, _finish, files_of
 
 from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
-build_module = importlib.import_module("data_prep.build")  # the module (data_prep.build is also a function)
+from data_prep import workers as workers_module
 
 
 def _arith_rows(n):
@@ -68,7 +68,7 @@ def test_watchdog_fails_a_stalled_build_naming_the_part(tmp_path, digits_tok, mo
     assert files_of(tmp_path / "warm") == files_of(tmp_path / "ref")
     # The workers run hanging_encode_chunk (pickled by reference: they import helpers by name).
     monkeypatch.setenv("DATA_PREP_TEST_HANG_AT", "40")
-    monkeypatch.setattr(build_module, "_encode_chunk", hanging_encode_chunk)
+    monkeypatch.setattr(workers_module, "_encode_chunk", hanging_encode_chunk)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as err:
         build(cfg, out, workers=2, chunk_size=20, progress=False, stall_timeout=10)
