@@ -8,9 +8,9 @@ Two models:
   random batches whose labels are 25% digits and 25% ignored prompt; CE against CE + SMMD.
   Target (issue 6): at most 1.05 at N = 10.
 - `--backbone smollm2`: SmolLM2-135M-Instruct (V = 49,152, N = 10; made by `python -m recipes.backbone
-  smollm2`), on batches of the SmolLM2 study's arithmetic problems (data_prep's generator, the study's
-  mix and plain template: `<|im_start|>What is 12 + 7?\\n19<|im_end|>`, labels on the answer and the end
-  token), `--batch` 16 rows as the study's global batch, each objective of the study
+  smollm2`), on batches of the SmolLM2 study's arithmetic problems (data_prep's generator and build,
+  the study's mix and plain template: `<|im_start|>What is 12 + 7?\\n19<|im_end|>`, labels on the answer
+  and the end token; read by `data_prep.reader.ShardDataset`), `--batch` 16 rows as the study's global batch, each objective of the study
   (`recipes.study.LOSSES`, default weights). This is the cost of each term at the study's shapes that the
   study's own runs cannot give when the machine is shared: their tokens/s say what the load was.
 
@@ -25,8 +25,8 @@ by step on the same batch, in a rotating order so that none always runs first; t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,34 +65,26 @@ def backbone_setup(args):
     """SmolLM2-135M-Instruct, the SmolLM2 study's problems and template, and the study's objectives."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from data_prep.reader import ShardDataset
     from recipes.backbone import get_backbone
+    from recipes.batches import model_inputs
     from recipes.study import LOSSES, MIX
-    from recipes.tiny import write_arithmetic_split
+    from recipes.tiny import build_jsonl_shards, write_arithmetic_split
 
     path = get_backbone(args.backbone)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits", vocab_size=model.config.vocab_size)
-    import tempfile
+    # the study's rows exactly: its problems built into shards by data_prep, read as training reads them
+    workdir = tempfile.TemporaryDirectory(prefix="bench_train_step-")  # removed when the run ends
+    tmp = Path(workdir.name)
+    train, _ = write_arithmetic_split(tmp, args.batch * (args.steps + 1), 1, list(MIX), seed=0)
+    build_jsonl_shards(train, path, tmp / "data", numeric_policy="digits")
+    batches = iter(ShardDataset(str(tmp / "data"), args.batch, global_batch_size=args.batch))
 
-    with tempfile.TemporaryDirectory() as tmp:
-        train, _ = write_arithmetic_split(tmp, args.batch * (args.steps + 1), 1, list(MIX), seed=0)
-        problems = [json.loads(line) for line in train.read_text().splitlines()]
-    rows = []
-    for p in problems:  # the plain template: BOS-like <|im_start|>, prompt, "\n", answer, <|im_end|>
-        prompt = tokenizer(f"<|im_start|>{p['prompt']}\n", add_special_tokens=False)["input_ids"]
-        answer = tokenizer(f"{p['target']}<|im_end|>", add_special_tokens=False)["input_ids"]
-        rows.append((prompt + answer, [-100] * len(prompt) + answer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = iter(rows[i:i + args.batch] for i in range(0, len(rows), args.batch))
-
-    def batch():
-        chunk = next(batches)
-        width = max(len(ids) for ids, _ in chunk)
-        ids = torch.tensor([r + [pad] * (width - len(r)) for r, _ in chunk])
-        labels = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in chunk])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in chunk])
-        return ids, labels, mask
+    def batch(_keep=workdir):  # the reader reads row groups as it goes: the directory lives as long as this
+        inputs, _ = model_inputs(next(batches))
+        return inputs["input_ids"], inputs["labels"], inputs["attention_mask"]
 
     wanted = list(LOSSES) if args.losses == "all" else args.losses.split(",")
     unknown = [name for name in wanted if name not in LOSSES]
