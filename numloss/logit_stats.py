@@ -172,15 +172,11 @@ def combine_across_ranks(row_max, sum_exp, target, owns_target, valid, numeric_o
     return lse, torch.where(valid, owner_target, 0.0), numeric
 
 
-def local_row_stats(x: torch.Tensor, target_local: torch.Tensor, owns_target: torch.Tensor, in_place: bool = False):
-    """Row max, sum of exp(x - max) and owned target logit of fp32 logits `x` [C, V_local].
-
-    `in_place=True` overwrites `x` with exp(x - row max) instead of allocating a second [C, V_local]
-    buffer: for a caller that owns `x` (the chunked head's chunk) and wants the exponentials next."""
-    row_max = x.max(dim=-1).values
+def local_row_stats(x: torch.Tensor, target_local: torch.Tensor, owns_target: torch.Tensor):
+    """Row max, sum of exp(x - max) and owned target logit of fp32 logits `x` [C, V_local] (not written to)."""
+    row_max = torch.amax(x, dim=-1)  # not max(dim): that also computes the argmax (~7x slower on CPU)
     target = x.gather(1, target_local[:, None]).squeeze(1)
-    exps = x.sub_(row_max[:, None]) if in_place else x - row_max[:, None]
-    sum_exp = exps.exp_().sum(dim=-1)
+    sum_exp = (x - row_max[:, None]).exp_().sum(dim=-1)
     return row_max, sum_exp, torch.where(owns_target, target, torch.zeros_like(target))
 
 
