@@ -70,7 +70,7 @@ class Setup:
     eval_examples: int = 600
     max_new_tokens: int = 8
     backbone: str | None = None  # recipes.backbone name: fine-tune it (and evaluate it zero-shot)
-    keep_models: bool = True  # False: keep only seed 0's exported model (the probe's), drop the rest
+    keep_models: bool = True  # False: keep the exported models of one seed only (the probe's), see run_one
     probe_rows: int = 300  # test rows the digit probe reads per model
 
 
@@ -167,7 +167,7 @@ def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed
     path.write_text(json.dumps(record, indent=1))
     # A 135M model's DeepSpeed checkpoint (weights + Adam state) is ~1.6 GB: the record is what stays.
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    if not setup.keep_models and seed != 0:
+    if not setup.keep_models and any(s != seed for s in models_by_seed(work, tokenizer)):
         shutil.rmtree(run_dir / "final", ignore_errors=True)
     return record
 
@@ -299,6 +299,28 @@ def plan(setup: Setup, seeds: int, losses: list[str], tokenizers: list[str]) -> 
             if not (loss == "ntil" and setup.tokenizers[t][1] != "digits")]
 
 
+def models_by_seed(work: Path, tokenizer: str) -> dict[int, dict[str, Path]]:
+    """The trained models present in `work`, {seed: {loss: model dir}}, for one tokenizer. Records are
+    committed but models stay on the machine that trained them, so which seeds have models varies."""
+    found: dict[int, dict[str, Path]] = {}
+    for model_dir in sorted((work / "runs").glob(f"{tokenizer}-*-s*/final")):
+        name = model_dir.parent.name.removeprefix(f"{tokenizer}-")
+        loss, _, seed = name.rpartition("-s")
+        if loss in LOSSES and seed.isdigit() and (model_dir / "config.json").exists():
+            found.setdefault(int(seed), {})[loss] = model_dir
+    return found
+
+
+def probe_models(work: Path, tokenizer: str) -> tuple[int | None, dict[str, Path]]:
+    """The probe's models: all from one seed, the one with models for the most losses (the lowest of
+    those), in the order of LOSSES."""
+    found = models_by_seed(work, tokenizer)
+    if not found:
+        return None, {}
+    seed = min(found, key=lambda s: (-len(found[s]), s))
+    return seed, {loss: found[seed][loss] for loss in LOSSES if loss in found[seed]}
+
+
 def report(setup: Setup, work: Path, out: Path, grid: list[str], probe: bool = True) -> str:
     """Tables, CSV, learning curves and the probe from the finished runs' records."""
     import csv
@@ -326,10 +348,9 @@ def report(setup: Setup, work: Path, out: Path, grid: list[str], probe: bool = T
             eval_dir = work / tokenizer / "data" / "eval"
             if tokenizer in found and eval_dir.exists():  # the backbone before training, as the first panel
                 probes["zero-shot"] = probe_model(str(backbone_dir(setup)), str(eval_dir), limit=setup.probe_rows)
-            for r in records:
-                model_dir = work / "runs" / r["name"] / "final"
-                if r["tokenizer"] == tokenizer and r["seed"] == 0 and model_dir.exists():
-                    probes[r["loss"]] = probe_model(str(model_dir), str(eval_dir), limit=setup.probe_rows)
+            seed, models = probe_models(work, tokenizer)
+            for loss, model_dir in models.items():
+                probes[f"{loss} (seed {seed})"] = probe_model(str(model_dir), str(eval_dir), limit=setup.probe_rows)
             if probes:
                 plot_probe(probes, str(out / f"probe-{tokenizer}.png"))
     return table

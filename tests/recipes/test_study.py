@@ -75,3 +75,24 @@ def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     assert study.main(["--out", str(out), "--work", str(work), "--seeds", "1", "--losses", "ce,smmd",
                        "--tokenizers", "digits", "--train-examples", "200", "--eval-examples", "16"]) == 0
     assert (out / "runs" / "digits-ce-s0.json").stat().st_mtime_ns == before
+
+
+def test_probe_models_come_from_one_seed_the_one_with_the_most_models(tmp_path):
+    def model(name, complete=True):
+        d = tmp_path / "runs" / name / "final"
+        d.mkdir(parents=True)
+        if complete:
+            (d / "config.json").write_text("{}")
+
+    assert study.probe_models(tmp_path, "smollm2") == (None, {})
+    # seed 0 trained elsewhere (no models here); seed 1: two losses; seed 2: three, one still being written
+    model("smollm2-smmd-s1"), model("smollm2-ce-s1")
+    model("smollm2-smmd_smooth-s2"), model("smollm2-ce-s2"), model("smollm2-dist2-s2", complete=False)
+    model("digits-ntil-s2"), model("digits-gce-s2")  # another tokenizer's models do not count
+    assert study.probe_models(tmp_path, "smollm2") == (1, {
+        "ce": tmp_path / "runs" / "smollm2-ce-s1" / "final",
+        "smmd": tmp_path / "runs" / "smollm2-smmd-s1" / "final"})  # a tie: the lower seed, LOSSES order
+    (tmp_path / "runs" / "smollm2-dist2-s2" / "final" / "config.json").write_text("{}")
+    seed, models = study.probe_models(tmp_path, "smollm2")
+    assert seed == 2 and list(models) == ["ce", "dist2", "smmd_smooth"]
+    assert sorted(study.models_by_seed(tmp_path, "digits")) == [2]
