@@ -22,11 +22,13 @@ POLICIES = ("digits", "integers", "float")
 
 # Only ASCII digits: `\d` would also accept "３" or "٣", and Python's float() would accept "1_000",
 # "nan" and "inf". Exponents are left out on purpose: a token "e5" is not a number on its own.
-_FLOAT_RE = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)$")
-_INTEGER_RE = re.compile(r"^(0|[1-9][0-9]*)$")
-_DIGIT_RE = re.compile(r"^[0-9]$")
-# The last character of every text the three patterns accept ("$" also matches before a final "\n").
-_NUMERIC_LAST = frozenset("0123456789.\n")
+# fullmatch, not match with "$": "$" also matches before a final newline, which made a token "3\n"
+# numeric while "3 " was not.
+_FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)")
+_INTEGER_RE = re.compile(r"0|[1-9][0-9]*")
+_DIGIT_RE = re.compile(r"[0-9]")
+# The last character of every text the three patterns accept.
+_NUMERIC_LAST = frozenset("0123456789.")
 
 
 class NumericVocab:
@@ -186,13 +188,13 @@ def parse_numeric_token(token: str, policy: str, max_value: int = 999, space_var
     if space_variants and token[:1] in SPACE_MARKERS and len(token) > 1:
         token = token[1:]
     if policy == "digits":
-        return float(token) if _DIGIT_RE.match(token) else None
+        return float(token) if _DIGIT_RE.fullmatch(token) else None
     if policy == "integers":
-        if _INTEGER_RE.match(token) and int(token) <= max_value:
+        if _INTEGER_RE.fullmatch(token) and int(token) <= max_value:
             return float(int(token))
         return None
     if policy == "float":
-        if _FLOAT_RE.match(token):
+        if _FLOAT_RE.fullmatch(token):
             value = float(token)
             return value if math.isfinite(value) else None
         return None

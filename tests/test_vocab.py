@@ -183,11 +183,12 @@ def test_float_policy(wrap):
 @pytest.mark.parametrize("policy", ["digits", "integers", "float"])
 def test_from_tokenizer_equals_parsing_every_token(policy, space_variants):
     """from_tokenizer parses only tokens that can be numbers; the result is parse_numeric_token over the
-    whole vocabulary, ids ascending, including texts the patterns accept before a final newline."""
+    whole vocabulary, ids ascending; texts with a final newline are not numbers."""
     edge = ["3\n", "Ġ3\n", "12\n", "1.5\n", "7 ", " 7", "▁4", "Ġ.5", "x3", "3x", "\n", "", "5"]
     tok = word_level(FLOAT_TOKENS + edge)
     vocab = NumericVocab.from_tokenizer(tok, policy=policy, space_variants=space_variants)
     expected = _expected(tok, lambda t: parse_numeric_token(t, policy, 999, space_variants))
+    assert not {tok.id_to_token(i) for i in expected} & {"3\n", "Ġ3\n", "12\n", "1.5\n"}
     assert vocab.token_ids.tolist() == sorted(expected)
     assert _pairs(vocab) == expected
     assert (vocab.index_of >= 0).sum() == len(expected)
@@ -206,6 +207,9 @@ def test_parse_numeric_token_table():
     assert parse_numeric_token(" 3", "digits", space_variants=True) == 3.0
     assert parse_numeric_token("1e5", "float") is None
     assert parse_numeric_token("nan", "float") is None
+    for policy in ("digits", "integers", "float"):  # "$" once accepted these: "3 " never was
+        assert parse_numeric_token("3\n", policy) is None and parse_numeric_token("3 ", policy) is None
+        assert parse_numeric_token("3", policy) == 3.0
     with pytest.raises(ValueError, match="policy"):
         parse_numeric_token("3", "decimal")
 
