@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,16 @@ def _skip_cpu_shm_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+def quiet_deprecated_collectives() -> None:
+    """Ignore torch's FutureWarnings for the collectives DeepSpeed's ZeRO calls (`all_gather_into_tensor`,
+    `reduce_scatter_tensor`). They are raised on every call, not once: code elsewhere enters
+    `warnings.catch_warnings`, which resets the "already shown" registry, so a 60-step fine-tune on 2 CPU
+    ranks wrote ~30,000 of them (7 MB) into its log. They name DeepSpeed's calls, nothing a recipe
+    can change; any other warning is still shown."""
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
+
+
 def setup_distributed(timeout_minutes: float = 60.0) -> Runtime:
     """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU), with a collective
     timeout of `timeout_minutes` (the recipe's `train.dist_timeout_minutes`; torch's default, 10
@@ -50,6 +61,7 @@ def setup_distributed(timeout_minutes: float = 60.0) -> Runtime:
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    quiet_deprecated_collectives()
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
