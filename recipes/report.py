@@ -274,7 +274,9 @@ def probe_distribution(model, rows: Sequence[dict], token_ids: Sequence[int], va
         sel = col >= 0
         if not sel.any():
             continue
-        p = torch.softmax(logits[sel][:, token_ids], dim=-1).double()  # [M, N] renormalised
+        # renormalised over the N numeric columns in float64, so each row of the matrix sums to 1
+        # to rounding of doubles (a float32 softmax left rows 1.2e-7 off)
+        p = torch.softmax(logits[sel][:, token_ids].double(), dim=-1)  # [M, N]
         pb = torch.zeros(p.shape[0], nb, dtype=torch.float64).index_add_(1, col_bin_t, p)  # [M, nb]
         tb = col_bin_t[col[sel]]
         sums.index_add_(0, tb, pb)
