@@ -198,11 +198,11 @@ def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | Non
     nrow = math.ceil(len(keys) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for name, rows in runs.items():
+        for i, (name, rows) in enumerate(runs.items()):
             pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and "step" in r]
-            if pts:
+            if pts:  # a run keeps its colour in every panel, also in those where the others have no line
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, label=name, linewidth=1.2)
+                ax.plot(xs, ys, label=name, linewidth=1.2, color=f"C{i % 10}")
         ax.set_title(key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
