@@ -19,8 +19,9 @@ Decisions (what a reader of a shard can rely on):
   the tokenizer with the configured policy (the losses' definition of a numeric position).
 - Number spans: every number in the *target text* (digits with optional thousands separators and
   decimals, and a leading "-" that is a sign, not a binary minus), as token ranges [start, end) of the
-  full sequence and its value. Tokens are found through the tokenizer's char-to-token map, so a span
-  covers every token that holds one of the number's characters. An example whose target's numbers
+  full sequence and its value (numbers.py). A span runs from the token that holds the number's first
+  character to the one that holds its last: the tokenizer's char-to-token map, computed from the ids
+  for byte-level tokenizers on ASCII text and from offsets otherwise (token_offsets.py). An example whose target's numbers
   are not decimal (`Example.number_spans=False`: a numeral in base 16) has no spans.
 - Too long: a record longer than `max_length` tokens is rejected ("too_long"), never truncated:
   truncating would cut off the answer the numeric losses score.
@@ -32,26 +33,17 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from .numbers import find_numbers
 from .sources.base import TOO_LONG, Example
+from .token_offsets import ByteLengths, char_to_token
 
 IGNORE_INDEX = -100
-
-# Numbers in target text. A "-" counts as a sign only at the start or after a space/bracket/operator,
-# so "5-3" is 5 and 3, while "-3" and "= -3" are -3.
-# Same matches as r"(?:(?<![\w)\].])-)?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", written to start with a
-# character class so the regex engine can skip quickly to candidates (about 25% faster on long texts).
-NUMBER_RE = re.compile(
-    r"[-\d](?:(?<=-)(?<![\w)\].]-)(?:\d{1,3}(?:,\d{3})+|\d+)|(?<=\d)(?:\d{0,2}(?:,\d{3})+|\d*))(?:\.\d+)?"
-)
-# The same pattern as one capturing group: `split` returns [gap, number, gap, number, ..., gap], the
-# numbers and (through the lengths) their positions, without a Match object per number.
 
 # The shard schema of unpacked rows (see shards.py for the packed one).
 ROW_SCHEMA = pa.schema([
@@ -106,132 +98,6 @@ def tokenizer_fingerprint(tok) -> str:
     special = {k: str(v) for k, v in sorted(tok.special_tokens_map.items())}
     h.update(json.dumps(special, sort_keys=True).encode())
     return h.hexdigest()
-
-
-def number_spans(text: str) -> list[tuple[int, int, float]]:
-    """(char start, char end, value) of every number in `text`."""
-    return [(m.start(), m.end(), float(m.group().replace(",", ""))) for m in NUMBER_RE.finditer(text)]
-
-
-# find_numbers: NUMBER_RE's matches computed with numpy over the code points of a text. A match is a
-# run of digits (a "head", with the "-" before it when that is a sign), then either ",ddd" groups (only
-# after a head of at most 3 digits) or nothing, then optionally "." and a run of digits. So every run
-# of digits is a head, a group (its first 3 digits continue the number before it; a longer run starts
-# a new number after them) or decimals, decided by the run before it and the one character between.
-_HEAD, _GROUP, _DEC = 0, 1, 2
-_SIGN_BLOCKERS = np.zeros(128, dtype=bool)  # characters before "-" that make it a minus, not a sign
-_SIGN_BLOCKERS[[ord(c) for c in "0123456789_)]." + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"]] = True
-_POW10_INT = 10 ** np.arange(19, dtype=np.int64)
-_POW10_FLOAT = 10.0 ** np.arange(23)
-_EXACT_DIGITS = 15  # numbers of at most 15 digits are exact int64 -> float64 and N / 10**f is float(text)
-
-
-def _numbers_regex(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    spans = number_spans(text)
-    return (np.fromiter((a for a, _, _ in spans), dtype=np.int64, count=len(spans)),
-            np.fromiter((b for _, b, _ in spans), dtype=np.int64, count=len(spans)),
-            np.fromiter((v for *_, v in spans), dtype=np.float64, count=len(spans)))
-
-
-def find_numbers(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(char starts, char ends, values) of every number in `text`: exactly `number_spans(text)`
-    (NUMBER_RE's matches, values float(text without commas)), without Python work per number.
-    Texts with non-ASCII decimal digits go through the regex."""
-    try:
-        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    except UnicodeEncodeError:  # lone surrogates
-        return _numbers_regex(text)
-    digit = (cps - 48) < 10  # wraps around below "0"
-    word = None  # non-ASCII \w characters
-    if not text.isascii():
-        uniq = np.unique(cps[cps >= 128])
-        chars = [chr(c) for c in uniq.tolist()]
-        if any(c.isdecimal() for c in chars):  # \d matches them: leave those texts to the regex
-            return _numbers_regex(text)
-        word = uniq[np.fromiter((c.isalnum() for c in chars), dtype=bool, count=len(chars))]
-    edges = np.flatnonzero(np.diff(digit.astype(np.int8), prepend=np.int8(0), append=np.int8(0)))
-    rs, re_ = edges[0::2], edges[1::2]  # runs of digits [rs, re)
-    k = len(rs)
-    if k == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
-    n = re_ - rs
-    # The one character between run i-1 and run i, when there is exactly one.
-    sep = np.zeros(k, dtype=np.uint32)
-    adjacent = np.zeros(k, dtype=bool)
-    adjacent[1:] = rs[1:] - re_[:-1] == 1
-    sep[adjacent] = cps[rs[adjacent] - 1]
-    comma, dot = sep == 44, sep == 46
-    group_ok = comma & (n >= 3)
-    n_prev = np.zeros(k, dtype=np.int64)
-    n_prev[1:] = n[:-1]
-
-    def after_head(head_len):  # what run i is when run i-1 ends a head of `head_len` digits
-        return np.where((head_len <= 3) & group_ok, _GROUP, np.where(dot, _DEC, _HEAD))
-
-    # step[i, m]: the kind of run i when run i-1 is of kind m.
-    step = np.empty((k, 3), dtype=np.int8)
-    step[:, _HEAD] = after_head(n_prev)
-    step[:, _GROUP] = np.where(n_prev == 3, np.where(group_ok, _GROUP, np.where(dot, _DEC, _HEAD)),
-                               after_head(n_prev - 3))  # a longer group run left a head of n - 3
-    step[:, _DEC] = _HEAD
-    step[0] = _HEAD
-    kind = np.zeros(k, dtype=np.int8)
-    rows = np.arange(k)
-    while True:  # as many rounds as the longest chain of runs joined by "," or "."
-        prev = np.empty(k, dtype=np.int8)
-        prev[0] = _HEAD
-        prev[1:] = kind[:-1]
-        new = step[rows, prev]
-        if np.array_equal(new, kind):
-            break
-        kind = new
-    opens = (kind == _HEAD) | ((kind == _GROUP) & (n > 3))
-    first = np.flatnonzero(opens)  # the run each number starts in
-    m = len(first)
-    in_group = kind[first] == _GROUP
-    starts = rs[first] + 3 * in_group
-    nxt = np.empty(m, dtype=np.int64)
-    nxt[:-1] = first[1:]
-    nxt[-1] = k
-    ends = re_[nxt - 1]
-    cut = np.zeros(m, dtype=bool)  # the next number starts inside this one's last run
-    cut[:-1] = kind[first[1:]] == _GROUP
-    ends[cut] = rs[nxt[cut]] + 3
-    # A "-" right before a head is a sign unless the character before it is in [\w)\].].
-    cand = ~in_group & (starts >= 1)
-    minus = np.zeros(m, dtype=bool)
-    minus[cand] = cps[starts[cand] - 1] == 45
-    check = minus & (starts >= 2)
-    before = cps[starts[check] - 2]
-    blocked = np.zeros(m, dtype=bool)
-    if word is None:
-        blocked[check] = _SIGN_BLOCKERS[before]
-    else:
-        low = before < 128
-        blocked_before = np.isin(before, word)
-        blocked_before[low] = _SIGN_BLOCKERS[before[low]]
-        blocked[check] = blocked_before
-    signed = minus & ~blocked
-    # Values: N = the number's digits as an integer, f = its decimals; N / 10**f is float(text) exactly
-    # while N < 2**53 and 10**f is exact (at most 15 digits). Longer numbers are parsed from the text.
-    digits = (cps[digit] - 48).astype(np.int64)
-    count = np.cumsum(digit, dtype=np.int64)  # digits up to and including each position
-    g1 = count[ends - 1]  # starts and ends - 1 are digits: the number's digits are [g0, g1)
-    g0 = count[starts] - 1
-    nd = g1 - g0
-    if int(nd.sum()) != len(digits) or (nd < 1).any():  # cannot happen: every digit is in one number
-        return _numbers_regex(text)
-    rank = np.minimum(np.repeat(g1 - 1, nd) - np.arange(len(digits)), 18)  # power of ten of each digit
-    whole = np.add.reduceat(digits * _POW10_INT[rank], g0)
-    frac = np.zeros(m, dtype=np.int64)
-    dec = kind == _DEC
-    frac[(np.cumsum(opens) - 1)[dec]] = n[dec]
-    values = whole / _POW10_FLOAT[np.minimum(frac, 22)]
-    values[signed] = -values[signed]
-    starts = starts - signed
-    for i in np.flatnonzero(nd > _EXACT_DIGITS).tolist():
-        values[i] = float(text[starts[i]:ends[i]].replace(",", ""))
-    return starts, ends, values
 
 
 # ---- templates ---------------------------------------------------------------------------------
@@ -372,6 +238,10 @@ class Encoder:
         self.is_numeric = self.vocab.index_of.numpy() >= 0
         # Ids without offsets (tokenizers >= 0.20), else with them.
         self._encode_ids = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        # None: this tokenizer's numbers find their tokens through offsets (token_offsets.py).
+        probes = [r for p, t in [("What is 2+3?", "5"), ("Total:", " -1,250.5 \n#### 7")]
+                  for r in self.template.render(p, t)[:2]]
+        self.byte_lengths = ByteLengths.of(self.backend, probes)
 
     def describe(self) -> dict[str, dict]:
         """The tokenizer and the numeric vocabulary as a build's header records them (plain JSON
@@ -398,21 +268,20 @@ class Encoder:
     def encode(self, items: list[Item]) -> tuple[pa.RecordBatch, list[dict[str, Any]]]:
         """The kept rows (in input order) and the rejects ({"record", "example_id", "reason", "detail"}).
 
-        Batched: two tokenizer calls (prefixes, rests), one regex pass and numpy for the columns;
-        Python work per record is a few list operations, per number one char-to-token lookup per end.
+        Batched: two tokenizer calls (prefixes, rests), one pass over the targets for their numbers and
+        numpy for the columns; Python work per record is a few list operations.
         """
         exs = [it.example for it in items]
         prefixes, rests, ats = self.template.render_batch([e.prompt for e in exs], [e.target for e in exs])
         # Prefix and rest are encoded apart (the ids of a pair encoding, whose sequences are also
-        # pre-tokenized apart). Only the rest's offsets are used (they place the target's numbers on
-        # tokens), so the prefix is encoded without them: ~30% less tokenizer CPU on those characters.
+        # pre-tokenized apart), both without offsets: numbers find their tokens from the ids
+        # (token_offsets.py), which costs ~25% less tokenizer CPU than offsets.
         prefix_ids = [e.ids for e in self._encode_ids(prefixes, add_special_tokens=False)]
-        encs = self.backend.encode_batch(rests, add_special_tokens=False)
-        first = list(map(len, prefix_ids))  # the rest's first token
-        ids_list = [p + e.ids for p, e in zip(prefix_ids, encs)]
-        del prefix_ids
+        rest_ids = [e.ids for e in self._encode_ids(rests, add_special_tokens=False)]
+        n_prefix = np.fromiter(map(len, prefix_ids), dtype=np.int64, count=len(items))
+        n_rest = np.fromiter(map(len, rest_ids), dtype=np.int64, count=len(items))
         bos, eos = self.template.bos, self.template.eos
-        lengths = np.fromiter(map(len, ids_list), dtype=np.int64, count=len(items)) + (len(bos) + len(eos))
+        lengths = n_prefix + n_rest + (len(bos) + len(eos))
         rejects = []
         too_long = lengths > self.cfg.max_length
         if too_long.any():
@@ -421,17 +290,21 @@ class Encoder:
                                 "reason": TOO_LONG,
                                 "detail": f"{int(lengths[i])} tokens > max_length {self.cfg.max_length}"})
             keep_ix = np.flatnonzero(~too_long).tolist()
-            items, exs, encs, ids_list, first = ([x[i] for i in keep_ix]
-                                                 for x in (items, exs, encs, ids_list, first))
+            items, exs, prefix_ids, rest_ids, rests = ([x[i] for i in keep_ix]
+                                                       for x in (items, exs, prefix_ids, rest_ids, rests))
             ats = [ats[i] for i in keep_ix] if ats is not None else None
-            lengths = lengths[keep_ix]
-        spans = self._spans(encs, [e.target if e.number_spans else "" for e in exs], ats)
-        return self._columns(items, exs, ids_list, lengths, first, *spans), rejects
+            n_prefix, n_rest, lengths = n_prefix[keep_ix], n_rest[keep_ix], lengths[keep_ix]
+        prefix_flat, rest_flat = (
+            np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(counts.sum()))
+            for ids, counts in ((prefix_ids, n_prefix), (rest_ids, n_rest)))
+        spans = self._spans(rests, rest_flat, n_rest, [e.target if e.number_spans else "" for e in exs], ats)
+        return self._columns(items, exs, prefix_flat, n_prefix, rest_flat, n_rest, lengths, *spans), rejects
 
-    @staticmethod
-    def _spans(encs, targets: list[str], ats: list[int] | None):
+    def _spans(self, rests: list[str], rest_ids: np.ndarray, n_rest: np.ndarray, targets: list[str],
+               ats: list[int] | None):
         """Number spans of all targets: (per-record counts, first token, last token, values), token
-        indices counted in each record's rest (`encs`: the rests' encodings).
+        indices counted in each record's rest (`rest_ids`: the rests' ids concatenated, `n_rest` per
+        rest).
 
         One pass over the targets joined by "\n": NUMBER_RE never crosses a newline and treats a "-"
         after one like a "-" at the start of a text, so it finds exactly each target's numbers.
@@ -440,57 +313,41 @@ class Encoder:
         starts, ends, values = find_numbers("\n".join(targets))
         k = len(starts)
         if k == 0:
-            return np.zeros(n, dtype=np.int64), [], [], values
+            return np.zeros(n, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), values
         text_start = np.zeros(n, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, targets), dtype=np.int64, count=n)[:-1] + 1, out=text_start[1:])
         rec = np.searchsorted(text_start, starts, side="right") - 1
         base = text_start[rec]
         if ats is not None:
             base = base - np.asarray(ats, dtype=np.int64)[rec]
-        # Char positions in the rest of the first and the last character of each number, interleaved.
-        pos = np.empty(2 * k, dtype=np.int64)
-        pos[0::2] = starts - base
-        pos[1::2] = ends - 1 - base
-        pos = pos.tolist()
-        counts = np.bincount(rec, minlength=n)
-        bounds = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(2 * counts, out=bounds[1:])
-        bounds = bounds.tolist()
-        tok: list = []
-        for enc, a, b in zip(encs, bounds, bounds[1:]):
-            if a != b:
-                tok += map(enc.char_to_token, pos[a:b])
-        t0, t1 = tok[0::2], tok[1::2]
-        if None in tok:  # a normalizer dropped characters: skip those numbers
-            ok = [a is not None and b is not None for a, b in zip(t0, t1)]
-            t0, t1 = ([x for x, keep in zip(xs, ok) if keep] for xs in (t0, t1))
-            okm = np.array(ok, dtype=bool)
-            values = values[okm]
-            counts = np.bincount(rec[okm], minlength=n)
-        return counts, t0, t1, values
+        # The tokens holding the first and the last character of each number (char positions in the rest).
+        tok = char_to_token(self.backend, self.byte_lengths, rests, rest_ids, n_rest,
+                            np.concatenate([rec, rec]), np.concatenate([starts - base, ends - 1 - base]))
+        t0, t1 = tok[:k], tok[k:]
+        found = (t0 >= 0) & (t1 >= 0)
+        if not found.all():  # a normalizer dropped characters: skip those numbers
+            t0, t1, values, rec = t0[found], t1[found], values[found], rec[found]
+        return np.bincount(rec, minlength=n), t0, t1, values
 
-    def _columns(self, items, exs, ids_list, lengths, first, span_counts, s_start, s_end, s_value) -> pa.RecordBatch:
-        n = len(ids_list)
+    def _columns(self, items, exs, prefix_ids, n_prefix, rest_ids, n_rest, lengths, span_counts, s_start,
+                 s_end, s_value) -> pa.RecordBatch:
+        n = len(lengths)
         bos, eos = self.template.bos, self.template.eos
         nb, ne = len(bos), len(eos)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
-        body = np.fromiter(itertools.chain.from_iterable(ids_list), dtype=np.int32, count=total - n * (nb + ne))
-        if nb or ne:
-            flat = np.empty(total, dtype=np.int32)
-            starts = offsets[:-1]
-            for j, t in enumerate(bos):
-                flat[starts + j] = t
-            for j, t in enumerate(eos):
-                flat[offsets[1:] - ne + j] = t
-            inner = lengths - (nb + ne)
-            shift = np.repeat(starts + nb - (np.cumsum(inner) - inner), inner)
-            flat[np.arange(len(body), dtype=np.int64) + shift] = body
-        else:
-            flat = body
+        # Each row is bos + prefix + rest + eos: every token's place in the flat column.
+        flat = np.empty(total, dtype=np.int32)
+        starts = offsets[:-1]
+        for j, t in enumerate(bos):
+            flat[starts + j] = t
+        for j, t in enumerate(eos):
+            flat[offsets[1:] - ne + j] = t
+        for ids, counts, at in ((prefix_ids, n_prefix, starts + nb), (rest_ids, n_rest, starts + nb + n_prefix)):
+            flat[np.arange(len(ids), dtype=np.int64) + np.repeat(at - (np.cumsum(counts) - counts), counts)] = ids
         # Position of each token inside its example: prompt positions get -100.
-        prompt = np.asarray(first, dtype=np.int32) + nb
+        prompt = (n_prefix + nb).astype(np.int32)
         pos = np.arange(total, dtype=np.int32) - np.repeat(offsets[:-1].astype(np.int32), lengths)
         in_prompt = pos < np.repeat(prompt, lengths)
         labels = np.where(in_prompt, IGNORE_INDEX, flat).astype(np.int32)

@@ -10,8 +10,9 @@ import struct
 
 import pytest
 
+from data_prep.numbers import find_numbers, number_spans
 from data_prep.sources.base import Example
-from data_prep.tokenize import Encoder, Item, TokenizeConfig, find_numbers, number_spans
+from data_prep.tokenize import Encoder, Item, TokenizeConfig
 
 ATOMS = [
     "1,234", "12,345,678", "1,2345", "1,234,56", "999,99", "12,34", ",123", "0.5", "3.", ".5", "1.2.3", "1,234.56",
@@ -65,11 +66,13 @@ OFFSET_TEMPLATE = (
 )
 
 
+@pytest.mark.parametrize("lookup", ["byte-lengths", "offsets"])
 @pytest.mark.parametrize("name", ["digits-plain", "llama3-plain", "llama3-chat", "llama3-offset-chat"])
-def test_encoder_spans_equal_a_per_span_reference(tokenizers_dir, tmp_path, name):
+def test_encoder_spans_equal_a_per_span_reference(tokenizers_dir, tmp_path, name, lookup):
     """Numbers at token boundaries (Llama-style groups of 3 digits), multibyte characters before numbers,
     targets that end and start with digits (neighbours in a chunk), a chat template that puts targets at
-    an offset inside the rest, several chunks."""
+    an offset inside the rest, several chunks; numbers placed on tokens by byte lengths (ASCII rests of
+    these byte-level tokenizers) and by offsets (the other rests, and all of them with it turned off)."""
     from transformers import AutoTokenizer
 
     path = tokenizers_dir[name.replace("offset-", "")]
@@ -80,8 +83,13 @@ def test_encoder_spans_equal_a_per_span_reference(tokenizers_dir, tmp_path, name
         path = str(tmp_path / "offset")
     rng = random.Random(3)
     enc = Encoder(TokenizeConfig(path, max_length=100_000))
-    items = [Item(i, f"t/{i}", Example(prompt=random_text(rng, False) or "q", target=random_text(rng, False) or "0",
-                                       answer=1.0)) for i in range(300)]
+    assert enc.byte_lengths is not None
+    if lookup == "offsets":
+        enc.byte_lengths = None
+    ascii_only = str.maketrans({c: None for c in "é²😀ß½"})
+    items = [Item(i, f"t/{i}", Example(prompt=random_text(rng, False) or "q",
+                                       target=(random_text(rng, False) or "0").translate(ascii_only if i % 2 else {})
+                                       or "0", answer=1.0)) for i in range(300)]
     if "offset" in name:
         assert all(enc.template.render(it.example.prompt, it.example.target)[2] == len("assistant\n")
                    for it in items)

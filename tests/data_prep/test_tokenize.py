@@ -6,8 +6,9 @@ import pytest
 from helpers import GSM8K_ROWS, write_jsonl
 from transformers import AutoTokenizer
 
+from data_prep.numbers import number_spans
 from data_prep.sources import SourceConfig, make_source
-from data_prep.tokenize import Encoder, Item, TokenizeConfig, number_spans
+from data_prep.tokenize import Encoder, Item, TokenizeConfig
 
 TOKENIZERS = ["digits-plain", "digits-chat", "llama3-plain", "llama3-chat"]
 
