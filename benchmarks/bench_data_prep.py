@@ -3,7 +3,8 @@
 One run, same machine, same texts: a GSM8K-like JSONL corpus generated here (no downloads), and two
 byte-level BPE tokenizers made here, plain template: "small", trained on the corpus with a 4,000-token budget (1,501 tokens result)
 (Llama-3-style digit groups), and "llama3", 128,256 tokens assembled offline like Llama-3's
-(tests/data_prep/helpers.assemble_tokenizer): a real-size vocabulary makes the numeric vocabulary,
+(tests/data_prep/helpers.assemble_tokenizer; `--tokenizers qwen` adds a 151,665-token Qwen2.5-like one
+with single digits; its chat template is not used): a real-size vocabulary makes the numeric vocabulary,
 the tokenizer loading in every worker and the worker start-up cost what they cost with a real model.
 The bare baseline encodes the rendered texts (prompt + separator + target) with the Rust tokenizer's
 `encode_batch` using all cores (the fastest way to tokenize, no Python per token); `build` does
@@ -84,7 +85,7 @@ def measure(name: str, tok_dir: str, data: str, texts: list[str], workers: int, 
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     cfg = BuildConfig(sources=[SourceConfig("gsm8k", path=data)],
-                      tokenize=TokenizeConfig(tok_dir, numeric_policy="integers", max_length=4096),
+                      tokenize=TokenizeConfig(tok_dir, template="plain", numeric_policy="integers", max_length=4096),
                       shards=ShardConfig(shard_bytes=64 << 20))
 
     # The same build of the first `small` records only: with the full build it splits the build's time
