@@ -21,8 +21,9 @@ Decisions (what a reader of a shard can rely on):
   decimals, and a leading "-" that is a sign, not a binary minus), as token ranges [start, end) of the
   full sequence and its value (numbers.py). A span runs from the token that holds the number's first
   character to the one that holds its last: the tokenizer's char-to-token map, computed from the ids
-  for byte-level tokenizers on ASCII text and from offsets otherwise (token_offsets.py). An example whose target's numbers
-  are not decimal (`Example.number_spans=False`: a numeral in base 16) has no spans.
+  for byte-level tokenizers on ASCII text and from offsets otherwise (token_offsets.py). An example
+  whose target's numbers are not decimal (`Example.number_spans=False`: a numeral in base 16) has no
+  spans.
 - Too long: a record longer than `max_length` tokens is rejected ("too_long"), never truncated:
   truncating would cut off the answer the numeric losses score.
 - Only fast (Rust) tokenizers are supported: offsets and batch encoding need them.
