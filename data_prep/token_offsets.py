@@ -14,14 +14,16 @@ Decisions:
   if on probe texts every character maps to the token that the tokenizer's own offsets give. A text
   takes the fast path only if it is ASCII and its tokens' lengths add up to its length (nothing was
   added or dropped, as a prefix space or an added token that strips its neighbours would).
-- Everything else (other tokenizers, non-ASCII texts) is encoded again with offsets and looked up
-  with `char_to_token`, which gives the same answer by definition (tested: both paths, every
-  character, on byte-level and SentencePiece-style tokenizers).
+- Everything else (other tokenizers, non-ASCII texts) is encoded with offsets, once (`needs_offsets`
+  says which before encoding), and looked up with `char_to_token`, which gives the same answer by
+  definition (tested: both paths, every character, on byte-level and SentencePiece-style
+  tokenizers). Only an ASCII text whose lengths do not add up is encoded a second time.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 
@@ -103,20 +105,31 @@ def _every_char(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return rec, pos
 
 
+def needs_offsets(byte_lengths: ByteLengths | None, texts: list[str]) -> list[bool]:
+    """Which texts the byte-length rule cannot cover before they are encoded (all of them without
+    the rule, else the non-ASCII ones): encode those with offsets, once, and pass them to
+    `char_to_token`."""
+    return [True] * len(texts) if byte_lengths is None else [not t.isascii() for t in texts]
+
+
 def char_to_token(backend, byte_lengths: ByteLengths | None, texts: list[str], ids: np.ndarray,
-                  counts: np.ndarray, rec: np.ndarray, pos: np.ndarray) -> np.ndarray:
+                  counts: np.ndarray, rec: np.ndarray, pos: np.ndarray,
+                  with_offsets: dict[int, Any] | None = None) -> np.ndarray:
     """For character `pos[i]` of text `rec[i]`: the index among that text's tokens of the token that
     holds it, or -1 where no token does (a normalizer dropped it). `ids`, `counts`: the texts' token
-    ids concatenated and how many each has (from `backend`, without special tokens). Texts the
-    byte-length rule does not cover are encoded again, with offsets."""
+    ids concatenated and how many each has (from `backend`, without special tokens).
+    `with_offsets`: the encodings, with offsets, of texts already encoded so (by index). A text the
+    byte-length rule does not cover is looked up in its encoding there, or encoded again with offsets
+    if it has none (an ASCII text whose tokens' lengths do not add up)."""
     if byte_lengths is not None:
         fast, token = byte_lengths.locate(texts, ids, counts, rec, pos)
     else:
         fast, token = np.zeros(len(pos), dtype=bool), np.full(len(pos), -1, dtype=np.int64)
     slow = np.flatnonzero(~fast)
     if len(slow):
-        again = np.unique(rec[slow]).tolist()
-        encs = dict(zip(again, backend.encode_batch([texts[r] for r in again], add_special_tokens=False)))
+        encs = dict(with_offsets or {})
+        again = [r for r in np.unique(rec[slow]).tolist() if r not in encs]
+        encs.update(zip(again, backend.encode_batch([texts[r] for r in again], add_special_tokens=False)))
         found = [encs[r].char_to_token(p) for r, p in zip(rec[slow].tolist(), pos[slow].tolist())]
         token[slow] = [-1 if t is None else t for t in found]
     return token

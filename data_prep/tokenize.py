@@ -42,7 +42,7 @@ import pyarrow as pa
 
 from .numbers import find_numbers
 from .sources.base import TOO_LONG, Example
-from .token_offsets import ByteLengths, char_to_token
+from .token_offsets import ByteLengths, char_to_token, needs_offsets
 
 IGNORE_INDEX = -100
 
@@ -275,10 +275,11 @@ class Encoder:
         exs = [it.example for it in items]
         prefixes, rests, ats = self.template.render_batch([e.prompt for e in exs], [e.target for e in exs])
         # Prefix and rest are encoded apart (the ids of a pair encoding, whose sequences are also
-        # pre-tokenized apart), both without offsets: numbers find their tokens from the ids
-        # (token_offsets.py), which costs ~25% less tokenizer CPU than offsets.
+        # pre-tokenized apart). The prefix needs no offsets; a rest needs them only where its numbers
+        # cannot find their tokens from the ids (token_offsets.py): offsets cost ~25% more tokenizer CPU.
         prefix_ids = [e.ids for e in self._encode_ids(prefixes, add_special_tokens=False)]
-        rest_ids = [e.ids for e in self._encode_ids(rests, add_special_tokens=False)]
+        rest_encs, offsets = self._encode_rests(rests)
+        rest_ids = [e.ids for e in rest_encs]
         n_prefix = np.fromiter(map(len, prefix_ids), dtype=np.int64, count=len(items))
         n_rest = np.fromiter(map(len, rest_ids), dtype=np.int64, count=len(items))
         bos, eos = self.template.bos, self.template.eos
@@ -291,21 +292,36 @@ class Encoder:
                                 "reason": TOO_LONG,
                                 "detail": f"{int(lengths[i])} tokens > max_length {self.cfg.max_length}"})
             keep_ix = np.flatnonzero(~too_long).tolist()
-            items, exs, prefix_ids, rest_ids, rests = ([x[i] for i in keep_ix]
-                                                       for x in (items, exs, prefix_ids, rest_ids, rests))
+            items, exs, prefix_ids, rest_ids, rests, rest_encs, offsets = (
+                [x[i] for i in keep_ix] for x in (items, exs, prefix_ids, rest_ids, rests, rest_encs, offsets))
             ats = [ats[i] for i in keep_ix] if ats is not None else None
             n_prefix, n_rest, lengths = n_prefix[keep_ix], n_rest[keep_ix], lengths[keep_ix]
         prefix_flat, rest_flat = (
             np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(counts.sum()))
             for ids, counts in ((prefix_ids, n_prefix), (rest_ids, n_rest)))
-        spans = self._spans(rests, rest_flat, n_rest, [e.target if e.number_spans else "" for e in exs], ats)
+        with_offsets = {i: e for i, (e, o) in enumerate(zip(rest_encs, offsets)) if o}
+        del rest_encs
+        spans = self._spans(rests, rest_flat, n_rest, with_offsets,
+                            [e.target if e.number_spans else "" for e in exs], ats)
         return self._columns(items, exs, prefix_flat, n_prefix, rest_flat, n_rest, lengths, *spans), rejects
 
-    def _spans(self, rests: list[str], rest_ids: np.ndarray, n_rest: np.ndarray, targets: list[str],
-               ats: list[int] | None):
+    def _encode_rests(self, rests: list[str]) -> tuple[list, list[bool]]:
+        """The rests' encodings and which of them carry offsets: only the rests whose numbers cannot
+        find their tokens from the ids (`token_offsets.needs_offsets`) are encoded with them."""
+        offsets = needs_offsets(self.byte_lengths, rests)
+        encs: list = [None] * len(rests)
+        for want, encode in ((False, self._encode_ids), (True, self.backend.encode_batch)):
+            ix = [i for i, o in enumerate(offsets) if o is want]
+            if ix:
+                for i, e in zip(ix, encode([rests[i] for i in ix], add_special_tokens=False)):
+                    encs[i] = e
+        return encs, offsets
+
+    def _spans(self, rests: list[str], rest_ids: np.ndarray, n_rest: np.ndarray, with_offsets: dict,
+               targets: list[str], ats: list[int] | None):
         """Number spans of all targets: (per-record counts, first token, last token, values), token
         indices counted in each record's rest (`rest_ids`: the rests' ids concatenated, `n_rest` per
-        rest).
+        rest, `with_offsets`: the rests encoded with offsets, by index).
 
         One pass over the targets joined by "\n": NUMBER_RE never crosses a newline and treats a "-"
         after one like a "-" at the start of a text, so it finds exactly each target's numbers.
@@ -323,7 +339,8 @@ class Encoder:
             base = base - np.asarray(ats, dtype=np.int64)[rec]
         # The tokens holding the first and the last character of each number (char positions in the rest).
         tok = char_to_token(self.backend, self.byte_lengths, rests, rest_ids, n_rest,
-                            np.concatenate([rec, rec]), np.concatenate([starts - base, ends - 1 - base]))
+                            np.concatenate([rec, rec]), np.concatenate([starts - base, ends - 1 - base]),
+                            with_offsets)
         t0, t1 = tok[:k], tok[k:]
         found = (t0 >= 0) & (t1 >= 0)
         if not found.all():  # a normalizer dropped characters: skip those numbers

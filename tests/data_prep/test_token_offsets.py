@@ -127,3 +127,53 @@ def test_an_added_token_that_swallows_a_space_sends_its_text_through_offsets(cor
     _, took = lookup(tok, byte_lengths, batch)
     assert [all(f) for f in took] == [False, True, True]  # " <|x|>" is 6 characters held by a 5-byte token
     check_agrees(tok, batch, byte_lengths)
+
+
+class CountingTokenizer:
+    """A tokenizers.Tokenizer that counts the texts each encoding call gets."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok, self.texts = tok, {"encode_batch": 0, "encode_batch_fast": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.tok, name)
+        if name in self.texts:
+            def counted(batch, **kw):
+                self.texts[name] += len(batch)
+                return attr(batch, **kw)
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_the_encoder_encodes_each_text_once_and_only_where_needed_with_offsets(kind, corpus):
+    """A prefix is encoded once without offsets; a rest once, with offsets only where the byte-length
+    rule cannot place its numbers (every rest of a SentencePiece-style tokenizer, the non-ASCII rests of
+    a byte-level one); the spans are those of the offsets path."""
+    from transformers import PreTrainedTokenizerFast
+
+    from data_prep.sources.base import Example
+    from data_prep.tokenize import Encoder, Item, TokenizeConfig
+
+    if kind == "sentencepiece":
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    else:
+        tok = byte_level(corpus)
+    enc = Encoder(TokenizeConfig("local", template="plain"), tokenizer=PreTrainedTokenizerFast(tokenizer_object=tok))
+    assert (enc.byte_lengths is None) == (kind == "sentencepiece")
+    rng = random.Random(5)
+    items = [Item(i, f"t/{i}", Example(prompt=ascii_text(rng) or "q", target=t or "0", answer=1.0))
+             for i, t in enumerate(texts(6))]
+    counting = CountingTokenizer(tok)
+    enc.backend, enc._encode_ids = counting, counting.encode_batch_fast
+    batch, _ = enc.encode(items)
+    non_ascii = sum(not it.example.target.isascii() for it in items)
+    with_offsets = len(items) if kind == "sentencepiece" else non_ascii
+    assert 0 < non_ascii < len(items)
+    assert counting.texts == {"encode_batch": with_offsets, "encode_batch_fast": 2 * len(items) - with_offsets}
+    enc.backend, enc.byte_lengths = tok, None  # the offsets path for every rest: the same rows
+    enc._encode_ids = tok.encode_batch_fast
+    assert enc.encode(items)[0].equals(batch)
