@@ -88,7 +88,25 @@ class DeepSpeedSection:
 
 
 @dataclass
+class MegatronSection:
+    """The Megatron-core engine's layout (`train.engine: megatron`): data-parallel size = world / (tp x pp).
+
+    Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron's default
+    order), so with ranks ordered by node a TP group stays inside a node."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    sequence_parallel: bool = False
+    virtual_pp_size: int | None = None  # interleaved 1F1B: model chunks per pipeline rank
+    distributed_optimizer: bool = True  # GPUs: Megatron's DistributedOptimizer; CPU: torch AdamW (named in the log)
+    overlap_grad_reduce: bool = True  # GPUs only: overlap the DP reduce-scatter with backward
+    overlap_param_gather: bool = True  # GPUs only: overlap the param all-gather with the next forward
+    recompute: str | None = None  # None | full | selective: activation recomputation (Megatron's names)
+
+
+@dataclass
 class TrainSection:
+    engine: str = "deepspeed"  # deepspeed (HF model under DeepSpeed) | megatron (Megatron-core GPTModel)
     steps: int = 100
     micro_batch_size: int = 1  # per rank
     grad_accum: int = 1
@@ -146,6 +164,7 @@ class Recipe:
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    megatron: MegatronSection = field(default_factory=MegatronSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
@@ -158,6 +177,8 @@ class Recipe:
             "loss.head": (self.loss.head, ("logits", "chunked")),
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "eval.answer_format": (self.eval.answer_format, ("number", "time")),
+            "train.engine": (self.train.engine, ("deepspeed", "megatron")),
+            "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
@@ -170,7 +191,8 @@ class Recipe:
             raise ValueError(f"deepspeed.zero_stage: {self.deepspeed.zero_stage} is not 0, 1, 2 or 3")
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
                     "train.grad_accum": self.train.grad_accum, "deepspeed.tp_size": self.deepspeed.tp_size,
-                    "loss.chunk_size": self.loss.chunk_size, "train.keep_last": self.train.keep_last,
+                    "loss.chunk_size": self.loss.chunk_size, "megatron.tp_size": self.megatron.tp_size,
+                    "megatron.pp_size": self.megatron.pp_size, "train.keep_last": self.train.keep_last,
                     "cluster.nodes": self.cluster.nodes, "cluster.cpu_ranks_per_node": self.cluster.cpu_ranks_per_node}
         for key, value in positive.items():
             if value < 1:
