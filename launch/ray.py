@@ -195,13 +195,13 @@ def train_loop(config: dict) -> None:
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
     from recipes.config import recipe_from_dict
-    from recipes.runtime import setup_distributed
+    from recipes.training.runtime import setup_distributed
     from recipes.train import Hooks, train
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
-    setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.runtime)
+    setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.training.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}

@@ -18,7 +18,7 @@ SWEEP.yaml:
     launcher: ray            # ray: each job a Ray Train run (launch.ray.run) | torchrun: local subprocess
     max_failures: 1
     num_workers: null        # default: what each recipe's cluster section implies
-    evaluate: true           # recipes.evaluate on the job's final/ model (eval.data or data.eval)
+    evaluate: true           # recipes.evaluation.evaluate on the job's final/ model (eval.data or data.eval)
 
 Job J = `<backbone>-<loss>-s<seed>`, trained with overrides base < sweep `overrides` < backbone < loss <
 `train.seed=S`, `train.out_dir=<out_dir>/J`, `name=J`. Jobs run one after another (each takes the whole
@@ -27,7 +27,7 @@ again, and an interrupted one resumes from its own checkpoints. `--collect` only
 
 Results: `<out_dir>/results.csv` and `results.md`: one row per job (backbone, loss, seed, steps, final
 training loss/ce and every evaluation metric), then a Markdown table of mean ± std over seeds per
-(backbone, loss). Evaluation uses `recipes.evaluate.evaluate`; without eval data (or with
+(backbone, loss). Evaluation uses `recipes.evaluation.evaluate.evaluate`; without eval data (or with
 `evaluate: false`) the table has the final training metrics only. `EVALUATE` is the hook to replace.
 """
 
@@ -148,7 +148,7 @@ def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
 
 
 def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
-    """recipes.evaluate on the job's exported model; None when there is nothing to evaluate."""
+    """recipes.evaluation.evaluate on the job's exported model; None when there is nothing to evaluate."""
     from recipes.config import load_recipe
 
     recipe = load_recipe(job.out_dir / "recipe.yaml") if (job.out_dir / "recipe.yaml").is_file() else None
@@ -158,8 +158,8 @@ def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
     if not data:
         return None
     try:
-        from recipes.evaluate import evaluate
-    except ImportError:  # recipes.evaluate not there: the table keeps the training metrics
+        from recipes.evaluation.evaluate import evaluate
+    except ImportError:  # recipes.evaluation.evaluate not there: the table keeps the training metrics
         return None
     limit = sweep.eval_limit if sweep.eval_limit is not None else recipe.eval.limit
     return evaluate(str(job.out_dir / "final"), data, out=str(job.out_dir / "eval_results.json"),

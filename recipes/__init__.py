@@ -1,1 +1,5 @@
-"""Training recipes, evaluation, reports and plots (`recipes.demo` is `make demo`; `recipes.metrics` scores answers)."""
+"""Training recipes: YAML files (`configs/`) read into typed dataclasses (`config`), trained by one loop
+(`train`) on an engine (`engines/`: DeepSpeed, Megatron-core) from shared parts (`training/`), checked
+before launch (`planning/`), scored and reported (`evaluation/`), and the experiments built on them
+(`experiments/`: the demo, the studies). Entry points: `python -m recipes.{train,validate,evaluate,demo,study}`.
+Imports point down: train -> engines -> training -> config; planning -> engines; experiments -> everything."""

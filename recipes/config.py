@@ -135,7 +135,7 @@ class EvalSection:
 
 @dataclass
 class ClusterSection:
-    """Where the recipe is meant to run: used by `recipes.validate` and the launchers."""
+    """Where the recipe is meant to run: used by `recipes.planning.validate` and the launchers."""
 
     nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU
@@ -144,7 +144,7 @@ class ClusterSection:
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
-    host_mem_gb: float = 0.0  # host RAM per node for recipes.validate's check (0: unknown, not checked)
+    host_mem_gb: float = 0.0  # host RAM per node for recipes.planning.validate's check (0: unknown, not checked)
     mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
     hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted
     hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub

@@ -1,4 +1,4 @@
-"""Train a Hugging Face causal LM with the numeric objective under DeepSpeed.
+"""Train a causal LM with the numeric objective, on DeepSpeed or Megatron-core (`train.engine`).
 
     torchrun --nproc_per_node 8 -m recipes.train recipes/configs/llama3-8b-gsm8k/smmd.yaml [key=value ...]
     python -m recipes.train RECIPE.yaml          # a world of one
@@ -6,24 +6,25 @@
 One optimizer step = `grad_accum` micro-batches of `micro_batch_size` rows on each data-parallel rank,
 G = micro_batch_size x grad_accum x data-parallel ranks rows in all. Layouts compare: step s trains on
 samples [s*G, (s+1)*G) of one seeded order whatever the layout (`data_prep.reader`), and its loss is
-normalised over the whole global batch (`recipes.step`), so the same recipe logs the same losses and
+normalised over the whole global batch (`recipes.training.parallel`), so the same recipe logs the same losses and
 gradient norms on 1 rank or 8, with or without accumulation, tensor parallelism or packing.
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
-optimizer step), `tb/` (TensorBoard), `checkpoints/` (DeepSpeed checkpoints + `latest`), `final/` (a Hugging
-Face safetensors model, one shard per rank with its index, and its tokenizer or processor).
+optimizer step), `tb/` (TensorBoard), `checkpoints/` (the engine's checkpoints + `latest`), `final/` (a
+Hugging Face safetensors model, sharded, with its index, and its tokenizer or processor).
 
-Batches become model inputs in `recipes.batches`: packed shards get block-diagonal attention and
+Batches become model inputs in `recipes.training.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
-and its AutoProcessor; each batch's images are expanded into the prompt by `recipes.vision`, as in
-evaluation, and the whole model (tower, projector, language model) trains.
+and its AutoProcessor; each batch's images are expanded into the prompt by `recipes.training.vision`, as in
+evaluation, and the whole model (tower, projector, language model) trains (DeepSpeed engine only).
 
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
 uninterrupted one to the bit. It may resume onto another number of data-parallel ranks or another
-micro-batch x grad_accum split of the same global batch (`recipes.checkpoints`).
+micro-batch x grad_accum split of the same global batch (`recipes.training.checkpoints`, and each
+engine's own rules: `recipes.engines.*`).
 
-This file is the loop; its parts live beside it: `ds_config` (DeepSpeed config, optimizer, LR schedule),
-`model` (backbone and tokenizer), `checkpoints` (save, resume, export), `run_log` (metrics, progress).
+This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
+its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 """
 
 from __future__ import annotations
@@ -38,16 +39,15 @@ from typing import Callable
 import torch
 
 from data_prep.reader import ShardDataset
-from numloss import NumericVocab, Objective
 
-from .batches import model_inputs
-from .checkpoints import Checkpoints, export
 from .config import Recipe, dump_recipe, load_recipe
-from .ds_config import build_optimizer, deepspeed_config, lr_lambda
-from .model import build_model, load_tokenizer, training_module
-from .run_log import MetricsLog, progress_bar
-from .runtime import Runtime, setup_distributed, teardown
-from .step import DataParallel, reduce_sum, train_step
+from .engines import build_engine
+from .training.batches import model_inputs
+from .training.checkpoints import CheckpointDirs, step_tag
+from .training.engine import Engine
+from .training.parallel import reduce_sum
+from .training.run_log import MetricsLog, progress_bar
+from .training.runtime import Runtime, setup_distributed, teardown
 
 
 def batches(dataset: ShardDataset):
@@ -70,61 +70,35 @@ class Hooks:
 
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
-    runtime = setup_distributed(recipe.train.dist_timeout_minutes)
+    runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
     engine = None
     try:
-        engine, last = _train(recipe, runtime, hooks or Hooks())
-        return last
+        out = Path(recipe.train.out_dir)
+        if runtime.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            dump_recipe(recipe, out / "recipe.yaml")
+        torch.manual_seed(recipe.train.seed)
+        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime)
+        engine = build_engine(recipe, runtime, dirs)
+        return _train(recipe, runtime, engine, dirs, hooks or Hooks())
     finally:
         teardown(engine)
 
 
-def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
-    import deepspeed
-
+def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks) -> dict:
     out = Path(recipe.train.out_dir)
-    if runtime.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, out / "recipe.yaml")
-    torch.manual_seed(recipe.train.seed)
-
-    ds_config = deepspeed_config(recipe, runtime.world_size)
-    tp = recipe.deepspeed.tp_size
-    dp = DataParallel.create(runtime.rank, runtime.world_size, tp)
-
-    tokenizer, processor = load_tokenizer(recipe)
-    model, live_ds_config = build_model(recipe, ds_config, runtime.device)
-    head = model.get_output_embeddings().weight
-    logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
-    if len(tokenizer) > logits_width:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's logits only {logits_width}")
-    vocab = NumericVocab.from_tokenizer(tokenizer, policy=recipe.loss.numeric_policy,
-                                        max_value=recipe.loss.numeric_max_value,
-                                        space_variants=recipe.loss.space_variants, vocab_size=logits_width)
-    objective = Objective(vocab, recipe.objective_config())
-    wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
-    checkpoints = Checkpoints(out / "checkpoints", recipe.train.keep_last, runtime,
-                              {"data_parallel": dp.size, "tensor_parallel": tp,
-                               "zero_stage": recipe.deepspeed.zero_stage})
-    checkpoints.prepare_resume(ds_config)  # another data-parallel size: load a universal checkpoint
-    optimizer = build_optimizer(recipe, wrapper.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=wrapper, optimizer=optimizer,
-                                                           lr_scheduler=scheduler, config=ds_config)
-    del live_ds_config  # only needed while the model was built
-
+    dp = engine.dp
     global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum * dp.size
     dataset = ShardDataset(recipe.data.train, batch_size=recipe.train.micro_batch_size, rank=dp.rank,
                            world_size=dp.size, global_batch_size=global_batch, seed=recipe.train.seed,
                            shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
-                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=tokenizer.pad_token_id)
-    batch_options = {"processor": processor, "attn_implementation": model.config._attn_implementation,
-                     "dtype": getattr(torch, recipe.model.dtype),
-                     "pad_to_multiple_of": recipe.data.pad_to_multiple_of, "max_length": recipe.data.seq_len}
-    step = checkpoints.load(engine, dataset)
+                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id)
+    step = dirs.load(dataset, engine.load_state)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
+    if runtime.is_main:
+        print(f"[numloss] engine {engine.name}, optimizer {engine.optimizer_name}, layout {engine.layout}", flush=True)
     metrics = MetricsLog(recipe, out, runtime, step)
     progress = progress_bar(recipe, runtime, step)
     stream = batches(dataset)
@@ -132,19 +106,19 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
     try:
         while step < recipe.train.steps:
             started = time.perf_counter()
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+            lr = engine.lr()  # the rate this step's update uses
             window, tokens = [], 0
             for _ in range(recipe.train.grad_accum):  # the step's micro-batches, read ahead to count them
-                inputs, batch_tokens = model_inputs(next(stream), **batch_options)
+                inputs, batch_tokens = model_inputs(next(stream), **engine.batch_options)
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
-            sums = train_step(engine, wrapper, window, dp)
+            sums = engine.train_step(window)
             step += 1
             sums["tokens"] = tokens
             row = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
-                   "lr": lr, "grad_norm": _grad_norm(engine), "tokens_per_s": row["tokens"] / elapsed}
+                   "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
             if step % recipe.train.log_every == 0 or step == recipe.train.steps:
                 metrics.log(row)
             if hooks.on_log is not None:
@@ -154,29 +128,22 @@ def _train(recipe: Recipe, runtime: Runtime, hooks: Hooks):
                 progress.update(1)
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
-                _save(checkpoints, engine, step, dataset, hooks)
-        if checkpoints.latest_tag() != f"step_{step:08d}":
-            _save(checkpoints, engine, step, dataset, hooks)
+                _save(dirs, engine, step, dataset, hooks)
+        if dirs.latest_tag() != step_tag(step):
+            _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
-            export(engine, model, processor or tokenizer, out / "final", runtime, recipe)
+            engine.export(out / "final")
     finally:
         metrics.close()
         if progress is not None:
             progress.close()
-    return engine, last
+    return last
 
 
-def _save(checkpoints: Checkpoints, engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
-    path = checkpoints.save(engine, step, dataset)
+def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
+    path = dirs.save(step, dataset, lambda directory: engine.save_state(directory, step), engine.layout)
     if hooks.on_checkpoint is not None:
         hooks.on_checkpoint(step, path)
-
-
-def _grad_norm(engine) -> float | None:
-    """The global gradient norm before clipping, as DeepSpeed reports it; None (JSON null) where it
-    does not (ZeRO stage 0), rather than a NaN in the metrics."""
-    norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else None
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`make demo` (recipes/demo.py) at a tiny size: disjoint data, the 2-rank DeepSpeed runs, the table
+"""`make demo` (recipes/experiments/demo.py) at a tiny size: disjoint data, the 2-rank DeepSpeed runs, the table
 and the plots. The tiny random-weight path (`--tiny`) is what runs here; the SmolLM2 path is the same
 code with the backbone directory in place of the tiny model and tokenizer (tests stay offline and small;
 tests/recipes/test_backbone.py covers the conversion)."""
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from recipes import demo
+from recipes.experiments import demo
 
 pytest.importorskip("deepspeed")
 

@@ -1,11 +1,11 @@
-"""recipes.metrics on hand-made answers."""
+"""recipes.evaluation.metrics on hand-made answers."""
 
 import math
 
 import numpy as np
 import pytest
 
-from recipes import metrics
+from recipes.evaluation import metrics
 
 
 @pytest.mark.parametrize(

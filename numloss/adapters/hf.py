@@ -104,7 +104,7 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
                        chunk_size: int = DEFAULT_CHUNK_SIZE, loss_counts: LossCounts | None = None,
                        sequence_ids: torch.Tensor | None = None, **model_kwargs) -> NumericLMOutput:
     """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM`, and
-    of a model that computes the objective itself (the AutoTP training module in `recipes.model`).
+    of a model that computes the objective itself (the AutoTP training module in `recipes.engines.deepspeed.model`).
 
     Logits path: `full_forward(...)` (the HF model's own forward) gives `[b, s, V_local]` logits.
     Chunked: only the backbone (`model.<base_model_prefix>`) runs, and its last hidden states meet the

@@ -1,4 +1,4 @@
-"""Shared set-up for the launch tests: tiny data and recipe (built with recipes.tiny, like tests/recipes/test_train.py)
+"""Shared set-up for the launch tests: tiny data and recipe (built with recipes.experiments.tiny, like tests/recipes/test_train.py)
 and one simulated 2-node Ray cluster (ray.cluster_utils.Cluster) on loopback in its own temp dir, shared
 by every test in the session (starting one costs seconds; `ray stop` is never used)."""
 
@@ -22,7 +22,7 @@ STEPS = 6
 
 
 def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:
-    from recipes.tiny import tiny_llama_config, train_tokenizer
+    from recipes.experiments.tiny import tiny_llama_config, train_tokenizer
 
     tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
     return {
@@ -41,7 +41,7 @@ def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:
 @pytest.fixture(scope="session")
 def workspace(tmp_path_factory):
     from data_prep.sources.base import SourceConfig
-    from recipes.tiny import build_plain_shards
+    from recipes.experiments.tiny import build_plain_shards
 
     root = tmp_path_factory.mktemp("launch")
     recipe = tiny_recipe(root)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.runtime import free_port
+from recipes.training.runtime import free_port
 
 from . import fake_slurm
 from .conftest import tiny_recipe
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.timeout(400),
 def workspace():
     """Outside /tmp: the steps' private /tmp would hide it (on a cluster: shared storage)."""
     from data_prep.sources.base import SourceConfig
-    from recipes.tiny import build_plain_shards
+    from recipes.experiments.tiny import build_plain_shards
 
     root = Path(tempfile.mkdtemp(prefix="numloss-slurm-", dir="/var/tmp"))
     try:

@@ -1,5 +1,5 @@
 """launch.sweep: a 2x2 grid (two backbones x two losses, one seed) of tiny Ray jobs on the simulated
-cluster, evaluated with recipes.evaluate, collected into one CSV + Markdown table."""
+cluster, evaluated with recipes.evaluation.evaluate, collected into one CSV + Markdown table."""
 
 from __future__ import annotations
 

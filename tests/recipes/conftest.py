@@ -53,7 +53,7 @@ def tiny_vl(tmp_path_factory):
 
     from data_prep import BuildConfig, SourceConfig, TokenizeConfig, build
     from data_prep.sources.clock import QUESTION
-    from recipes.tiny import tiny_llava_config, tiny_vision_processor, train_tokenizer
+    from recipes.experiments.tiny import tiny_llava_config, tiny_vision_processor, train_tokenizer
 
     root = tmp_path_factory.mktemp("vl")
     train_tokenizer([QUESTION, "0123456789 : H MM"], root / "tok")

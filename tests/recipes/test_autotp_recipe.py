@@ -1,9 +1,9 @@
 """A recipe with deepspeed.tp_size 2 on a model with fewer KV heads (1) than the TP size: the module
-recipes.train hands DeepSpeed (recipes.model.training_module) gives AutoTP the HF model's config and
+recipes.train hands DeepSpeed (recipes.engines.deepspeed.model.training_module) gives AutoTP the HF model's config and
 tp_plan, and the numeric loss equals the single-process TP-1 loss, before and after one AdamW step,
 on 2 real gloo ranks (TP 2, data parallel 1) at ZeRO-2 (AutoTP's documented stage). At ZeRO-3 the
 rank without attention heads holds empty parameters that ZeRO-3 cannot partition (DeepSpeed 0.19.8
-fails at the first forward, seen here): recipes.validate and recipes.model refuse that layout first.
+fails at the first forward, seen here): recipes.planning.validate and recipes.engines.deepspeed.model refuse that layout first.
 
 Before the fix DeepSpeed received the NumericCausalLM wrapper, which has no `config`, `tp_plan` or
 `loss_function`: DeepSpeed 0.19.8 refuses a vocab-parallel head on it ("requires a writable
@@ -74,13 +74,13 @@ def _reference(root: Path) -> list[float]:
 def _rank(rank, world, root: str, stages: tuple, expected: list):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.runtime import _skip_cpu_shm_op
+    from recipes.training.runtime import _skip_cpu_shm_op
 
     _skip_cpu_shm_op()
     import deepspeed
 
-    from recipes.ds_config import build_optimizer, deepspeed_config
-    from recipes.model import build_model, training_module
+    from recipes.engines.deepspeed.config import build_optimizer, deepspeed_config
+    from recipes.engines.deepspeed.model import build_model, training_module
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     root = Path(root)
@@ -127,8 +127,8 @@ def test_kv_heads_fewer_than_tp_size_match_tp1(tmp_path):
 def test_zero3_with_fewer_kv_heads_than_tp_is_refused_before_launch(tmp_path):
     import yaml
 
-    from recipes import validate
-    from recipes.model import training_module
+    from recipes.planning import validate
+    from recipes.engines.deepspeed.model import training_module
 
     model = {"model_type": "llama", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,
              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}

@@ -1,4 +1,4 @@
-"""recipes.backbone: a tiny GGUF file written by the `gguf` package itself (a 2-layer llama with
+"""recipes.experiments.backbone: a tiny GGUF file written by the `gguf` package itself (a 2-layer llama with
 4-bit and 8-bit tensors and a byte-level BPE tokenizer in its metadata) is converted to a Hugging Face
 directory; the directory must give the same logits and token ids as transformers' own GGUF load, and
 the getter must check the checksum and convert only once."""
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from recipes import backbone as B
+from recipes.experiments import backbone as B
 
 gguf = pytest.importorskip("gguf")
 

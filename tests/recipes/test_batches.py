@@ -1,4 +1,4 @@
-"""recipes.batches: packed rows train exactly what unpacked rows do.
+"""recipes.training.batches: packed rows train exactly what unpacked rows do.
 
 The same examples, built once unpacked and once packed by data_prep, read whole, go through a tiny
 random Llama and the numeric objective: the loss (CE + token-level numeric terms + NTIL, which averages
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data_prep.reader import ShardDataset
-from recipes.batches import model_inputs, packed_attention_mask
+from recipes.training.batches import model_inputs, packed_attention_mask
 
 TERMS = {"smmd": {}, "ntl_was": {}, "dist2": {}, "ntil": {"noise_scale": 0.0}}
 
@@ -20,7 +20,7 @@ TERMS = {"smmd": {}, "ntl_was": {}, "dist2": {}, "ntil": {"noise_scale": 0.0}}
 @pytest.fixture(scope="module")
 def packed_and_unpacked(tmp_path_factory):
     from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
-    from recipes.tiny import train_tokenizer
+    from recipes.experiments.tiny import train_tokenizer
 
     root = tmp_path_factory.mktemp("pack")
     tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( ) What is"], root / "tok")
@@ -60,7 +60,7 @@ def test_packed_rows_give_the_unpacked_loss_and_gradients(packed_and_unpacked, i
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from numloss import NumericVocab
-    from recipes.tiny import tiny_llama_config
+    from recipes.experiments.tiny import tiny_llama_config
 
     tok, plain, packed, _ = packed_and_unpacked
     assert packed["input_ids"].shape[0] < plain["input_ids"].shape[0]  # rows really hold several examples
@@ -94,7 +94,7 @@ def test_the_mask_without_segments_is_what_leaks_across_examples(packed_and_unpa
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from numloss import NumericVocab
-    from recipes.tiny import tiny_llama_config
+    from recipes.experiments.tiny import tiny_llama_config
 
     tok, plain, packed, _ = packed_and_unpacked
     cfg = dict(tiny_llama_config(len(tok), hidden=32, layers=2, max_positions=128))
@@ -126,7 +126,7 @@ def test_ntil_on_packed_data_is_accepted(packed_and_unpacked):
     refused."""
     from pathlib import Path
 
-    from recipes.validate import validate_recipe
+    from recipes.planning.validate import validate_recipe
 
     packed_dir = packed_and_unpacked[3]
     demo = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo.yaml"

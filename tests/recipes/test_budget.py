@@ -1,10 +1,10 @@
-"""recipes.validate's memory, disk and communication estimates (recipes.budget) and the ZeRO settings
-recipes.ds_config derives from the recipe's shape. Numbers are checked against the formulas written out
+"""recipes.planning.validate's memory, disk and communication estimates (recipes.planning.budget) and the ZeRO settings
+recipes.engines.deepspeed.config derives from the recipe's shape. Numbers are checked against the formulas written out
 by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256).
 
 What no CPU test can reach: whether the estimates match a real GPU's peak memory and a real network's
 step time (they are estimates, stated as such in the report), and `device_map` loading onto a GPU
-(recipes.model.load_placement; only its choice is checked here).
+(recipes.engines.deepspeed.model.load_placement; only its choice is checked here).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes import validate as V
+from recipes.planning import validate as V
 from recipes.config import load_recipe
-from recipes.ds_config import deepspeed_config
+from recipes.engines.deepspeed.config import deepspeed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
 R70 = CONFIGS / "scale" / "llama3-70b-4x8.yaml"
@@ -31,7 +31,7 @@ def base():
 
 
 def test_activations_with_and_without_checkpointing(base, capsys):
-    from recipes.budget import Shape, activation_bytes
+    from recipes.planning.budget import Shape, activation_bytes
 
     tokens = 1 * 1024
     full_layer = tokens * (4 * H + 3 * H + 3 * KVD + 4 * I) * 2  # bf16
@@ -112,7 +112,7 @@ def test_zero3_settings_follow_the_shape():
 def test_weights_load_onto_the_gpu_below_zero3_without_tp():
     import torch
 
-    from recipes.model import load_placement
+    from recipes.engines.deepspeed.model import load_placement
 
     gpu = torch.device("cuda", 3)
     recipe = load_recipe(R70, ["deepspeed.zero_stage=2"])

@@ -21,7 +21,7 @@ BASE = {"model": {"config": {"model_type": "llama"}, "tokenizer": "t"}, "data": 
 
 
 def test_the_process_group_gets_the_recipes_timeout():
-    code = ("import torch, torch.distributed as dist; from recipes.runtime import setup_distributed, teardown; "
+    code = ("import torch, torch.distributed as dist; from recipes.training.runtime import setup_distributed, teardown; "
             "setup_distributed(timeout_minutes=61.5); "
             "b = dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu')); "
             "print('TIMEOUT', b.options._timeout.total_seconds()); teardown()")

@@ -1,8 +1,8 @@
-"""The sharded Hugging Face export (recipes.export) at ZeRO-0/2/3 with TP 1 and 2 on 2 real gloo ranks.
+"""The sharded Hugging Face export (recipes.engines.deepspeed.export) at ZeRO-0/2/3 with TP 1 and 2 on 2 real gloo ranks.
 
 Per layout: a tiny Llama (vocab 101: AutoTP splits the lm_head 51 + 50; at TP 1 with tied
 embeddings, written once) is loaded from a saved
-directory through `recipes.model.build_model`, wrapped as in training, given one optimizer step on a
+directory through `recipes.engines.deepspeed.model.build_model`, wrapped as in training, given one optimizer step on a
 fixed batch, and exported. Checked: every rank wrote its own shard (2 files + transformers' index),
 each rank held at most half the bytes plus one module, the directory loads with
 `AutoModelForCausalLM.from_pretrained`, and its weights equal DeepSpeed's own consolidation on rank 0
@@ -33,7 +33,7 @@ V = 101
 def _save_source(root: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from recipes.tiny import train_tokenizer
+    from recipes.experiments.tiny import train_tokenizer
 
     train_tokenizer(["0123456789 + - = ."], root / "tok", "digits")
     for name, tied in (("source", False), ("source-tied", True)):
@@ -48,7 +48,7 @@ def _save_source(root: Path) -> Path:
 def _rank(rank, world, root: str, tp: int):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.runtime import Runtime, _skip_cpu_shm_op
+    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
 
     _skip_cpu_shm_op()
     import deepspeed
@@ -56,9 +56,9 @@ def _rank(rank, world, root: str, tp: int):
 
     from numloss import NumericVocab, Objective
     from recipes.config import recipe_from_dict
-    from recipes.ds_config import deepspeed_config
-    from recipes.export import export_model
-    from recipes.model import build_model, training_module
+    from recipes.engines.deepspeed.config import deepspeed_config
+    from recipes.engines.deepspeed.export import export_model
+    from recipes.engines.deepspeed.model import build_model, training_module
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     root = Path(root)

@@ -64,7 +64,7 @@ def workspace(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
-    from recipes.tiny import tiny_llama_config, train_tokenizer
+    from recipes.experiments.tiny import tiny_llama_config, train_tokenizer
 
     root = tmp_path_factory.mktemp("layouts")
     train_tokenizer(["Calculate 0123456789 + - * / = . ( ) What is"], root / "tok", "digits")

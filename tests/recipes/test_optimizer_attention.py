@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from recipes.config import recipe_from_dict
-from recipes.ds_config import build_optimizer, optimizer_kind
-from recipes.model import build_model, log_attention
-from recipes.tiny import tiny_llama_config
+from recipes.engines.deepspeed.config import build_optimizer, optimizer_kind
+from recipes.engines.deepspeed.model import build_model, log_attention
+from recipes.experiments.tiny import tiny_llama_config
 
 BASE = {"model": {"config": tiny_llama_config(64, hidden=16, layers=1, heads=2, kv_heads=1), "tokenizer": "t",
                   "dtype": "float32"}, "data": {"train": "d"}, "deepspeed": {"zero_stage": 0}}

@@ -1,4 +1,4 @@
-"""recipes.runtime.setup_distributed silences torch's per-call deprecation warnings for the collectives
+"""recipes.training.runtime.setup_distributed silences torch's per-call deprecation warnings for the collectives
 DeepSpeed's ZeRO uses, and nothing else (a 60-step run wrote ~30,000 of them into its log)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import sys, warnings, torch, torch.distributed as dist
-from recipes.runtime import free_port, setup_distributed, teardown
+from recipes.training.runtime import free_port, setup_distributed, teardown
 if sys.argv[1] == "quiet":
     setup_distributed()
 else:

@@ -1,4 +1,4 @@
-"""recipes.evaluate: prompts from shards, batched greedy generation, scoring, the results file."""
+"""recipes.evaluation.evaluate: prompts from shards, batched greedy generation, scoring, the results file."""
 
 import json
 import re
@@ -6,8 +6,8 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from recipes import evaluate as E
-from recipes import report as R
+from recipes.evaluation import evaluate as E
+from recipes.evaluation import report as R
 
 
 def _last_number(text):

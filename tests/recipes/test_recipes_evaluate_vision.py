@@ -1,9 +1,9 @@
-"""recipes.evaluate on a vision-language model: a tiny random LLaVA (CLIP tower + Llama) built offline."""
+"""recipes.evaluation.evaluate on a vision-language model: a tiny random LLaVA (CLIP tower + Llama) built offline."""
 
 from types import SimpleNamespace
 
-from recipes import evaluate as E
-from recipes.vision import vision_prompt
+from recipes.evaluation import evaluate as E
+from recipes.training.vision import vision_prompt
 
 
 def test_vision_shards_load_the_image_text_model_and_score_times(tiny_vl, tmp_path):

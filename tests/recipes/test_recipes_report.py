@@ -1,11 +1,12 @@
-"""recipes.report: the results table, training curves, the digit-distribution probe."""
+"""recipes.evaluation.report: the results table, training curves, the digit-distribution probe."""
 
 import json
 
 import numpy as np
 import torch
 
-from recipes import report as R
+from recipes.evaluation import probe as P
+from recipes.evaluation import report as R
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -50,7 +51,7 @@ def test_curves_one_line_per_run_and_a_panel_per_term(tmp_path):
 
 
 def test_probe_rows_sum_to_one_on_a_real_model(rec_model_dir, rec_data_dir, tmp_path):
-    probe = R.probe_model(rec_model_dir, rec_data_dir, limit=None)
+    probe = P.probe_model(rec_model_dir, rec_data_dir, limit=None)
     mat = np.array(probe["matrix"])
     assert mat.shape == (10, 10) and probe["labels"] == [str(d) for d in range(10)]
     seen = np.array(probe["counts"]) > 0
@@ -58,7 +59,7 @@ def test_probe_rows_sum_to_one_on_a_real_model(rec_model_dir, rec_data_dir, tmp_
     np.testing.assert_allclose(mat[seen].sum(axis=1), 1.0, atol=1e-9)
     assert np.isnan(mat[~seen]).all()
     out = tmp_path / "probe.png"
-    R.plot_probe({"a": probe, "b": probe}, str(out))
+    P.plot_probe({"a": probe, "b": probe}, str(out))
     assert _png_ok(out)
 
 
@@ -93,7 +94,7 @@ def test_probe_bins_a_thousand_values_and_a_sharp_model_is_diagonal():
         ids = [1, 2, 3] + nums + [4]
         rows.append({"input_ids": ids, "labels": [-100, -100, -100] + nums + [4]})
     model = _FixedLogits(vocab, 30.0, {tuple(r["input_ids"]): r["labels"] for r in rows})
-    probe = R.probe_distribution(model, rows, token_ids, values, bins=20, batch_size=7)
+    probe = P.probe_distribution(model, rows, token_ids, values, bins=20, batch_size=7)
     mat = np.array(probe["matrix"])
     assert mat.shape == (20, 20) and len(probe["labels"]) == 20 and probe["positions"] == 120
     seen = np.array(probe["counts"]) > 0
@@ -102,7 +103,7 @@ def test_probe_bins_a_thousand_values_and_a_sharp_model_is_diagonal():
 
 
 def test_value_bins_keep_distinct_values_when_few():
-    idx, labels = R.value_bins(np.array([3.0, 1.0, 2.0, 1.0]), bins=20)
+    idx, labels = P.value_bins(np.array([3.0, 1.0, 2.0, 1.0]), bins=20)
     assert labels == ["1", "2", "3"] and idx.tolist() == [2, 0, 1, 0]
-    idx, labels = R.value_bins(np.arange(1000.0), bins=20)
+    idx, labels = P.value_bins(np.arange(1000.0), bins=20)
     assert len(labels) == 20 and idx.min() == 0 and idx.max() == 19 and np.bincount(idx).tolist() == [50] * 20

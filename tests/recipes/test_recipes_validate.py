@@ -1,10 +1,10 @@
-"""recipes.validate and the shipped recipes: every recipe loads and validates; bad ones name the key."""
+"""recipes.planning.validate and the shipped recipes: every recipe loads and validates; bad ones name the key."""
 
 from pathlib import Path
 
 import pytest
 
-from recipes import validate as V
+from recipes.planning import validate as V
 from recipes.config import load_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"

@@ -1,4 +1,4 @@
-"""recipes.study: the aggregation over seeds against a hand computation, and the whole grid at tiny size."""
+"""recipes.experiments.study: the aggregation over seeds against a hand computation, and the whole grid at tiny size."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from recipes import study
+from recipes.experiments import study
 
 pytest.importorskip("deepspeed")
 

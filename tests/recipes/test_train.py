@@ -27,7 +27,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     from data_prep.sources.base import SourceConfig
-    from recipes.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
+    from recipes.experiments.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
 
     root = tmp_path_factory.mktemp("train")
     tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
@@ -66,7 +66,7 @@ def test_training_lowers_the_loss_and_exports_the_trained_weights(reference_run)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from recipes.export import read_export
+    from recipes.engines.deepspeed.export import read_export
 
     checkpoint = get_fp32_state_dict_from_zero_checkpoint(str(reference_run / "checkpoints"))
     exported = read_export(reference_run / "final")  # 2 ranks: 2 shards + transformers' index
@@ -119,7 +119,7 @@ def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, re
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
     # the fp32 run of the same recipe starts at the same loss, up to bf16 rounding
     assert logits[0]["loss"] == pytest.approx(read_metrics(reference_run)[0]["loss"], rel=2e-2)
-    from recipes.export import read_export
+    from recipes.engines.deepspeed.export import read_export
 
     exported = read_export(root / "bf16-logits" / "final")
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}

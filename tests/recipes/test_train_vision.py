@@ -1,11 +1,11 @@
 """Vision-language training: clock-time shards -> a tiny random LLaVA (CLIP tower + projector + Llama).
 
-- `recipes.vision.training_inputs` keeps the shards' target tokens and labels exactly, expands each image
+- `recipes.training.vision.training_inputs` keeps the shards' target tokens and labels exactly, expands each image
   to its patch tokens, keeps images in row order, and builds the same prompt evaluation generates from;
 - the numeric objective on those inputs equals Hugging Face's own loss (CE only), and the chunked head
   equals the logits path with the image gradients included;
 - a 2-rank DeepSpeed ZeRO-3 run trains the whole model (vision tower included), exports a model and
-  processor that `recipes.evaluate` loads and scores.
+  processor that `recipes.evaluation.evaluate` loads and scores.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ pytest.importorskip("deepspeed")
 from torchrun_helpers import read_metrics, run_to_end  # noqa: E402
 
 from data_prep.reader import ShardDataset  # noqa: E402
-from recipes.export import read_export  # noqa: E402
-from recipes.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
+from recipes.engines.deepspeed.export import read_export  # noqa: E402
+from recipes.training.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
 
 IGNORE = -100
 PATCHES = 4  # (28 / 14)^2 image tokens per image for the tiny processor
@@ -124,7 +124,7 @@ def _heads_agree(model, vocab, inputs, terms: dict, chunk_size: int, tower: str,
 def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(tiny_vl):
     from numloss import NumericVocab
     from recipes.config import Recipe
-    from recipes.model import build_model
+    from recipes.engines.deepspeed.model import build_model
 
     processor = load_processor(tiny_vl["model"])
     recipe = Recipe()
@@ -144,7 +144,7 @@ def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(
 def test_two_rank_zero3_trains_a_tiny_vision_language_model_and_evaluates_it(tiny_vl, tmp_path):
     from transformers import AutoModelForImageTextToText
 
-    from recipes.evaluate import evaluate
+    from recipes.evaluation.evaluate import evaluate
 
     recipe = {
         "name": "tiny-vl",
@@ -256,7 +256,7 @@ def test_vision_inputs_reassemble_rows_by_hand(monkeypatch):
     images = [b"png-0", b"png-1"]
     prompts, targets = [[5, 6], [7]], [([10, 11], [10, 11]), ([12], [12])]
     decoded = []
-    monkeypatch.setattr("recipes.vision.decode_image", lambda data, where: decoded.append((data, where)) or data)
+    monkeypatch.setattr("recipes.training.vision.decode_image", lambda data, where: decoded.append((data, where)) or data)
     train = vision_inputs(processor, prompts, images, targets, pad_to_multiple_of=4, where=["r0", "r1"])
     gen = vision_inputs(processor, prompts, images)
     assert decoded[:2] == [(b"png-0", "r0"), (b"png-1", "r1")]

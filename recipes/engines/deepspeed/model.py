@@ -1,4 +1,5 @@
-"""The backbone and its tokenizer (or processor) for a recipe, built the way DeepSpeed needs them."""
+"""The Hugging Face backbone for a recipe, built the way DeepSpeed needs it (ZeRO-3 partitioned as it is
+created, AutoTP's module names), and wrapped with the numeric objective."""
 
 from __future__ import annotations
 
@@ -10,19 +11,7 @@ import torch
 from numloss.adapters.hf import NumericCausalLM
 from numloss.chunked_head import DEFAULT_CHUNK_SIZE
 
-from .config import Recipe
-from .vision import load_processor
-
-
-def load_tokenizer(recipe: Recipe):
-    """(tokenizer, processor): the processor (vision recipes only, else None) carries the tokenizer."""
-    from transformers import AutoTokenizer
-
-    source = recipe.model.tokenizer or recipe.model.name_or_path
-    if recipe.model.vision:
-        processor = load_processor(source, trust_remote_code=recipe.model.trust_remote_code)
-        return processor.tokenizer, processor
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code), None
+from recipes.config import Recipe
 
 
 def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
@@ -70,7 +59,7 @@ def load_placement(recipe: Recipe, device: torch.device) -> dict:
     instead of the whole model in host RAM on every rank of the node. ZeRO-3 builds partitioned under
     the live HfDeepSpeedConfig; AutoTP (DeepSpeed 0.19.8) slices a model that is already whole, so
     below ZeRO-3 with tp_size > 1 every rank still holds the whole model in host RAM at load
-    (recipes.validate reports it). On the CPU nothing changes."""
+    (recipes.planning.validate reports it). On the CPU nothing changes."""
     ds = recipe.deepspeed
     if device.type == "cuda" and ds.zero_stage < 3 and ds.tp_size == 1 and not ds.offload_params:
         return {"device_map": {"": device}}

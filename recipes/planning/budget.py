@@ -1,6 +1,6 @@
 """What a recipe costs per GPU and per node beyond model states: activations, the head, host RAM at load
 and export, checkpoints on disk, and the communication of one optimizer step against its compute.
-Used by `recipes.validate`; every number is an estimate from the model's shape, stated with its formula.
+Used by `recipes.planning.validate`; every number is an estimate from the model's shape, stated with its formula.
 
 Shapes: L layers, hidden h, intermediate I, a attention heads of size d, k KV heads, vocabulary V,
 tensor-parallel size t, T tokens per micro-batch (micro_batch_size x sequence length), e bytes per
@@ -18,12 +18,12 @@ activation (2 in bf16, 4 in fp32), P parameters.
   in the model dtype, T x h x (4 + e).
 - Host RAM per node: at load, ZeRO 0-2 with AutoTP materialise the whole model per rank (ranks/node
   x P x e); otherwise each rank streams it a checkpoint shard (~5 GB) at a time (ZeRO-3 partitioned,
-  ZeRO 0-2 at TP 1 straight onto its GPU, recipes.model.load_placement). At export (recipes.export) each rank holds
+  ZeRO 0-2 at TP 1 straight onto its GPU, recipes.engines.deepspeed.model.load_placement). At export (recipes.engines.deepspeed.export) each rank holds
   its share, P x e / world + the largest module.
 - Checkpoint on disk: DeepSpeed saves the model-dtype weights, fp32 master weights (bf16 only) and
   Adam's two fp32 moments: (e + 4 [bf16] + 8) x P bytes, times train.keep_last, plus the export (P x e).
 - Communication per GPU per optimizer step (ring collectives move (n-1)/n of the data per rank; G
-  micro-batches per step; gradients reduced in fp32 under bf16, see recipes.ds_config):
+  micro-batches per step; gradients reduced in fp32 under bf16, see recipes.engines.deepspeed.config):
   ZeRO-3: every micro-batch gathers the parameters in the forward and again in the backward
   (P/t x e each) and reduce-scatters the gradients (P/t x 4); with hpZ (zero_hpz_partition_size) the
   backward gather stays inside the node. ZeRO 1-2: a gradient reduce-scatter per micro-batch and one
@@ -100,7 +100,7 @@ def step_communication(params: int, s: Shape, *, zero_stage: int, tp: int, dp: i
     """Bytes each GPU sends per optimizer step (see the module docstring), split by where they go."""
     p = params / tp
     ring = (dp - 1) / dp if dp > 1 else 0.0
-    grad_bytes = 4  # reduced in fp32 (recipes.ds_config)
+    grad_bytes = 4  # reduced in fp32 (recipes.engines.deepspeed.config)
     inter = intra = 0.0
     if zero_stage == 3:
         gather = p * act_bytes * ring
@@ -127,8 +127,8 @@ def _gib(n_bytes: float) -> str:
 
 def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_mem_gb: float,
            seq_len: int | None, gpu_tflops: float, net_gbps: float) -> None:
-    """recipes.validate's part: GPU memory beyond model states (`est`, DeepSpeed's model-state estimate),
-    host RAM, disk and communication, added to the report `rep` (recipes.validate.Report), with an
+    """recipes.planning.validate's part: GPU memory beyond model states (`est`, DeepSpeed's model-state estimate),
+    host RAM, disk and communication, added to the report `rep` (recipes.planning.validate.Report), with an
     error naming the part that does not fit (exit status 1)."""
     from .ds_config import zero_comm_settings
 
@@ -168,7 +168,7 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_
     ranks = cl.ranks_per_node()
     world = cl.nodes * ranks
     model_bytes = total * e
-    # ZeRO 0-2 under AutoTP: the whole model per rank (recipes.model.load_placement); otherwise a
+    # ZeRO 0-2 under AutoTP: the whole model per rank (recipes.engines.deepspeed.model.load_placement); otherwise a
     # checkpoint shard (~5 GB) at a time per rank
     whole = ds.zero_stage < 3 and tp > 1
     load = ranks * model_bytes if whole else ranks * min(model_bytes, 5 * 2**30)

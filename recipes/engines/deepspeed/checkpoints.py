@@ -1,0 +1,61 @@
+"""DeepSpeed's part of a run's checkpoints: its own state in the step directory, and resuming onto
+another data-parallel size (`recipes.training.checkpoints` owns the directories and `latest`).
+
+DeepSpeed 0.19.8 loads ZeRO optimizer state only onto the data-parallel size that saved it; for another
+size the checkpoint is converted once to DeepSpeed's universal format (`deepspeed.checkpoint.
+ds_to_universal`, into `<tag>_universal`) and loaded with `checkpoint.load_universal`. A changed
+tensor-parallel size or ZeRO stage is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from argparse import Namespace
+from pathlib import Path
+
+import torch.distributed as dist
+
+from recipes.training.checkpoints import CheckpointDirs
+
+
+def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -> str | None:
+    """Before `deepspeed.initialize`: when the latest checkpoint was saved at another data-parallel size,
+    convert it to the universal format (rank 0, once), set `ds_config` to load that, and return the tag
+    to load (None: load the latest as it is). Refuses a changed tensor-parallel size or ZeRO stage.
+    Every rank calls it."""
+    saved = dirs.saved_layout()
+    if saved is None:
+        return None
+    tag = dirs.latest_tag()
+    for key in ("tensor_parallel", "zero_stage"):
+        if saved.get(key) != layout.get(key):
+            raise ValueError(f"{dirs.root / tag} was saved with {key}={saved.get(key)}; this run has"
+                             f" {layout.get(key)}: resume with the same {key}")
+    if saved.get("data_parallel") == layout.get("data_parallel"):
+        return None
+    universal = f"{tag}_universal"
+    if dirs.runtime.is_main and not (dirs.root / universal).is_dir():
+        from deepspeed.checkpoint.ds_to_universal import main as to_universal
+
+        tmp = dirs.root / f".{universal}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        to_universal(Namespace(input_folder=str(dirs.root / tag), output_folder=str(tmp), num_extract_workers=1,
+                               num_merge_workers=1, keep_temp_folder=False, strict=True,
+                               inject_missing_state=False))
+        os.replace(tmp, dirs.root / universal)
+    dist.barrier()
+    ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
+    return universal
+
+
+def save_state(engine, directory: Path, step: int) -> None:
+    """DeepSpeed's model, optimizer and schedule state into `directory` (a step directory)."""
+    engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False)
+
+
+def load_state(engine, directory: Path, tag: str | None = None) -> None:
+    """Load `directory`'s DeepSpeed state (or the sibling `tag`, a universal conversion of it)."""
+    path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name)
+    if path is None:
+        raise RuntimeError(f"checkpoint {directory} could not be loaded by DeepSpeed")

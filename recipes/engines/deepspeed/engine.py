@@ -1,0 +1,101 @@
+"""The DeepSpeed engine: a Hugging Face causal LM wrapped with the numeric objective under DeepSpeed
+ZeRO (0-3), optionally AutoTP (`deepspeed.tp_size`), on GPUs or CPU ranks.
+
+One optimizer step: the step's global counts are reduced over the data-parallel group, then each
+micro-batch runs forward with them (its loss is its share of the global batch's loss) and backward.
+DeepSpeed 0.19.8 divides each micro-batch's loss by `gradient_accumulation_steps` in
+`engine.backward` and averages gradients over the data-parallel ranks in its ZeRO reductions; the
+loss given to backward is multiplied by `grad_accum * dp` to undo both, so the update is the gradient
+of the global batch's loss at any layout. AutoTP ranks hold the same rows and labels and compute the
+same loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from numloss import NumericVocab, Objective
+from recipes.config import Recipe
+from recipes.training.checkpoints import CheckpointDirs
+from recipes.training.parallel import DataParallel, step_counts
+from recipes.training.runtime import Runtime
+from recipes.training.schedule import lr_lambda
+from recipes.training.tokenizer import load_tokenizer
+
+from . import checkpoints
+from .config import build_optimizer, deepspeed_config, optimizer_kind
+from .export import export_model
+from .model import build_model, training_module
+
+
+class DeepSpeedEngine:
+    """`recipes.training.engine.Engine` on DeepSpeed; see the module docstring."""
+
+    name = "deepspeed"
+
+    def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs):
+        import deepspeed
+
+        self.recipe, self.runtime = recipe, runtime
+        ds_config = deepspeed_config(recipe, runtime.world_size)
+        tp = recipe.deepspeed.tp_size
+        self.dp = DataParallel.tensor_parallel_first(runtime.rank, runtime.world_size, tp)
+        self.layout = {"data_parallel": self.dp.size, "tensor_parallel": tp, "zero_stage": recipe.deepspeed.zero_stage}
+        self.tokenizer, self.processor = load_tokenizer(recipe)
+        model, live_ds_config = build_model(recipe, ds_config, runtime.device)
+        head = model.get_output_embeddings().weight
+        logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
+        if len(self.tokenizer) > logits_width:
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's logits only {logits_width}")
+        vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
+                                            max_value=recipe.loss.numeric_max_value,
+                                            space_variants=recipe.loss.space_variants, vocab_size=logits_width)
+        objective = Objective(vocab, recipe.objective_config())
+        self.model = model
+        self.wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
+        self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
+        optimizer = build_optimizer(recipe, self.wrapper.parameters())
+        self.optimizer_name = optimizer_kind(recipe, torch.cuda.is_available())
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=self.wrapper, optimizer=optimizer,
+                                                                 lr_scheduler=scheduler, config=ds_config)
+        del live_ds_config  # only needed while the model was built
+        self.batch_options = {"processor": self.processor, "attn_implementation": model.config._attn_implementation,
+                              "dtype": getattr(torch, recipe.model.dtype),
+                              "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
+                              "max_length": recipe.data.seq_len}
+
+    def train_step(self, window: list[dict]) -> dict[str, float]:
+        counts = step_counts(self.wrapper.counts, window, self.dp)
+        scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
+        sums: dict[str, float] = {}
+        for inputs in window:
+            result = self.engine(**inputs, loss_counts=counts)
+            self.engine.backward(result.loss * scale)
+            self.engine.step()
+            for key, value in result.log_dict().items():
+                sums[key] = sums.get(key, 0.0) + value
+        return sums
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        """DeepSpeed's global norm before clipping; None (JSON null) where it has none (ZeRO stage 0)."""
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def save_state(self, directory: Path, step: int) -> None:
+        checkpoints.save_state(self.engine, directory, step)
+
+    def load_state(self, directory: Path) -> None:
+        checkpoints.load_state(self.engine, directory, self._load_tag)
+
+    def export(self, path: Path) -> None:
+        export_model(self.engine, self.model, self.processor or self.tokenizer, path, self.runtime,
+                     zero_stage=self.recipe.deepspeed.zero_stage, tp_size=self.recipe.deepspeed.tp_size)
+
+    def close(self) -> None:
+        self.engine.destroy()

@@ -1,0 +1,213 @@
+"""Reports across runs: a Markdown results table, training curves, and the digit-distribution probe.
+
+    python -m recipes.evaluation.report table runs/*/eval_results.json > table.md
+    python -m recipes.evaluation.report curves ce=runs/ce/metrics.jsonl smmd=runs/smmd/metrics.jsonl --out curves.png
+    python -m recipes.evaluation.report probe ce=runs/ce/final smmd=runs/smmd/final --data DATA --out probe.png
+
+- table: one row per results JSON written by `recipes.evaluation.evaluate`, one column per metric any of them
+  reports (n, parse rate, exact match, MAE, R², time gap, relaxed accuracy), each followed by the
+  number of rows it used when the results say it; "–" where a run has none; with `interval=True` exact
+  match carries its 95% Wilson interval.
+- intervals: `recipes.evaluation.stats`.
+- curves: `metrics.jsonl` (one JSON object per optimizer step, as recipes/train.py writes it:
+  "step", "loss", "ce", "term/<name>", "lr", ...); one panel per quantity (loss, ce, then each term),
+  one line per run. Quantities a run does not log are simply absent from its panels.
+- probe: `recipes.evaluation.probe` (the digit-distribution heatmaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .probe import plot_probe, probe_model
+from .stats import wilson_interval
+
+# Column order and headers of the table; metrics not listed here are appended in sorted order.
+# Each metric is followed by the number of rows it used, where the results say (evaluate.score).
+TABLE_COLUMNS = [
+    ("n", "n"),
+    ("parse_rate", "parse rate"),
+    ("n_numeric", "n parse"),
+    ("exact_match", "exact match"),
+    ("n_exact_match", "n exact"),
+    ("mae", "MAE"),
+    ("r2", "R²"),
+    ("n_mae_r2", "n MAE/R²"),
+    ("time_gap", "time gap (min)"),
+    ("n_time_gap", "n gap"),
+    ("relaxed_accuracy", "relaxed acc."),
+]
+_SKIP = {"n_text"}  # in n_exact_match
+
+
+# ---- table --------------------------------------------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    return str(value)
+
+
+def load_results(paths: Sequence[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        with open(p) as fh:
+            res = json.load(fh)
+        res.setdefault("name", Path(p).stem)
+        out.append(res)
+    return out
+
+
+def markdown_table(results: Sequence[dict], interval: bool = False) -> str:
+    """One row per run (its `name`), one column per metric present in any run. `interval`: exact
+    match as "value [low, high]" with its 95% Wilson interval over the rows exact match used."""
+    present = set()
+    for r in results:
+        present.update(k for k in r.get("metrics", {}) if k not in _SKIP)
+    cols = [(k, h) for k, h in TABLE_COLUMNS if k in present]
+    cols += [(k, k) for k in sorted(present - {k for k, _ in TABLE_COLUMNS})]
+    if interval:
+        cols = [(k, h + " [95% CI]" if k == "exact_match" else h) for k, h in cols]
+    lines = ["| run | " + " | ".join(h for _, h in cols) + " |",
+             "|---|" + "|".join("---:" for _ in cols) + "|"]
+    for r in results:
+        m = r.get("metrics", {})
+        name = str(r.get("name", "?")).replace("|", "\\|")
+        cells = []
+        for k, _ in cols:
+            cell = _fmt(m.get(k))
+            scored = m.get("n_exact_match", m.get("n_numeric"))  # older results: numeric rows only
+            if interval and k == "exact_match" and m.get(k) is not None and scored:
+                low, high = wilson_interval(round(m[k] * scored), scored)
+                cell += f" [{low:.3f}, {high:.3f}]"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- curves -------------------------------------------------------------------------------------------
+
+
+def read_metrics_jsonl(path: str) -> list[dict]:
+    rows = []
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A run killed mid-write leaves a partial last line: skip it, fail on any other.
+                if fh.readline():
+                    raise ValueError(f"{path}:{n}: not a JSON line") from None
+    return rows
+
+
+def _named(specs: Sequence[str]) -> list[tuple[str, str]]:
+    """"name=path" or "path" (named after the path's directory) -> [(name, path)]."""
+    out = []
+    for s in specs:
+        if "=" in s and not os.path.exists(s):
+            name, path = s.split("=", 1)
+        else:
+            path = s
+            p = Path(s)
+            name = (p.parent.name if p.is_file() or p.suffix or p.name == "final" else p.name) or s
+        out.append((name, path))
+    return out
+
+
+def curve_keys(runs: dict[str, list[dict]]) -> list[str]:
+    """Quantities to draw: loss, ce, then every term/<name> any run logs."""
+    keys = ["loss", "ce"]
+    terms = sorted({k for rows in runs.values() for r in rows for k in r if k.startswith("term/")})
+    present = {k for rows in runs.values() for r in rows for k in r}
+    return [k for k in keys if k in present] + terms
+
+
+def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | None = None) -> str:
+    """One panel per quantity, one line per run, against "step". Returns `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(keys or curve_keys(runs))
+    if not keys:
+        raise ValueError("no loss, ce or term/<name> values in any metrics file")
+    ncol = min(3, len(keys))
+    nrow = math.ceil(len(keys) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (name, rows) in enumerate(runs.items()):
+            pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and "step" in r]
+            if pts:  # a run keeps its colour in every panel, also in those where the others have no line
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, label=name, linewidth=1.2, color=f"C{i % 10}")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---- command line -------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluation.report", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="Markdown table of results JSON files (one row per run)")
+    t.add_argument("results", nargs="+")
+    t.add_argument("--out", default=None, help="write here instead of stdout")
+    c = sub.add_parser("curves", help="training curves from metrics.jsonl files")
+    c.add_argument("runs", nargs="+", help="[NAME=]metrics.jsonl")
+    c.add_argument("--out", required=True)
+    c.add_argument("--keys", nargs="*", default=None, help="quantities to draw (default: loss, ce, term/*)")
+    q = sub.add_parser("probe", help="digit-distribution heatmaps, one panel per model")
+    q.add_argument("models", nargs="+", help="[NAME=]model_dir")
+    q.add_argument("--data", required=True)
+    q.add_argument("--out", required=True)
+    q.add_argument("--limit", type=int, default=256)
+    q.add_argument("--bins", type=int, default=20)
+    q.add_argument("--json", default=None, help="also write the probe matrices here")
+    a = p.parse_args(argv)
+    if a.cmd == "table":
+        text = markdown_table(load_results(a.results))
+        if a.out:
+            Path(a.out).write_text(text)
+        else:
+            sys.stdout.write(text)
+    elif a.cmd == "curves":
+        runs = {name: read_metrics_jsonl(path) for name, path in _named(a.runs)}
+        print(plot_curves(runs, a.out, a.keys))
+    else:
+        probes = {name: probe_model(path, a.data, limit=a.limit, bins=a.bins) for name, path in _named(a.models)}
+        if a.json:
+            Path(a.json).write_text(json.dumps(probes, indent=1))
+        print(plot_probe(probes, a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

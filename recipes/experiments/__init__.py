@@ -1,0 +1,2 @@
+"""Experiments built on the recipes: `demo` (make demo), `study` (the loss studies), `backbone` (the packaged
+SmolLM2), `tiny` (tiny models, tokenizers and data), `local` (torchrun on this machine). May import everything in recipes."""

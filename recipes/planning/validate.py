@@ -1,0 +1,473 @@
+"""Check a recipe without training: config, model size, ZeRO memory per GPU, batch arithmetic, data.
+
+    python -m recipes.validate recipes/configs/llama3-8b-gsm8k.yaml
+    python -m recipes.validate RECIPE.yaml train.micro_batch_size=4 --strict    # missing data is an error
+    python -m recipes.validate RECIPE.yaml --offline                           # never try the hub
+
+Exit status 0 when the recipe has no error (warnings allowed), 1 when it has errors, 2 when it does not
+load at all (unknown key, wrong type, bad choice, bad objective term/option: the message names the key).
+
+What is checked, in order:
+1. Loading: `recipes.config.load_recipe` (strict types, choices, the objective's terms and options).
+2. The model config: `model.config` (random init) is built with AutoConfig.for_model; a local directory
+   is read; a hub name is looked up in the local HF cache, then on the hub (unless --offline), then in
+   `KNOWN_BACKBONES` below, shipped offline fallback metadata for the papers' backbones.
+3. Parameter count and the largest single module's parameters, from an empty-weight model
+   (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
+4. DeepSpeed's estimate of model-state memory per GPU (params, grads, optimizer states; activations
+   are extra) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
+   `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
+   offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
+   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.planning.budget):
+   activations (with or without gradient checkpointing), the head (logits or chunked, with its
+   buffers); a total above `--gpu-mem-gb` (80) is an error naming the largest part. Also reported:
+   host RAM per node at load and at export (an error above `cluster.host_mem_gb` when given), the
+   checkpoints' size on disk x keep_last, and the communication per GPU per step against its compute
+   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer).
+5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
+   == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
+   not fix its number of ranks (the launcher does): its global batch must be a multiple of
+   micro_batch_size * grad_accum, and the quotient is reported as the implied rank count.
+6. Loss vs data: NTIL needs the digits policy; a built data dir's numeric vocabulary policy must match
+   loss.numeric_policy, and its tokenizer should be the model's.
+7. Data: data.train / data.eval / eval.data must be data_prep directories (manifest.json). A missing one
+   is a warning ("data missing: build it with ...", the command from a `# data_prep train: ...` /
+   `# data_prep eval: ...` comment in the recipe file), an error with --strict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# ---- offline fallback metadata ------------------------------------------------------------------------
+#
+# Architecture of the papers' backbones, used only when the hub cannot be reached and the config is not
+# in the local HF cache. Values are those of the public config.json files (Llama-3 8B/70B, Qwen2.5-1.5B,
+# Qwen2.5-VL-7B, SmolLM3-3B); the parameter counts they give here match the published totals (8.03B,
+# 70.55B, 1.54B, 8.29B with the vision tower, 3.08B). Ministral-3-3B is recalled, not checked against
+# its config.json (confidence: low; 3.85B total = ~3.4B language model + ~0.4B Pixtral tower, which
+# matches the announced size): prefer the hub's config when reachable.
+# `vision_config` is only used for `model.vision: true` recipes (else the text part alone is built).
+
+# Directories that `python -m recipes.experiments.backbone NAME` converts a packaged model into: (NAME, hub name).
+CONVERTED_BACKBONES = {"SmolLM2-135M-Instruct.Q4_1": ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")}
+
+KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    },
+    "meta-llama/Meta-Llama-3-70B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                     num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    },
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                     num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {
+        "confidence": "high (text part); vision tower: medium",
+        "text": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=128000, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+        "vision_model_type": "qwen2_5_vl",
+        "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                              out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                              temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    },
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {  # the demo's backbone (recipes.experiments.backbone converts its GGUF)
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True),
+    },
+    "HuggingFaceTB/SmolLM3-3B": {
+        "confidence": "high",
+        "text": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    },
+    "mistralai/Ministral-3-3B-Instruct-2512": {
+        "confidence": "low (recalled, not checked against config.json)",
+        "text": dict(model_type="ministral3", vocab_size=131072, hidden_size=3072, intermediate_size=9216,
+                     num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=True),
+        "vision_model_type": "mistral3",
+        "vision_config": dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                              num_hidden_layers=24, num_attention_heads=16, patch_size=14, image_size=1540),
+    },
+}
+
+
+# ---- report -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    recipe: str
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    info: list[tuple[str, str]] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def add(self, key: str, value: Any) -> None:
+        self.info.append((key, str(value)))
+
+    def render(self) -> str:
+        lines = [f"recipe {self.recipe}"]
+        width = max((len(k) for k, _ in self.info), default=0)
+        lines += [f"  {k:<{width}}  {v}" for k, v in self.info]
+        lines += [f"WARNING  {w}" for w in self.warnings]
+        lines += [f"ERROR    {e}" for e in self.errors]
+        verdict = "OK" if self.ok else f"FAILED ({len(self.errors)} error{'s' * (len(self.errors) != 1)})"
+        lines.append(f"{verdict}, {len(self.warnings)} warning{'s' * (len(self.warnings) != 1)}")
+        return "\n".join(lines)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:.1f} GiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+# ---- model config and size ----------------------------------------------------------------------------
+
+
+def _config_from_table(name: str, vision: bool):
+    from transformers import AutoConfig
+
+    entry = KNOWN_BACKBONES[name]
+    text = dict(entry["text"])
+    if vision and "vision_config" in entry:
+        kind = entry["vision_model_type"]
+        text_cfg = dict(text)
+        if kind == "qwen2_5_vl":
+            text_cfg.pop("model_type")
+        return AutoConfig.for_model(kind, text_config=text_cfg, vision_config=dict(entry["vision_config"]),
+                                    tie_word_embeddings=text["tie_word_embeddings"])
+    return AutoConfig.for_model(text.pop("model_type"), **text)
+
+
+def resolve_model_config(recipe, offline: bool = False):
+    """(transformers config, where it came from, warnings). Raises ValueError when nothing resolves."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    notes: list[str] = []
+    if m.config is not None:
+        cfg = dict(m.config)
+        kind = cfg.pop("model_type", None)
+        if not kind:
+            raise ValueError("model.config: needs a model_type (e.g. llama)")
+        try:
+            return AutoConfig.for_model(kind, **cfg), "model.config (random init)", notes
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"model.config: {err}") from None
+    name = m.name_or_path
+    if os.path.isdir(name):
+        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code), f"local dir {name}", notes
+    try:
+        cfg = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=m.trust_remote_code)
+        return cfg, "local Hugging Face cache", notes
+    except Exception:  # noqa: BLE001  (not cached: any of several exception types)
+        pass
+    if not offline and os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false"):
+        try:
+            cfg = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+            return cfg, "Hugging Face hub", notes
+        except Exception as err:  # noqa: BLE001
+            notes.append(f"model.name_or_path: hub unreachable for {name!r} ({type(err).__name__})")
+    local = CONVERTED_BACKBONES.get(os.path.basename(os.path.normpath(name)))
+    if local is not None:  # `python -m recipes.experiments.backbone` has not written this directory yet
+        notes.append(f"model.name_or_path: {name} does not exist yet; `python -m recipes.experiments.backbone {local[0]}` "
+                     f"writes it (the demo does so itself)")
+        name = local[1]
+    if name in KNOWN_BACKBONES:
+        conf = KNOWN_BACKBONES[name]["confidence"]
+        return _config_from_table(name, m.vision), f"offline fallback table (confidence: {conf})", notes
+    raise ValueError(f"model.name_or_path: cannot resolve a config for {name!r} offline "
+                     f"(known offline: {sorted(KNOWN_BACKBONES)})")
+
+
+def count_parameters(config, vision: bool = False) -> tuple[int, int]:
+    """(total parameters, parameters of the largest single module) of an empty-weight model built from
+    `config` on the meta device (tied weights counted once)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        if vision:
+            model = AutoModelForImageTextToText.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
+    return int(total), int(largest)
+
+
+def zero_memory_estimate(total_params: int, largest_params: int, zero_stage: int, nodes: int,
+                         gpus_per_node: int, tp_size: int = 1, offload_optimizer: bool = False,
+                         offload_params: bool = False) -> dict:
+    """DeepSpeed's model-state memory estimate per GPU and per node's CPU (bytes)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    per_rank_params = total_params // tp_size
+    dp_per_node = max(1, gpus_per_node // tp_size)
+    if zero_stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params=per_rank_params, largest_layer_params=largest_params // tp_size,
+            num_gpus_per_node=dp_per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params, zero_init=True)
+        fn = "estimate_zero3_model_states_mem_needs"
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            total_params=per_rank_params, num_gpus_per_node=dp_per_node, num_nodes=nodes,
+            cpu_offload=offload_optimizer)
+        fn = "estimate_zero2_model_states_mem_needs"
+    return {"gpu_bytes": int(gpu), "cpu_bytes": int(cpu), "function": fn}
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+
+_HINT_RE = re.compile(r"^\s*#\s*data_prep\s+(train|eval)\s*:\s*(.+?)\s*$")
+
+
+def build_hints(recipe_path: str | Path) -> dict[str, str]:
+    """`# data_prep train: <command>` / `# data_prep eval: <command>` comments of a recipe file, then of
+    its `base` chain (the file's own come first)."""
+    from recipes.config import recipe_chain
+
+    hints: dict[str, str] = {}
+    for path, _ in recipe_chain(recipe_path):
+        for line in path.read_text().splitlines():
+            m = _HINT_RE.match(line)
+            if m:
+                hints.setdefault(m.group(1), m.group(2))
+    return hints
+
+
+def _same_source(name: str) -> str:
+    """A tokenizer source made comparable: local directories by real path, hub names as they are."""
+    return os.path.realpath(name) if os.path.isdir(name) else str(name)
+
+
+def _manifest(path: str) -> dict | None:
+    p = Path(path) / "manifest.json"
+    if not p.is_file():
+        return None
+    with p.open() as fh:
+        return json.load(fh)
+
+
+# ---- the checks ---------------------------------------------------------------------------------------
+
+
+def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
+    """Which head pays for the recipe's shapes (benchmarks/bench_chunked.py). Both heads produce d W, the
+    [V, H] gradient of the lm_head; the logits path adds ~10 bytes per logit ([T, V]) on top, the chunked
+    head about an eighth of that. So the chunked head's saving shrinks as H grows past T, the tokens of a
+    micro-batch: from H >= 4 T it saves about 10% of the head's memory or less (measured: 0.89x at
+    T = 1024, H = 4096; 0.95x at H = 8192), while it always does four GEMMs of [T, H] x [H, V] to the
+    logits path's three (it recomputes the logits in backward): ~4/3 of the time where the GEMMs dominate,
+    as expected on a GPU (measured on CPU, one thread: 1.0-1.33x in fp32, 0.6-1.2x in bf16)."""
+    if recipe.loss.head != "chunked" or not hidden_size or not recipe.data.seq_len:
+        return
+    tokens = recipe.train.micro_batch_size * recipe.data.seq_len
+    if hidden_size >= 4 * tokens:
+        rep.warnings.append(
+            f"loss.head: chunked saves little at {tokens} tokens per micro-batch with hidden size {hidden_size}"
+            " (d W, [V, H], dominates both heads' memory): loss.head: logits is about as small and faster"
+            " (the chunked head recomputes the logits in backward: 4 GEMMs to 3); the chunked head pays from"
+            " micro_batch_size x seq_len > hidden_size / 4")
+
+
+def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
+                    offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
+                    gpu_tflops: float = 400.0, net_gbps: float = 400.0) -> Report:
+    """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`)."""
+    from recipes.config import load_recipe
+
+    rep = Report(str(path))
+    try:
+        recipe = load_recipe(path, list(overrides))
+    except (ValueError, FileNotFoundError) as err:
+        rep.numbers["load_error"] = True
+        rep.errors.append(str(err))
+        return rep
+    rep.add("name", recipe.name)
+    m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
+    rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
+
+    # 2-4: model config, size, memory
+    hidden_size = None
+    if size:
+        try:
+            cfg, source, notes = resolve_model_config(recipe, offline=offline)
+            rep.warnings.extend(notes)
+            rep.add("model config", source)
+            total, largest = count_parameters(cfg, vision=m.vision)
+            text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            hidden_size = getattr(text_cfg, "hidden_size", None)
+            rep.numbers.update(params=total, largest_layer_params=largest)
+            rep.add("parameters", f"{_params(total)} ({total:,}); largest module {_params(largest)}")
+            if "fallback" in source and m.vision and "vision_config" not in KNOWN_BACKBONES.get(m.name_or_path, {}):
+                rep.warnings.append("model.vision: the offline table has no vision tower for this model; "
+                                    "the count is the text part only")
+        except ValueError as err:
+            rep.errors.append(str(err))
+            total = None
+        except Exception as err:  # noqa: BLE001  (a config transformers cannot build)
+            rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
+            total = None
+        if total is not None and cl.gpus_per_node > 0:
+            est = zero_memory_estimate(total, largest, ds.zero_stage, cl.nodes, cl.gpus_per_node, ds.tp_size,
+                                       ds.offload_optimizer, ds.offload_params)
+            rep.numbers.update(gpu_mem_bytes=est["gpu_bytes"], cpu_mem_bytes=est["cpu_bytes"])
+            rep.add("memory / GPU", f"{_gib(est['gpu_bytes'])} model states (params + grads + optimizer; "
+                                    f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
+                                    f"[deepspeed {est['function']}, ZeRO-{ds.zero_stage}, offload "
+                                    f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
+            from recipes.planning.budget import report_budget
+
+            report_budget(rep, recipe, cfg, total, largest, est, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+                          gpu_tflops=gpu_tflops, net_gbps=net_gbps)
+
+    # 5: layout and batch arithmetic
+    if cl.gpus_per_node < 0:
+        rep.errors.append(f"cluster.gpus_per_node: must be >= 0, got {cl.gpus_per_node}")
+    per_node = cl.ranks_per_node()
+    unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
+    if per_node > 0 and per_node % ds.tp_size:
+        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
+        rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
+                          "(a TP group must stay inside a node)")
+    per_step = tr.micro_batch_size * tr.grad_accum
+    dp = max(1, cl.nodes * per_node // ds.tp_size)
+    effective = per_step * dp
+    if tr.global_batch_size is not None and tr.global_batch_size != effective:
+        rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
+                          f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
+                          f"(= {effective})")
+    layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}"
+    rep.add("layout", f"{layout}, ZeRO-{ds.zero_stage}")
+    rep.numbers["effective_batch"] = effective
+    rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
+                     f"= {effective} sequences per step, {tr.steps} steps")
+    if ds.tp_size > 1:
+        if size and total is not None:
+            from recipes.engines.deepspeed.model import autotp_problem
+
+            problem = autotp_problem(cfg, ds.tp_size, ds.zero_stage)
+            kv = getattr(getattr(cfg, "text_config", None) or cfg, "num_key_value_heads", None)
+            if problem:
+                rep.errors.append(problem)
+            elif kv is not None and kv < ds.tp_size:
+                rep.warnings.append(f"deepspeed.tp_size: {kv} KV heads < tp_size {ds.tp_size}: attention runs on "
+                                    f"{kv} of the {ds.tp_size} TP ranks only")
+        if ds.zero_stage == 3:
+            rep.warnings.append("deepspeed: AutoTP + ZeRO-3 is tested here on CPU (docs/cluster.md), not "
+                                "documented by DeepSpeed, which documents AutoTP training with ZeRO 0-2")
+        if m.vision:
+            rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
+                                "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
+
+    # 6: loss vs data policy
+    terms = set((recipe.loss.objective or {}).get("terms") or {})
+    if "ntil" in terms and recipe.loss.numeric_policy != "digits":
+        rep.errors.append(f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, "
+                          f"got {recipe.loss.numeric_policy!r}")
+    rep.add("objective", "CE" + "".join(f" + {t}" for t in sorted(terms)) +
+            f" over the {recipe.loss.numeric_policy} numeric vocabulary")
+    chunked_head_note(rep, recipe, hidden_size)
+
+    # 7: data
+    hints = build_hints(path)
+    eval_dir = recipe.eval.data or recipe.data.eval
+    for key, where, kind in (("data.train", recipe.data.train, "train"),
+                             ("eval.data" if recipe.eval.data else "data.eval", eval_dir, "eval")):
+        if not where:
+            continue
+        man = _manifest(where)
+        if man is None:
+            how = hints.get(kind) or f"python -m data_prep build --source ... --tokenizer ... --out {where}"
+            msg = f"{key}: data missing at {where}: build it with {how}"
+            (rep.errors if strict else rep.warnings).append(msg)
+            continue
+        nv = man.get("numeric_vocab", {})
+        tok = man.get("tokenizer", {})
+        rep.add(key, f"{where}: {man.get('totals', {}).get('rows', '?')} rows, numeric vocab "
+                     f"{nv.get('policy')} (N={nv.get('size')}), tokenizer {tok.get('name')}")
+        if nv.get("policy") and nv["policy"] != recipe.loss.numeric_policy:
+            rep.errors.append(f"loss.numeric_policy: {recipe.loss.numeric_policy!r} but {where} was built "
+                              f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
+        if man.get("packed") and kind == "eval":
+            rep.errors.append(f"{key}: {where} is packed; evaluation needs one example per row")
+        want = m.tokenizer or m.name_or_path
+        if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
+            rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")
+    return rep
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.validate", description=__doc__.split("\n")[0])
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="key.path=value (YAML value)")
+    p.add_argument("--strict", action="store_true", help="missing data is an error, not a warning")
+    p.add_argument("--offline", action="store_true", help="never contact the hub (cache, then the fallback table)")
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory to compare the estimate with")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per row for the activation estimate "
+                                                                  "(default: data.seq_len, else 1024)")
+    p.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (400: ~40%% of an H100)")
+    p.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per GPU (400: one NDR port each)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    a = p.parse_args(argv)
+    rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
+                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps)
+    if a.json:
+        print(json.dumps({"recipe": rep.recipe, "ok": rep.ok, "errors": rep.errors, "warnings": rep.warnings,
+                          "info": dict(rep.info), "numbers": rep.numbers}, indent=1))
+    else:
+        print(rep.render())
+    if rep.numbers.get("load_error"):
+        return 2
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The interface between `recipes.train`'s loop and a training engine (DeepSpeed, Megatron-core).
+
+The loop owns everything that must mean the same on every engine: the data order (`ShardDataset`
+sharded by the engine's data-parallel position), the step's micro-batches and their model inputs,
+logging, the checkpoint directories and their cadence, hooks for orchestrators. The engine owns the
+model, its parallel layout, the forward/backward of a step (normalised over the step's global counts,
+`recipes.training.parallel.step_counts`), the optimizer and schedule, its own checkpoint state and the
+Hugging Face export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from .parallel import DataParallel
+
+
+class Engine(Protocol):
+    """What every engine provides; built as `Engine(recipe, runtime, checkpoint_dirs)` (the directories
+    tell it, before it builds anything, what layout a resume comes from). Every method is a collective:
+    every rank calls it."""
+
+    name: str  # "deepspeed" | "megatron"
+    dp: DataParallel  # this rank's data-parallel replica: the reader shards rows by it
+    tokenizer: Any
+    processor: Any  # vision recipes: the processor (else None)
+    batch_options: dict  # keyword arguments of `recipes.training.batches.model_inputs` for this model
+    layout: dict  # written to each checkpoint's layout.json; compared at resume
+    optimizer_name: str  # which optimizer implementation runs the step (for the run log)
+
+    def train_step(self, window: list[dict]) -> dict[str, float]:
+        """Forward, backward and optimizer step over this rank's micro-batches `window` (model inputs on
+        the device); returns this rank's share of the logged values (loss, ce, term/*,
+        numeric_positions): their SUM over the data-parallel group is the global batch's value."""
+        ...
+
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        ...
+
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None where the engine has none)."""
+        ...
+
+    def save_state(self, directory: Path, step: int) -> None:
+        """The engine's state (model, optimizer, schedule) into a step directory."""
+        ...
+
+    def load_state(self, directory: Path) -> None:
+        ...
+
+    def export(self, path: Path) -> None:
+        """A Hugging Face safetensors model (sharded) plus tokenizer or processor in `path`."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (process groups of its own, DeepSpeed's engine)."""
+        ...
