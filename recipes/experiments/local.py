@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_recipe(recipe: str | Path, overrides: list[str], nproc: int = 2, log=print, quiet: bool = False) -> float:

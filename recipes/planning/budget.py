@@ -130,7 +130,7 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_
     """recipes.planning.validate's part: GPU memory beyond model states (`est`, DeepSpeed's model-state estimate),
     host RAM, disk and communication, added to the report `rep` (recipes.planning.validate.Report), with an
     error naming the part that does not fit (exit status 1)."""
-    from .ds_config import zero_comm_settings
+    from recipes.engines.deepspeed.config import zero_comm_settings
 
     m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
     try:

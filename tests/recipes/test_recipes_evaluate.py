@@ -6,6 +6,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
+from recipes.evaluate import main as evaluate_cli
 from recipes.evaluation import evaluate as E
 from recipes.evaluation import report as R
 
@@ -117,7 +118,7 @@ def test_cli_writes_results_and_the_table_has_a_row_per_run(rec_model_dir, rec_d
     E.evaluate("unused", rec_data_dir, model_and_tokenizer=(None, None), generate=_oracle(0), out=str(b),
                name="oracle")
     capsys.readouterr()
-    assert E.main(["table", str(a), str(b)]) == 0
+    assert evaluate_cli(["table", str(a), str(b)]) == 0  # `python -m recipes.evaluate table ...`
     table = capsys.readouterr().out.strip().splitlines()
     assert len(table) == 4 and table[0].startswith("| run |") and "exact match" in table[0]
     assert table[2].startswith("| run-a |") and table[3].startswith("| oracle |")
