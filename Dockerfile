@@ -1,4 +1,4 @@
-# The cluster container: numloss + DeepSpeed + Ray on NVIDIA's PyTorch image.
+# The cluster container: numloss + DeepSpeed + Megatron-core + Ray on NVIDIA's PyTorch image.
 #
 #   docker build -t numloss .
 #   docker run --gpus all --ipc=host --rm -it numloss python -m recipes.demo
@@ -72,15 +72,16 @@ assert ops['fused_adam'] and ops['cpu_adam'] and acc == 'cuda', (acc, ops)"
 # image can be a cluster's head: `python -m launch.ray submit` and the SLURM template use them.
 RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 
-# The project, installed the way the README says: `pip install -e ".[train,ray]"`. Its deepspeed and ray
-# pins are already satisfied by the layers above, so this only adds the light dependencies
-# (transformers, tokenizers, datasets, pyarrow, ...). The GPU defaults for DeepSpeed apply here: the
+# The project, installed the way the README says: `pip install -e ".[train,ray,megatron]"`. Its deepspeed
+# and ray pins are already satisfied by the layers above, so this only adds the light dependencies
+# (transformers, tokenizers, datasets, pyarrow, ..., megatron-core, whose GPU kernels come from the base
+# image: apex and Transformer Engine, which the Megatron engine uses when they import). The GPU defaults for DeepSpeed apply here: the
 # Makefile's DS_ACCELERATOR=cpu is for CPU machines and is not set in this image.
 WORKDIR /workspace/numloss
 COPY . /workspace/numloss
 # hadolint ignore=DL3013
-RUN pip install -e ".[train,ray]" \
- && python -c "import torch, numloss, deepspeed, ray, transformers; \
+RUN pip install -e ".[train,ray,megatron]" \
+ && python -c "import torch, numloss, deepspeed, ray, transformers, megatron.core; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.distributed.is_nccl_available()); \
 print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" \
  && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \
