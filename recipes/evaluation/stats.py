@@ -104,6 +104,16 @@ def seed_t_interval(per_seed: Sequence[float], level: float = 0.95) -> dict:
     return out
 
 
+def seed_differences(per_seed: Sequence[float], level: float = 0.95, n_problems: int | None = None) -> dict:
+    """Per-seed differences against a baseline without a bootstrap: what can be said when only each
+    seed's score is known (no per-problem outcomes). The shape of `two_level_bootstrap`'s result, with
+    "low", "high" and "p_le_0" None; "reason" says why there is no interval."""
+    t = seed_t_interval(per_seed, level)
+    return {"diff": t["mean"], "low": None, "high": None, "p_le_0": None, "n_seeds": t["n"],
+            "n_problems": n_problems, "per_seed": [float(x) for x in per_seed], "seed_t": t,
+            "reason": t["reason"] or "no per-problem outcomes: the seed-level t interval only"}
+
+
 def two_level_bootstrap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]], resamples: int = 10000,
                         seed: int = 0, level: float = 0.95) -> dict:
     """mean(a) - mean(b) over training seeds and test problems, with an interval that counts both.
@@ -131,12 +141,9 @@ def two_level_bootstrap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float
         raise ValueError("two_level_bootstrap: no seeds or no problems")
     diff = da - db
     n_seeds, n_problems = diff.shape
-    per_seed = diff.mean(axis=1)
-    out = {"diff": float(diff.mean()), "low": None, "high": None, "p_le_0": None, "n_seeds": n_seeds,
-           "n_problems": n_problems, "per_seed": [float(x) for x in per_seed],
-           "seed_t": seed_t_interval(per_seed, level), "reason": None}
+    out = seed_differences(diff.mean(axis=1), level, n_problems)
+    out["diff"] = float(diff.mean())  # the same mean, without the rounding of a mean of means
     if n_seeds < MIN_SEEDS:
-        out["reason"] = NO_RANKING.format(min=MIN_SEEDS)
         return out
     rng = np.random.default_rng(seed)
     means = np.empty(resamples)
@@ -153,16 +160,17 @@ def two_level_bootstrap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float
     return out
 
 
-def versus_cells(v: dict, scale: float = 100.0, unit: str = "") -> tuple[str, str, str]:
-    """A `two_level_bootstrap` result as three table cells: the difference with its two-level interval,
-    the per-seed differences, and the seed-level t interval (values times `scale`, e.g. points).
-    Below MIN_SEEDS seeds the first cell says no ranking can be read and the third is empty."""
+def versus_cells(v: dict, scale: float = 100.0) -> tuple[str, str, str]:
+    """A `two_level_bootstrap` (or `seed_differences`) result as three table cells: the difference with
+    its two-level interval, the per-seed differences, and the seed-level t interval, values times
+    `scale` (100: points). Below MIN_SEEDS seeds the first cell says no ranking can be read and no
+    cell holds an interval; without per-problem outcomes the first cell says "seed level only"."""
     def num(x: float) -> str:
-        return f"{scale * x:+.1f}{unit}"
+        return f"{scale * x:+.1f}"
 
     per_seed = ", ".join(num(x) for x in v["per_seed"])
-    if v["low"] is None:
+    if v["n_seeds"] < MIN_SEEDS:
         return f"{num(v['diff'])}, {v['n_seeds']} seed{'s' * (v['n_seeds'] != 1)}: no ranking", per_seed, "–"
     t = v["seed_t"]
-    return (f"{num(v['diff'])} [{num(v['low'])}, {num(v['high'])}]", per_seed,
-            f"[{num(t['low'])}, {num(t['high'])}]")
+    both = f" [{num(v['low'])}, {num(v['high'])}]" if v["low"] is not None else " (seed level only)"
+    return num(v["diff"]) + both, per_seed, f"[{num(t['low'])}, {num(t['high'])}]"
