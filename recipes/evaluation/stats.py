@@ -156,7 +156,7 @@ def two_level_bootstrap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float
         means[start:start + k] = ((problems @ diff.T) * seeds).sum(axis=1)
     tail = (1 - level) / 2
     out.update(low=float(np.quantile(means, tail)), high=float(np.quantile(means, 1 - tail)),
-               p_le_0=float((means <= 0).mean()))
+               p_le_0=float((means <= 0).mean()), reason=None)
     return out
 
 

@@ -78,6 +78,7 @@ def test_seed_level_t_interval_by_hand():
     t = v["seed_t"]
     assert (t["mean"], t["sd"], t["n"]) == (pytest.approx(0.2), pytest.approx(0.1), 3)
     assert (t["low"], t["high"]) == pytest.approx((-0.048414, 0.448414), abs=1e-6)
+    assert v["reason"] is None and t["reason"] is None and v["n_problems"] == 10
     assert S.versus_cells(v) == ("+20.0 [" + f"{100 * v['low']:+.1f}, {100 * v['high']:+.1f}]",
                                  "+10.0, +20.0, +30.0", "[-4.8, +44.8]")
 
