@@ -80,8 +80,8 @@ class Setup:
 SETUPS = {
     "tiny": Setup("tiny", REPO_ROOT / "recipes" / "configs" / "study.yaml",
                   {"digits": ("digits", "digits"), "groups3": ("groups3", "integers")}),
-    # 1000 test problems: with three seeds a 2-point exact-match difference between two losses is
-    # outside the paired interval once the models agree on most problems (see docs/study-smollm2/).
+    # 1000 test problems: their draw adds at most ~3 points to a paired difference between two losses;
+    # the seeds' spread adds more (see docs/study-smollm2/), which only more seeds would narrow.
     "smollm2": Setup("smollm2", REPO_ROOT / "recipes" / "configs" / "smollm2-study.yaml",
                      {"smollm2": (BACKBONE, "digits")}, out=REPO_ROOT / "docs" / "study-smollm2",
                      work=REPO_ROOT / "runs" / "study-smollm2", train_examples=5000, eval_examples=1000,
