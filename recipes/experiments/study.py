@@ -80,7 +80,7 @@ class Setup:
 SETUPS = {
     "tiny": Setup("tiny", REPO_ROOT / "recipes" / "configs" / "study.yaml",
                   {"digits": ("digits", "digits"), "groups3": ("groups3", "integers")}),
-    # 1000 test problems: their draw adds at most ~3 points to a paired difference between two losses;
+    # 1000 test problems: their draw adds about 3 points to a paired difference between two losses;
     # the seeds' spread adds more (see docs/study-smollm2/), which only more seeds would narrow.
     "smollm2": Setup("smollm2", REPO_ROOT / "recipes" / "configs" / "smollm2-study.yaml",
                      {"smollm2": (BACKBONE, "digits")}, out=REPO_ROOT / "docs" / "study-smollm2",
