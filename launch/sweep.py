@@ -306,13 +306,13 @@ def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
         lines.append(f"| {backbone} | {loss} | {len(group)} | " + " | ".join(cells) + " |")
     versus = versus_baseline(sweep, rows)
     if versus:
-        lines += ["", f"Exact match minus {sweep.baseline}'s of the same backbone, in points, over the seeds "
-                  "both have, paired by seed and test problem: a 95% two-level bootstrap interval (seeds, "
-                  "then problems), the difference at each seed and the 95% t interval of those. With fewer "
-                  f"than {MIN_SEEDS} seeds no ranking can be read and no interval is shown; a difference "
-                  "is the loss's where both intervals exclude 0.", "",
-                  f"| backbone | loss | seeds | Δ exact match vs {sweep.baseline} [95% seeds × problems]"
-                  " | Δ per seed | Δ 95% t over seeds |", "|---|---|---:|---:|---:|---:|"]
+        lines += ["", (f"Exact match minus {sweep.baseline}'s of the same backbone, in points, over the seeds "
+                       "both have, paired by seed and test problem: a 95% two-level bootstrap interval (seeds, "
+                       "then problems), the difference at each seed and the 95% t interval of those. With fewer "
+                       f"than {MIN_SEEDS} seeds no ranking can be read and no interval is shown; a difference "
+                       "is the loss's where both intervals exclude 0."), "",
+                  (f"| backbone | loss | seeds | Δ exact match vs {sweep.baseline} [95% seeds × problems]"
+                   " | Δ per seed | Δ 95% t over seeds |"), "|---|---|---:|---:|---:|---:|"]
         for backbone, loss, v in versus:
             if isinstance(v, str):
                 lines.append(f"| {backbone} | {loss} | – | {v} | – | – |")

@@ -259,7 +259,7 @@ def markdown(rows: list[dict]) -> str:
             both += f" ({v['n_seeds']} seeds)"
         return f"{both} | {per_seed} | {seed_t}"
 
-    lines = ["Mean ± sample standard deviation over seeds; MAE and R² over parsed answers only. "
+    lines = [("Mean ± sample standard deviation over seeds; MAE and R² over parsed answers only. "
              "Δ vs CE: exact match minus CE's in points over the seeds both have run, paired by seed and "
              "test problem, with a 95% two-level bootstrap interval (resampling the seeds, then the test "
              "problems), which counts the run-to-run spread as well as the draw of test problems; "
@@ -268,9 +268,9 @@ def markdown(rows: list[dict]) -> str:
              "and no interval is shown. A bootstrap over 3 seeds cannot reach past their extremes, so the "
              "t interval is the wider of the two: a difference can be read as the loss's where both "
              "exclude 0. tokens/s: training throughput (all ranks), mean over seeds of each run's median "
-             "step.", "",
-             "| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | final train CE"
-             " | Δ exact match vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds | tokens/s |",
+             "step."), "",
+             ("| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | final train CE"
+              " | Δ exact match vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds | tokens/s |"),
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = f"{row['tokens_per_s']:.0f}" if row.get("tokens_per_s") else "–"
