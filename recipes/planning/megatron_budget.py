@@ -436,6 +436,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
     per_param = f"{2 + GRAD_BYTES} + 12/{lay.dp}" if mg.distributed_optimizer else "18"
     rep.numbers.update(gpu_mem_bytes=int(peak.memory["model states"]), gpu_total_bytes=int(peak.total),
                        activation_bytes=int(peak.memory["activations"]), head_bytes=int(last.memory["head"]),
+                       first_stage_activation_bytes=int(first.memory["activations"]),
                        peak_stage=peak.index, bubble=pl.bubble, step_time_s=pl.step_s, mfu=pl.mfu,
                        step_flops=first.flops_mb * tr.grad_accum, model_flops=pl.model_flops,
                        comm_inter_node_bytes=int(busiest.pp_inter + busiest.dp_inter),
