@@ -266,7 +266,7 @@ def model_flops_per_token(s: Shape, seq: int) -> float:
 def _where(lay: Layout, kind: str) -> str:
     size = {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp}[kind]
     if size == 1:
-        return "none"
+        return "of size 1"
     nodes, g = span(lay, groups(lay, kind)[0])
     return "inside a node" if nodes == 1 else f"across {nodes} nodes, {g} rank(s) per node"
 
@@ -461,8 +461,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
                         + (f" ((p-1)/v = {(lay.pp - 1) / lay.vpp:g} idle micro-batch slots)" if lay.pp > 1 else ""))
     rep.add("comm / GPU / step", f"stage {busiest.index}: {(busiest.pp_inter + busiest.dp_inter) / 1e9:,.2f} GB over "
             f"the network (PP {busiest.pp_inter / 1e9:,.2f} + DP {busiest.dp_inter / 1e9:,.2f}) + "
-            f"{(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra) / 1e9:,.1f} GB over NVLink (TP "
-            f"{busiest.tp_bytes / 1e9:,.1f}{', SP' if lay.sp else ''} + PP {busiest.pp_intra / 1e9:,.2f} + DP "
+            f"{(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra) / 1e9:,.1f} GB over NVLink (TP"
+            f"{' with SP' if lay.sp else ''} {busiest.tp_bytes / 1e9:,.1f} + PP {busiest.pp_intra / 1e9:,.2f} + DP "
             f"{busiest.dp_intra / 1e9:,.2f}); DP group {pl.dp_ring}, PP group {pl.pp_ring}; rank order tp-dp-pp "
             f"(megatron-core's default); grads reduced in fp32")
     slow = max(pl.stages, key=lambda st: st.t_mb)
