@@ -418,7 +418,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
         return None
     problems = layout_problems(shape, lay, tr.grad_accum)
     rep.errors.extend(problems)
-    if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.tp > lay.gpus_per_node:
+    if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
         return None
     seq = seq_len or recipe.data.seq_len or 1024
     text = getattr(cfg, "text_config", None) or cfg
