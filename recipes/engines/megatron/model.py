@@ -202,6 +202,19 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
     return model
 
 
+def build_model_chunks(recipe: Recipe) -> list:
+    """Every GPTModel chunk of this rank: one, or `megatron.virtual_pp_size` with interleaving (chunk v
+    holds the v-th of its stage's layer groups), each with its own pre/post-process flags. Same
+    contract as `build_gpt_model`."""
+    from megatron.core import parallel_state
+
+    pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), recipe.megatron.pp_size
+    vp = recipe.megatron.virtual_pp_size
+    stages = [None] if vp is None else list(range(vp))
+    return [build_gpt_model(recipe, pp_rank == 0 and v in (None, 0), pp_rank == pp - 1 and v in (None, len(stages) - 1),
+                            vp_stage=v) for v in stages]
+
+
 def set_rope_frequencies(model, hf_config) -> None:
     """Replace the RoPE inverse frequencies megatron computed with the HF model's (scaling included).
     Must run before the first forward (megatron caches the rotary table per sequence length)."""
