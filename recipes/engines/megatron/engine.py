@@ -1,0 +1,151 @@
+"""`MegatronEngine`: the recipe's backbone as megatron-core GPTModel chunks under TP / PP (interleaved
+when `megatron.virtual_pp_size`) / SP / DP, trained with numloss's objective normalised over the whole
+global batch. The shared training loop drives it (the DeepSpeed engine has the same interface):
+
+    engine = MegatronEngine(recipe, runtime)   # collective: every rank of the world
+    reader shards rows by engine.dp.rank / engine.dp.size
+    row = engine.train_step(window)             # this rank's share of the logged values + grad_norm
+    engine.lr(); engine.save_state(d); engine.load_state(d); engine.export(path, tokenizer); engine.close()
+
+Ranks are ordered TP fastest, then DP, then PP (`MegatronSection`); the TP and PP ranks of one
+data-parallel replica read the same rows. Devices: CUDA uses megatron-core's optimizer (DistributedOptimizer
+per the recipe) and overlapped grad reduce / param gather; CPU (gloo, `cpu_shim`) uses torch AdamW with
+the grad norm and clip computed in `step.py`, and no overlap (it needs CUDA streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from numloss import NumericVocab, Objective
+
+from ...config import Recipe
+from . import checkpoints, step
+from .model import build_gpt_model, initialize_model_parallel
+
+
+@dataclass
+class DataParallel:
+    """This rank's data-parallel position: the reader gives replica `rank` of `size` its rows; `group`
+    is megatron's data-parallel group (the loop sums logged values over it)."""
+
+    rank: int
+    size: int
+    group: object
+
+
+def mark_tensor_parallel_weights(model) -> None:
+    """Give every TP-sharded weight megatron-core's `tensor_model_parallel` / `partition_dim` attributes.
+
+    megatron-core 0.16.1 sets them on a parallel layer's weight only inside its random initialisation
+    (`tensor_parallel/layers.py`: under `if config.perform_initialization`), so a model built with
+    `perform_initialization=False` (weights loaded right after) has sharded weights that look
+    TP-replicated: any grad norm (this engine's and megatron-core's own) then counts TP rank 0's shard
+    only (seen: 6.00 instead of 6.97 at TP 2). Local; no communication; idempotent."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
+
+
+class MegatronEngine:
+    name = "megatron"
+
+    def __init__(self, recipe: Recipe, runtime):
+        """Parallel state, model chunks, numeric vocabulary (at the padded vocab size), objective, DDP
+        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from ...model import load_tokenizer
+
+        if recipe.loss.head != "logits":
+            raise NotImplementedError("the Megatron engine computes the objective on GPTModel's vocab-parallel"
+                                      " logits: loss.head must be 'logits'")
+        self.recipe, self.runtime = recipe, runtime
+        m = recipe.megatron
+        initialize_model_parallel(recipe)
+        self.dp = DataParallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                               ps.get_data_parallel_group())
+        self.tokenizer, _ = load_tokenizer(recipe)
+        cuda = torch.cuda.is_available()
+        chunks = []
+        for vp in range(m.virtual_pp_size or 1):
+            stage = vp if m.virtual_pp_size else None
+            chunk = build_gpt_model(recipe, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                                    ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage), vp_stage=stage)
+            mark_tensor_parallel_weights(chunk)
+            # Before DDP: with it DDP sums gradients over DP and the schedules keep per-micro-batch sums.
+            chunk.config.calculate_per_token_loss = True
+            if cuda:
+                chunk.cuda(torch.cuda.current_device())
+            chunks.append(chunk)
+        padded = chunks[0].vocab_size
+        if len(self.tokenizer) > padded:
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {padded}")
+        vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
+                                            max_value=recipe.loss.numeric_max_value,
+                                            space_variants=recipe.loss.space_variants, vocab_size=padded)
+        self.objective = Objective(vocab, recipe.objective_config())
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, average_in_collective=False,
+            overlap_grad_reduce=cuda and m.overlap_grad_reduce,
+            overlap_param_gather=cuda and m.distributed_optimizer and m.overlap_param_gather,
+            use_distributed_optimizer=cuda and m.distributed_optimizer)
+        # Bucketing only for the first chunk, as Megatron-LM does (later chunks' grads reduce as one).
+        self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+                      for i, chunk in enumerate(chunks)]
+        step.configure_schedule(chunks[0].config, self.model, ddp_config.overlap_grad_reduce,
+                                ddp_config.overlap_param_gather)
+        self.optimizer = step.MegatronAdam(recipe, self.model) if cuda else step.TorchAdamW(recipe, self.model)
+        self.optimizer_name = self.optimizer.name
+
+    def train_step(self, window: list[dict]) -> dict[str, float]:
+        """One optimizer step over this replica's micro-batches (dicts of `[b, s]` tensors: input_ids,
+        labels unshifted with -100, attention_mask, optional position_ids / sequence_ids). Returns
+        this rank's share of loss, ce, term/*, numeric_positions (sum them over `dp.group`) and the
+        global grad_norm before clipping. Collective over the world."""
+        for chunk in self.model:
+            chunk.train()
+        return step.train_step(self.model, self.optimizer, self.objective, window,
+                               sequence_parallel=self.recipe.megatron.sequence_parallel)
+
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return self.optimizer.lr()
+
+    def save_state(self, directory) -> None:
+        """Model, optimizer, schedule and RNG into `directory` (`checkpoints.save_state`). Collective."""
+        checkpoints.save_state(directory, self.model, self.optimizer)
+
+    def load_state(self, directory) -> None:
+        """Restore what `save_state` wrote, from any TP / PP / DP layout. Collective."""
+        checkpoints.load_state(directory, self.model, self.optimizer)
+
+    def export(self, path, tokenizer) -> None:
+        """A Hugging Face safetensors model in `path` (`export.export_hf`: DP rank 0's copy, one writer
+        per pipeline stage) and, from rank 0, `tokenizer` beside it. Collective."""
+        import torch.distributed as dist
+
+        from .export import export_hf
+
+        export_hf(self.model, path)
+        if self.runtime.is_main:
+            tokenizer.save_pretrained(str(path))
+        dist.barrier()
+
+    def close(self) -> None:
+        """Destroy megatron's model-parallel state (the process group stays: the loop owns it)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
