@@ -7,7 +7,8 @@
 - one training step of the cpu_shim's whole path: PP 2 x VP 2 interleaved 1F1B under megatron's DDP
   with `finalize_model_grads` (which all-reduces the tied embedding's gradient between the first and
   last stage): loss and every gradient equal HF's; then a `dist_checkpointing` save and load into a
-  zeroed model gives back the same weights.
+  zeroed model gives back the same weights;
+- a random-init model (`model.config`) at TP 2 in bf16 with selective recompute builds and trains.
 """
 
 from __future__ import annotations
@@ -165,6 +166,38 @@ def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
     parallel_state.destroy_model_parallel()
 
 
+def _random_init_bf16(rank):
+    """`model.config` (random init) at TP 2 in bf16 with selective recompute: builds, replicated weights
+    agree across TP ranks, forward and backward run with finite gradients."""
+    from megatron.core import parallel_state
+
+    from recipes.config import ModelConfig
+    from tests.megatron.helpers import LLAMA
+
+    recipe = recipe_for("unused", tp=2)
+    recipe.model = ModelConfig(config={"model_type": "llama", **LLAMA}, tokenizer="unused", dtype="bfloat16")
+    recipe.megatron.recompute = "selective"
+    (model,) = _build(recipe)
+    assert model.config.recompute_granularity == "selective"
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    norm = model.decoder.layers[0].input_layernorm.weight
+    with torch.no_grad():
+        norm.add_(torch.arange(norm.numel()) * 1e-2)  # not all ones: the comparison below means something
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(norm) for _ in range(2)]
+    dist.all_gather(parts, norm.detach(), group=group)
+    assert torch.equal(parts[0], parts[1])
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight.detach()
+    dist.all_gather(parts := [torch.empty_like(qkv) for _ in range(2)], qkv, group=group)
+    assert not torch.equal(parts[0], parts[1])  # different shards of one initialised weight
+    ids, _ = _batch()
+    logits = model(ids, torch.arange(S)[None].expand(B, S), None)
+    assert logits.shape == (B, S, 256) and logits.dtype == torch.bfloat16
+    logits.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    parallel_state.destroy_model_parallel()
+
+
 def _two_ranks(rank, world, llama_dir, qwen_dir, ckpt_dir):
     from recipes.engines.megatron import cpu_shim
 
@@ -180,6 +213,7 @@ def _two_ranks(rank, world, llama_dir, qwen_dir, ckpt_dir):
     for kind, layout in layouts:
         _check_logits(recipe_for(dirs[kind], **layout), ref[kind], f"rank {rank} {kind} {layout}")
     _train_step_and_checkpoint(llama_dir, ckpt_dir, llama)
+    _random_init_bf16(rank)
 
 
 def test_two_ranks_logits_training_step_and_checkpoint(tmp_path):
