@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VOCAB = 300  # padded to 384 at TP 1 and to 512 at TP 2 (Megatron's multiple of 128 x tp)
-LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, rope_theta=500000.0,
+LLAMA = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True, "rope_theta": 500000.0,
              # Llama-3 scaling with a short original context, so the scaled band covers real positions
-             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 16})
-QWEN2 = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}}
+QWEN2 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
 
 
 def save_tiny(kind: str, out: str | Path, seed: int = 0) -> Path:

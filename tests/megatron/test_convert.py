@@ -10,6 +10,7 @@ import torch
 
 from recipes.engines.megatron.convert import (
     SafetensorsReader,
+    global_layer_names,
     gpt_model_kwargs,
     hf_to_megatron,
     interleave_qkv,
@@ -18,7 +19,6 @@ from recipes.engines.megatron.convert import (
     padded_vocab_size,
     rope_inv_freq,
     split_qkv,
-    global_layer_names,
     transformer_config_from_hf,
 )
 from tests.megatron.helpers import VOCAB, save_tiny
@@ -62,7 +62,7 @@ def test_round_trip_bit_exact(checkpoints, kind, tp, pp, vp):
     path = checkpoints[kind]
     hf_config = _hf_config(path)
     reader = SafetensorsReader(path)
-    hf = {k: reader(k) for k in reader.keys()}
+    hf = {k: reader(k) for k in reader}
     config = transformer_config_from_hf(hf_config, tp_size=tp, pp_size=pp, virtual_pp_size=vp)
     padded = padded_vocab_size(VOCAB, tp)
     assert padded == 128 * tp * -(-VOCAB // (128 * tp))
@@ -120,10 +120,10 @@ def test_stage_reads_only_its_shards(checkpoints):
     reader = SafetensorsReader(path)
     assert len(set(reader.weight_map.values())) > 3  # the fixture is really sharded
     state = hf_to_megatron(reader, config, hf_config, tp_rank=0, tp_size=1, pp_rank=1, pp_size=2)
-    needed = {reader.weight_map[k] for k in reader.keys()
+    needed = {reader.weight_map[k] for k in reader
               if k.startswith(("model.layers.2.", "model.layers.3.", "model.norm.", "model.embed_tokens."))}
     assert reader.files_opened == needed
-    assert not any(reader.weight_map[k] in reader.files_opened for k in reader.keys()
+    assert not any(reader.weight_map[k] in reader.files_opened for k in reader
                    if k.startswith("model.layers.0.") and reader.weight_map[k] not in needed)
     assert "decoder.layers.1.mlp.linear_fc2.weight" in state and "decoder.layers.2.mlp.linear_fc2.weight" not in state
 

@@ -18,13 +18,19 @@ if importlib.util.find_spec("megatron.core") is None:
 
 
 def _one_rank(rank, world, model_dir):
-    import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import schedules
 
     from recipes.engines.megatron import cpu_shim
-    from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel
+    from recipes.engines.megatron.model import (
+        build_model_chunks,
+        initialize_model_parallel,
+    )
 
     assert cpu_shim.apply() and cpu_shim.apply() and cpu_shim.is_applied()
     assert schedules.torch.zeros(2, device="cuda").device.type == "cpu"  # megatron's view

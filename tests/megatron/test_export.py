@@ -30,7 +30,11 @@ def _perturb(chunks, tied: bool) -> None:
     replicated and the tied copies (embedding, last stage's output layer) stay equal."""
     from megatron.core import parallel_state
 
-    from recipes.engines.megatron.convert import global_layer_names, layer_range, tp_split_dim
+    from recipes.engines.megatron.convert import (
+        global_layer_names,
+        layer_range,
+        tp_split_dim,
+    )
 
     tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     with torch.no_grad():
@@ -47,10 +51,22 @@ def _export_and_check(rank, path, model_dir, kind):
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
 
-    from recipes.engines.megatron.convert import SafetensorsReader, global_layer_names, hf_to_megatron, layer_range
+    from recipes.engines.megatron.convert import (
+        SafetensorsReader,
+        hf_to_megatron,
+    )
     from recipes.engines.megatron.export import export_hf
-    from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel
-    from tests.megatron.test_parallel import B, S, _batch, _gather_vocab, _schedule_logits
+    from recipes.engines.megatron.model import (
+        build_model_chunks,
+        initialize_model_parallel,
+    )
+    from tests.megatron.test_parallel import (
+        B,
+        S,
+        _batch,
+        _gather_vocab,
+        _schedule_logits,
+    )
 
     recipe = recipe_for(model_dir, tp=2, pp=2)
     initialize_model_parallel(recipe)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ if importlib.util.find_spec("megatron.core") is None:
     raise ImportError("tests/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 B, S = 2, 24
-TOL = dict(rtol=1e-5, atol=1e-5)
+TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _batch():
@@ -42,7 +41,10 @@ def _hf(path):
 
 def _build(recipe):
     """This rank's chunks, after setting up megatron's groups for the recipe."""
-    from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel
+    from recipes.engines.megatron.model import (
+        build_model_chunks,
+        initialize_model_parallel,
+    )
 
     initialize_model_parallel(recipe)
     return build_model_chunks(recipe)
@@ -113,7 +115,11 @@ def _check_logits(recipe, reference, where):
 def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
     """PP 2 x VP 2 (one layer per chunk) under megatron's DDP: loss and grads equal HF's."""
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     from recipes.engines.megatron.convert import hf_to_megatron
 
@@ -146,8 +152,8 @@ def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
         assert sorted(got) == sorted(expected), (pp_rank, v)
         for name, grad in expected.items():
             # tied: both copies hold the sum of both uses after finalize_model_grads
-            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda msg: f"grad {name} (PP rank {pp_rank}, chunk {v}): {msg}")
+            where = f"grad {name} (PP rank {pp_rank}, chunk {v})"
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda msg, w=where: f"{w}: {msg}")
 
     # dist_checkpointing: save, zero the weights, load back
     state = {f"model{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
@@ -207,9 +213,9 @@ def _two_ranks(rank, world, llama_dir, qwen_dir, ckpt_dir):
     with torch.no_grad():
         ref = {"llama": llama(ids).logits, "qwen2": _hf(qwen_dir)(ids).logits}
     dirs = {"llama": llama_dir, "qwen2": qwen_dir}
-    layouts = [("llama", dict(tp=1)), ("qwen2", dict(tp=1)), ("llama", dict(tp=2)), ("qwen2", dict(tp=2)),
-               ("llama", dict(tp=2, sp=True)), ("qwen2", dict(tp=2, sp=True)), ("llama", dict(pp=2)),
-               ("qwen2", dict(pp=2)), ("llama", dict(pp=2, vp=2))]
+    layouts = [("llama", {"tp": 1}), ("qwen2", {"tp": 1}), ("llama", {"tp": 2}), ("qwen2", {"tp": 2}),
+               ("llama", {"tp": 2, "sp": True}), ("qwen2", {"tp": 2, "sp": True}), ("llama", {"pp": 2}),
+               ("qwen2", {"pp": 2}), ("llama", {"pp": 2, "vp": 2})]
     for kind, layout in layouts:
         _check_logits(recipe_for(dirs[kind], **layout), ref[kind], f"rank {rank} {kind} {layout}")
     _train_step_and_checkpoint(llama_dir, ckpt_dir, llama)

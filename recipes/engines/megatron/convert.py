@@ -133,9 +133,9 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
                          f"virtual_pp_size {virtual_pp_size or 1}")
     recompute_args = {}
     if recompute == "full":
-        recompute_args = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        recompute_args = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
     elif recompute == "selective":
-        recompute_args = dict(recompute_granularity="selective")
+        recompute_args = {"recompute_granularity": "selective"}
     elif recompute is not None:
         raise ValueError(f"recompute {recompute!r}: expected None, 'full' or 'selective'")
     qkv_bias = hf_config.model_type == "qwen2"
@@ -161,10 +161,10 @@ def gpt_model_kwargs(hf_config, tp_size: int, divisible_by: int = DEFAULT_VOCAB_
     """The GPTModel constructor arguments that come from the HF config: padded vocabulary, positions,
     RoPE base (scaling is written into the built model: see `rope_inv_freq`), tied embeddings."""
     theta, _ = rope_settings(hf_config)
-    return dict(vocab_size=padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by),
-                max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                rotary_base=theta, rotary_percent=1.0,
-                share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return {"vocab_size": padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by),
+                "max_sequence_length": hf_config.max_position_embeddings, "position_embedding_type": "rope",
+                "rotary_base": theta, "rotary_percent": 1.0,
+                "share_embeddings_and_output_weights": bool(getattr(hf_config, "tie_word_embeddings", False))}
 
 
 # ---- reading a HF checkpoint ---------------------------------------------------------------------------
@@ -188,12 +188,15 @@ class SafetensorsReader:
             if not single.is_file():
                 raise FileNotFoundError(f"{self.path}: neither model.safetensors.index.json nor model.safetensors")
             with safe_open(str(single), framework="pt") as f:
-                self.weight_map = {k: single.name for k in f.keys()}
+                self.weight_map = {k: single.name for k in f}
         self.files_opened: set[str] = set()
         self._open: dict = {}
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
+
+    def __iter__(self):
+        return iter(self.weight_map)
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
@@ -270,7 +273,7 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
         raise ValueError(f"config is TP {config.tensor_model_parallel_size} x PP {config.pipeline_model_parallel_size},"
                          f" asked for TP {tp_size} x PP {pp_size}")
     dtype = config.params_dtype
-    groups, heads, d = config.num_query_groups, config.num_attention_heads, config.kv_channels
+    groups = config.num_query_groups
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     padded = padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by)
     pre, post = stage_ends(config, pp_rank, vp_stage)

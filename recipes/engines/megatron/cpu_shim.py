@@ -27,7 +27,8 @@ import functools
 import importlib
 import sys
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -227,7 +228,9 @@ def apply() -> bool:
     if getattr(sys.modules["megatron.core.tensor_parallel.random"], _APPLIED_FLAG, False):
         return True
 
-    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.models.common.language_module.language_module import (
+        LanguageModule,
+    )
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.tensor_parallel import random as mrandom
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .convert import layer_range, global_layer_names, megatron_to_hf, tp_split_dim
+from .convert import global_layer_names, layer_range, megatron_to_hf, tp_split_dim
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30

@@ -87,7 +87,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -108,7 +108,10 @@ def layer_spec(config, pp_rank: int, vp_stage: int | None = None, use_te: bool |
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
     )
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     te = transformer_engine_available() if use_te is None else use_te
     if te:
