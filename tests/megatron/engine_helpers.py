@@ -32,7 +32,7 @@ def make_assets(root: Path) -> dict[str, str]:
                          tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(root / "model"))
+    model.save_pretrained(str(root / "model"), max_shard_size="200KB")  # sharded, with an index
     return {"tokenizer": str(root / "tokenizer"), "model": str(root / "model")}
 
 

@@ -23,7 +23,7 @@ from numloss import NumericVocab, Objective
 
 from ...config import Recipe
 from . import checkpoints, step
-from .model import build_gpt_model, initialize_model_parallel
+from .model import build_model_chunks, initialize_model_parallel
 
 
 @dataclass
@@ -79,17 +79,13 @@ class MegatronEngine:
                                ps.get_data_parallel_group())
         self.tokenizer, _ = load_tokenizer(recipe)
         cuda = torch.cuda.is_available()
-        chunks = []
-        for vp in range(m.virtual_pp_size or 1):
-            stage = vp if m.virtual_pp_size else None
-            chunk = build_gpt_model(recipe, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                                    ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage), vp_stage=stage)
+        chunks = build_model_chunks(recipe)
+        for chunk in chunks:
             mark_tensor_parallel_weights(chunk)
             # Before DDP: with it DDP sums gradients over DP and the schedules keep per-micro-batch sums.
             chunk.config.calculate_per_token_loss = True
             if cuda:
                 chunk.cuda(torch.cuda.current_device())
-            chunks.append(chunk)
         padded = chunks[0].vocab_size
         if len(self.tokenizer) > padded:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {padded}")
