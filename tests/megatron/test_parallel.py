@@ -4,9 +4,10 @@
   and an untied Qwen2 with QKV bias; at TP 2 with sequence parallelism; at PP 2 through megatron's 1F1B
   schedule and at PP 2 x VP 2 through the interleaved one (forward only); the padded vocabulary
   columns are exactly 0 (zero rows);
-- one training step of the cpu_shim's whole path: PP 2 x VP 2 interleaved 1F1B under megatron's DDP
-  with `finalize_model_grads` (which all-reduces the tied embedding's gradient between the first and
-  last stage): loss and every gradient equal HF's; then a `dist_checkpointing` save and load into a
+- one training step under megatron's DDP with `finalize_model_grads` gives HF's loss and every
+  gradient: at TP 2 + SP (the RMSNorm weights' gradients are summed over the sequence slices) and at
+  PP 2 x VP 2 through interleaved 1F1B (the tied embedding's gradient all-reduced between the first
+  and last stage); then a `dist_checkpointing` save and load into a
   zeroed model gives back the same weights;
 - a random-init model (`model.config`) at TP 2 in bf16 with selective recompute builds and trains.
 """
@@ -65,6 +66,9 @@ def _schedule_logits(chunks, ids, forward_only=True, labels=None):
     on the last stage or None, losses). The loss is the mean CE over the real (unpadded) vocabulary."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_tensor_model_parallel_region,
+    )
 
     pos = torch.arange(S)[None]
     logits_out: list = []
@@ -77,6 +81,8 @@ def _schedule_logits(chunks, ids, forward_only=True, labels=None):
             logits_out.append(output.detach())
             if labels is None:
                 return output.sum() * 0, {}
+            if parallel_state.get_tensor_model_parallel_world_size() > 1:  # differentiable gather (split back)
+                output = gather_from_tensor_model_parallel_region(output)
             loss = F.cross_entropy(output[..., :VOCAB].reshape(-1, VOCAB), labels[i:i + 1].reshape(-1))
             return loss, {"loss": loss.detach().clone()}  # megatron divides `loss` in place afterwards
 
@@ -112,9 +118,10 @@ def _check_logits(recipe, reference, where):
     parallel_state.destroy_model_parallel()
 
 
-def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
-    """PP 2 x VP 2 (one layer per chunk) under megatron's DDP: loss and grads equal HF's."""
-    from megatron.core import dist_checkpointing, parallel_state
+def _train_step(recipe, hf_model):
+    """One step of `recipe`'s layout under megatron's DDP (megatron's schedule, `finalize_model_grads`):
+    the loss and every gradient equal HF's. Returns this rank's chunks."""
+    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -123,13 +130,12 @@ def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
 
     from recipes.engines.megatron.convert import hf_to_megatron
 
-    recipe = recipe_for(llama_dir, pp=2, vp=2)
     chunks = _build(recipe)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     ddp = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     config = chunks[0].config
-    config.no_sync_func = [m.no_sync for m in ddp]
+    config.no_sync_func = [m.no_sync for m in ddp] if len(ddp) > 1 else ddp[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     for m in ddp:
         m.zero_grad_buffer()
@@ -137,23 +143,31 @@ def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
     _, losses = _schedule_logits(ddp, ids, forward_only=False, labels=labels)
 
     hf_model.zero_grad()
-    ref_logits = hf_model(ids).logits
-    ref_loss = F.cross_entropy(ref_logits.reshape(-1, VOCAB), labels.reshape(-1))
+    ref_loss = F.cross_entropy(hf_model(ids).logits.reshape(-1, VOCAB), labels.reshape(-1))
     ref_loss.backward()
-    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if pp_rank == 1:
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    tp, pp = recipe.megatron.tp_size, recipe.megatron.pp_size
+    if pp_rank == pp - 1:
         torch.testing.assert_close(torch.stack([r["loss"] for r in losses]).mean(), ref_loss.detach(), **TOL)
     hf_grads = {n: p.grad for n, p in hf_model.named_parameters()}
     hf_grads.setdefault("lm_head.weight", hf_grads["model.embed_tokens.weight"])
-    for v, (chunk, m) in enumerate(zip(chunks, ddp)):
-        expected = hf_to_megatron(hf_grads.__getitem__, config, hf_model.config, tp_rank=0, tp_size=1,
-                                  pp_rank=pp_rank, pp_size=2, vp_stage=v)
+    for chunk in chunks:
+        expected = hf_to_megatron(hf_grads.__getitem__, config, hf_model.config, tp_rank=tp_rank, tp_size=tp,
+                                  pp_rank=pp_rank, pp_size=pp, vp_stage=chunk.vp_stage)
         got = {n: p.main_grad for n, p in chunk.named_parameters()}
-        assert sorted(got) == sorted(expected), (pp_rank, v)
+        assert sorted(got) == sorted(expected), (pp_rank, chunk.vp_stage)
         for name, grad in expected.items():
-            # tied: both copies hold the sum of both uses after finalize_model_grads
-            where = f"grad {name} (PP rank {pp_rank}, chunk {v})"
+            # tied: both copies hold the sum of both uses; SP: norms hold the sum over the sequence slices
+            where = f"{recipe.megatron} grad {name} (TP rank {tp_rank}, PP rank {pp_rank}, chunk {chunk.vp_stage})"
             torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-6, msg=lambda msg, w=where: f"{w}: {msg}")
+    return chunks
+
+
+def _train_step_and_checkpoint(llama_dir, ckpt_dir, hf_model):
+    """PP 2 x VP 2 (one layer per chunk): a training step, then a dist_checkpointing round trip."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    chunks = _train_step(recipe_for(llama_dir, pp=2, vp=2), hf_model)
 
     # dist_checkpointing: save, zero the weights, load back
     state = {f"model{v}": c.sharded_state_dict() for v, c in enumerate(chunks)}
@@ -218,6 +232,10 @@ def _two_ranks(rank, world, llama_dir, qwen_dir, ckpt_dir):
                ("qwen2", {"pp": 2}), ("llama", {"pp": 2, "vp": 2})]
     for kind, layout in layouts:
         _check_logits(recipe_for(dirs[kind], **layout), ref[kind], f"rank {rank} {kind} {layout}")
+    _train_step(recipe_for(llama_dir, tp=2, sp=True), llama)
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
     _train_step_and_checkpoint(llama_dir, ckpt_dir, llama)
     _random_init_bf16(rank)
 
