@@ -25,7 +25,7 @@ from tests.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 if importlib.util.find_spec("megatron.core") is None:
     raise ImportError("tests/megatron needs megatron-core (pip install -e '.[megatron]')")
 
-B, S = 2, 24
+B, S = 4, 24  # B micro-batches of one sequence each in the pipeline schedules
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -101,7 +101,14 @@ def _schedule_logits(chunks, ids, forward_only=True, labels=None):
 def _check_logits(recipe, reference, where):
     from megatron.core import parallel_state
 
+    from recipes.engines.megatron.convert import tp_split_dim
+
     chunks = _build(recipe)
+    for chunk in chunks:  # what megatron's grad norms read: split parameters are marked as such
+        for name, p in chunk.named_parameters():
+            dim = tp_split_dim(name)
+            assert getattr(p, "tensor_model_parallel", False) == (dim is not None), (where, name)
+            assert dim is None or p.partition_dim == dim, (where, name)
     ids, _ = _batch()
     with torch.no_grad():
         if len(chunks) == 1 and recipe.megatron.pp_size == 1:

@@ -25,6 +25,7 @@ from .convert import (
     hf_to_megatron,
     rope_inv_freq,
     stage_ends,
+    tp_split_dim,
     transformer_config_from_hf,
 )
 
@@ -193,9 +194,14 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
     if (pre_process, post_process) != stage_ends(config, pp_rank, vp_stage):
         raise ValueError(f"pre_process/post_process {pre_process}/{post_process} do not match pipeline rank {pp_rank}"
                          f" chunk {vp_stage}: expected {stage_ends(config, pp_rank, vp_stage)}")
+    if dist.get_backend() == "gloo":
+        # gloo: megatron's batched p2p (`batch_isend_irecv`) delivered wrong activations to interleaved
+        # 1F1B from the third micro-batch on (found by the engine's layout tests); unbatched p2p is right
+        config.batch_p2p_comm = False
     spec, te = layer_spec(config, pp_rank, vp_stage)
     model = GPTModel(config, spec, pre_process=pre_process, post_process=post_process, parallel_output=True,
                      vp_stage=vp_stage, **gpt_model_kwargs(hf_config, tp_size))
+    mark_tensor_parallel(model)
     set_rope_frequencies(model, hf_config)
     if m.name_or_path is not None:
         reader = SafetensorsReader(local_checkpoint_dir(m.name_or_path))
@@ -216,6 +222,18 @@ def build_model_chunks(recipe: Recipe) -> list:
     stages = [None] if vp is None else list(range(vp))
     return [build_gpt_model(recipe, pp_rank == 0 and v in (None, 0), pp_rank == pp - 1 and v in (None, len(stages) - 1),
                             vp_stage=v) for v in stages]
+
+
+def mark_tensor_parallel(model) -> None:
+    """Give every TP-split parameter megatron's `tensor_model_parallel` / `partition_dim` /
+    `partition_stride` attributes (split dimension from `convert.tp_split_dim`). megatron-core 0.16.1 sets
+    them on parallel layers' weights only inside its random init (`perform_initialization`), so a model
+    built to be loaded would look TP-replicated to every grad norm, which would then count TP rank 0's
+    shard only. Local, idempotent."""
+    for name, p in model.named_parameters():
+        dim = tp_split_dim(name)
+        if dim is not None and not getattr(p, "tensor_model_parallel", False):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
 
 
 def set_rope_frequencies(model, hf_config) -> None:
