@@ -86,6 +86,32 @@ def replica_window(step: int, tokenizer_dir: str, dp_rank: int, dp_size: int, mi
             for i in range(0, per_replica, micro)]
 
 
+def packed_and_unpacked(tokenizer_dir: str) -> dict[str, list[dict]]:
+    """Two examples (7 and 6 tokens, from step 1's first two rows) as one-micro-batch windows: packed
+    into one row (segment ids 1, 2 and 0 on padding; positions restart; the second example's first
+    label ignored, as data_prep makes packed rows) and unpacked (two right-padded rows)."""
+    first, second = global_batch(1, tokenizer_dir)[:2]
+    a, b = {k: v[:7] for k, v in first.items()}, {k: v[:6] for k, v in second.items()}
+    b["labels"] = b["labels"].clone()
+    b["labels"][0] = -100
+    pad = SEQ - 13
+    packed = {"input_ids": torch.cat([a["input_ids"], b["input_ids"], torch.zeros(pad, dtype=torch.long)]),
+              "labels": torch.cat([a["labels"], b["labels"], torch.full((pad,), -100)]),
+              "attention_mask": torch.cat([torch.ones(13, dtype=torch.long), torch.zeros(pad, dtype=torch.long)]),
+              "position_ids": torch.cat([torch.arange(7), torch.arange(6), torch.arange(pad)]),
+              "sequence_ids": torch.cat([torch.full((7,), 1), torch.full((6,), 2), torch.zeros(pad, dtype=torch.long)])}
+
+    def padded(example: dict) -> dict:
+        n = len(example["input_ids"])
+        return {"input_ids": torch.cat([example["input_ids"], torch.zeros(SEQ - n, dtype=torch.long)]),
+                "labels": torch.cat([example["labels"], torch.full((SEQ - n,), -100)]),
+                "attention_mask": (torch.arange(SEQ) < n).long()}
+
+    unpacked = [padded(a), padded(b)]
+    return {"packed": [{k: v[None] for k, v in packed.items()}],
+            "unpacked": [{k: torch.stack([row[k] for row in unpacked]) for k in unpacked[0]}]}
+
+
 def run_steps(engine, assets: dict, first: int, last: int) -> list[dict[str, float]]:
     """Train steps `first..last`; returns each step's logged row (summed over the data-parallel group,
     as the loop logs it) with its grad_norm and the lr it used."""

@@ -44,7 +44,11 @@ def mark_tensor_parallel_weights(model) -> None:
     `perform_initialization=False` (weights loaded right after) has sharded weights that look
     TP-replicated: any grad norm (this engine's and megatron-core's own) then counts TP rank 0's shard
     only (seen: 6.00 instead of 6.97 at TP 2). Local; no communication; idempotent."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
@@ -65,7 +69,10 @@ class MegatronEngine:
         """Parallel state, model chunks, numeric vocabulary (at the padded vocab size), objective, DDP
         and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
 
         from ...model import load_tokenizer
 

@@ -44,42 +44,40 @@ def prepare_window(window: list[dict], pad_multiple: int = 1, ignore_index: int 
     never onto padding (a padded query attends to itself only, so no row is empty)."""
     longest = max(m["input_ids"].shape[1] for m in window)
     length = -(-longest // pad_multiple) * pad_multiple
-    out = []
-    for m in window:
-        b, s = m["input_ids"].shape
-        pad = length - s
-        device = m["input_ids"].device
-        real = m.get("attention_mask")
-        real = torch.ones(b, s, dtype=torch.bool, device=device) if real is None else real.bool()
-        if real.dim() != 2:
-            raise ValueError(f"the Megatron engine takes a [b, s] attention_mask (1: a real token) and"
-                             f" sequence_ids for packed rows; got a {real.dim()}-D mask")
-        positions = m.get("position_ids")
-        if positions is None:
-            positions = torch.arange(s, device=device).expand(b, s)
-        segments = m.get("sequence_ids")
+    return [_prepare_micro_batch(m, length, ignore_index) for m in window]
 
-        def right(x: torch.Tensor, value: int) -> torch.Tensor:
-            return torch.nn.functional.pad(x, (0, pad), value=value)
 
-        item = {"input_ids": right(m["input_ids"], 0),
-                "labels": right(shift_labels(m["labels"], ignore_index), ignore_index),
-                "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=device)], 1)
-                if pad else positions}
-        real = right(real.long(), 0).bool()
-        if segments is not None:
-            item["sequence_ids"] = right(segments, 0)
-        right_padded = bool((real[:, 1:] <= real[:, :-1]).all())
-        if segments is None and right_padded:
-            item["attention_mask"] = None
-        else:
-            causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-            allowed = causal & real[:, None, :]
-            if segments is not None:
-                allowed &= item["sequence_ids"][:, :, None] == item["sequence_ids"][:, None, :]
-            allowed |= torch.eye(length, dtype=torch.bool, device=device)
-            item["attention_mask"] = ~allowed[:, None]
-        out.append(item)
+def _prepare_micro_batch(m: dict, length: int, ignore_index: int) -> dict:
+    """One micro-batch of `prepare_window`, right-padded to `length`."""
+    b, s = m["input_ids"].shape
+    device = m["input_ids"].device
+    pad = length - s
+
+    def right(x: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad), value=value)
+
+    real = m.get("attention_mask")
+    real = torch.ones(b, s, dtype=torch.long, device=device) if real is None else real
+    if real.dim() != 2:
+        raise ValueError(f"the Megatron engine takes a [b, s] attention_mask (1: a real token) and sequence_ids"
+                         f" for packed rows; got a {real.dim()}-D mask")
+    real = right(real.long(), 0).bool()
+    positions = m.get("position_ids")
+    positions = torch.arange(s, device=device).expand(b, s) if positions is None else positions
+    out = {"input_ids": right(m["input_ids"], 0),
+           "labels": right(shift_labels(m["labels"], ignore_index), ignore_index),
+           "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=device)], 1)}
+    segments = m.get("sequence_ids")
+    if segments is not None:
+        out["sequence_ids"] = right(segments, 0)
+    if segments is None and bool((real[:, 1:] <= real[:, :-1]).all()):  # unpacked, right-padded
+        out["attention_mask"] = None
+        return out
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril() & real[:, None, :]
+    if segments is not None:
+        allowed &= out["sequence_ids"][:, :, None] == out["sequence_ids"][:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=device)
+    out["attention_mask"] = ~allowed[:, None]
     return out
 
 
