@@ -130,6 +130,7 @@ def numeric_loss_func(
     *,
     sequence_ids: torch.Tensor | None = None,
     group="megatron",
+    real_vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """The last pipeline stage's `loss_func` with step-global counts (see the module docstring).
 
@@ -143,6 +144,11 @@ def numeric_loss_func(
     - `logits [b, s, V/tp]`: as GPTModel returns them without labels (`parallel_output=True`); the TP
       group is megatron-core's (`group="megatron"`) or the one given (None: full logits). The numeric
       vocabulary must have the model's padded vocab size.
+    - `real_vocab_size`: the vocabulary before Megatron's padding (the HF model's logits width). The
+      padded columns (zero weight rows: logit 0) would otherwise enter every softmax, so the loss
+      would differ from the HF model's and between TP sizes that pad differently; they are set to
+      the dtype's lowest value IN PLACE in `logits` (GPTModel's logits without labels are a fresh tensor nobody else
+      reads; autograd gives those columns a zero gradient). None: every column counts.
 
     Returns `(share x T, n, report)`: `T` the step's global token count, `n` this micro-batch's valid
     tokens (int tensor; Megatron sums them over micro-batches and the DP group into `T` and divides
@@ -156,6 +162,10 @@ def numeric_loss_func(
         raise ValueError(f"expected logits [b, s, V/tp] and labels [b, s], got {tuple(logits.shape)} and"
                          f" {tuple(labels.shape)}")
     group, vocab_start = _tp_layout(group, logits.shape[-1], objective.vocab.vocab_size)
+    if real_vocab_size is not None and real_vocab_size < vocab_start + logits.shape[-1]:
+        # The dtype's lowest value, not -inf: a shard of padding only would have a row max of -inf and
+        # its local sum of exponentials would turn NaN (exp(-inf - -inf)).
+        logits[..., max(real_vocab_size - vocab_start, 0):] = torch.finfo(logits.dtype).min
     out = objective(logits, labels, group, vocab_start, counts=counts, sequence_ids=sequence_ids)
     tokens = counts.denominator(objective.denominator_keys()["ce"])
     n_local = (labels != objective.config.ignore_index).sum().to(device=logits.device, dtype=torch.int)

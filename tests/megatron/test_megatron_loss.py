@@ -4,12 +4,14 @@ backpropagated as it is; gradients are summed over micro-batches and DP ranks an
 global sum of the returned token counts), equals the objective on the whole global batch at once:
 value, every logged term, and the gradient of every logit. 4 gloo processes: DP 2 x TP 2 (vocab
 shards), 3 micro-batches per DP rank of different fill (one with no numeric label, one fully ignored),
-packed rows (sequence ids) so NTIL counts examples, DIST2 with place-value weighting."""
+packed rows (sequence ids) so NTIL counts examples, DIST2 with place-value weighting. In the same
+spawn: Megatron's padded vocabulary columns are kept out of the objective (`real_vocab_size`)."""
 
 from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -85,6 +87,37 @@ def _check(rank: int, world: int) -> None:
     mine = full.grad[dp_rank * MICRO * B:(dp_rank + 1) * MICRO * B, :, shard].split(B)
     for i, (got, want) in enumerate(zip(grads, mine)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8, msg=f"rank {rank} micro {i} grad")
+    _check_padded_vocab(rank, tp_group, tp_rank)
+
+
+def _check_padded_vocab(rank: int, tp_group, tp_rank: int) -> None:
+    """Megatron pads the vocabulary (zero rows): with `real_vocab_size` the padded columns leave every
+    softmax, so the loss and gradient are those of the unpadded logits; the padding may sit inside a
+    shard (real 56 of 64) or fill one (real 28: TP rank 1 holds only padding)."""
+    digits = [2, 5, 9, 11, 14, 17, 20, 23, 25, 27]
+    config = {**CONFIG, "terms": {**CONFIG["terms"], "gce": {"weight": 0.5}}, "z_loss": 1e-4}
+    v_local = V // TP
+    for real in (56, 28):
+        g = torch.Generator().manual_seed(real)
+        full = 3 * torch.randn(B, S, V, generator=g)
+        labels = torch.randint(0, real, (B, S), generator=g)
+        labels[0, 2:5] = torch.tensor(digits[:3])
+        labels[1, :2] = -100
+        dense_objective = Objective(NumericVocab(digits, list(range(10)), vocab_size=real), config)
+        counts = dense_objective.counts(labels)
+        unpadded = full[..., :real].clone().requires_grad_(True)
+        dense = dense_objective(unpadded, labels, counts=counts)
+        dense.loss.backward()
+        objective = Objective(NumericVocab(digits, list(range(10)), vocab_size=V), config)
+        leaf = full[..., tp_rank * v_local:(tp_rank + 1) * v_local].clone().requires_grad_(True)
+        value, n, report = numeric_loss_func(objective, counts, labels, leaf * 1.0, group=tp_group,
+                                             real_vocab_size=real)
+        (value / counts["tokens"]).backward()
+        where = f"rank {rank} real vocab {real}"
+        torch.testing.assert_close(float(value) / counts["tokens"], float(dense.loss), rtol=1e-5, atol=0, msg=where)
+        assert report == pytest.approx(dense.log_dict(), rel=1e-5), where
+        want = torch.cat([unpadded.grad, torch.zeros(B, S, V - real)], -1)[..., tp_rank * v_local:(tp_rank + 1) * v_local]
+        torch.testing.assert_close(leaf.grad, want, rtol=1e-5, atol=1e-8, msg=where)
 
 
 def test_step_global_loss_func_matches_dense_global_batch():

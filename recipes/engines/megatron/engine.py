@@ -94,6 +94,9 @@ class MegatronEngine:
             if cuda:
                 chunk.cuda(torch.cuda.current_device())
         padded = chunks[0].vocab_size
+        # The HF model's logits width: Megatron's padding past it stays out of the loss, so both engines
+        # and every TP size (which pad differently) train on the same softmax.
+        self.real_vocab_size = chunks[0].hf_config.vocab_size
         if len(self.tokenizer) > padded:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {padded}")
         vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
@@ -121,7 +124,8 @@ class MegatronEngine:
         for chunk in self.model:
             chunk.train()
         return step.train_step(self.model, self.optimizer, self.objective, window,
-                               sequence_parallel=self.recipe.megatron.sequence_parallel)
+                               sequence_parallel=self.recipe.megatron.sequence_parallel,
+                               real_vocab_size=self.real_vocab_size)
 
     def lr(self) -> float:
         """The learning rate the next step uses."""

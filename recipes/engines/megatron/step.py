@@ -222,8 +222,10 @@ def log_keys(objective: Objective) -> list[str]:
 
 
 def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
-               sequence_parallel: bool = False) -> dict[str, float]:
+               sequence_parallel: bool = False, real_vocab_size: int | None = None) -> dict[str, float]:
     """Forward, backward and update for this replica's micro-batches `window` (see `prepare_window`).
+    `real_vocab_size`: the vocabulary before Megatron's padding, whose padded columns the objective
+    leaves out (`numeric_loss_func`).
 
     Returns this rank's share of the logged values (`log_keys`, summed over the window; a SUM over the
     data-parallel group gives the global batch's) and "grad_norm" (the global norm before clipping,
@@ -245,7 +247,7 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         m = next(data_iterator)
         output = model(m["input_ids"], m["position_ids"], m["attention_mask"])  # last stage: [b, s, V/tp]
         return output, partial(numeric_loss_func, objective, counts, m["labels"],
-                               sequence_ids=m.get("sequence_ids"), group="megatron")
+                               sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size)
 
     b, s = batches[0]["input_ids"].shape
     if any(m["input_ids"].shape[0] != b for m in batches):
