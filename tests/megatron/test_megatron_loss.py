@@ -110,7 +110,7 @@ def _check_padded_vocab(rank: int, tp_group, tp_rank: int) -> None:
         dense.loss.backward()
         objective = Objective(NumericVocab(digits, list(range(10)), vocab_size=V), config)
         leaf = full[..., tp_rank * v_local:(tp_rank + 1) * v_local].clone().requires_grad_(True)
-        value, n, report = numeric_loss_func(objective, counts, labels, leaf * 1.0, group=tp_group,
+        value, _, report = numeric_loss_func(objective, counts, labels, leaf * 1.0, group=tp_group,
                                              real_vocab_size=real)
         (value / counts["tokens"]).backward()
         where = f"rank {rank} real vocab {real}"
