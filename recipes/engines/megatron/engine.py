@@ -15,6 +15,7 @@ the grad norm and clip computed in `step.py`, and no overlap (it needs CUDA stre
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -131,9 +132,24 @@ class MegatronEngine:
         """The learning rate the next step uses."""
         return self.optimizer.lr()
 
+    @contextlib.contextmanager
+    def _gathered_params(self):
+        """With overlapped param gather (CUDA, distributed optimizer) the last step's updated params
+        are all-gathered only by the next forward's pre-hooks: gather them now (as Megatron-LM does
+        before saving) for the duration of the block. Nothing to do otherwise."""
+        overlapped = [chunk for chunk in self.model if chunk.ddp_config.overlap_param_gather]
+        for chunk in overlapped:
+            chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            for chunk in overlapped:
+                chunk.enable_forward_pre_hook()
+
     def save_state(self, directory) -> None:
         """Model, optimizer, schedule and RNG into `directory` (`checkpoints.save_state`). Collective."""
-        checkpoints.save_state(directory, self.model, self.optimizer)
+        with self._gathered_params():
+            checkpoints.save_state(directory, self.model, self.optimizer)
 
     def load_state(self, directory) -> None:
         """Restore what `save_state` wrote, from any TP / PP / DP layout. Collective."""
@@ -146,7 +162,8 @@ class MegatronEngine:
 
         from .export import export_hf
 
-        export_hf(self.model, path)
+        with self._gathered_params():
+            export_hf(self.model, path)
         if self.runtime.is_main:
             tokenizer.save_pretrained(str(path))
         dist.barrier()
