@@ -37,32 +37,6 @@ class DataParallel:
     group: object
 
 
-def mark_tensor_parallel_weights(model) -> None:
-    """Give every TP-sharded weight megatron-core's `tensor_model_parallel` / `partition_dim` attributes.
-
-    megatron-core 0.16.1 sets them on a parallel layer's weight only inside its random initialisation
-    (`tensor_parallel/layers.py`: under `if config.perform_initialization`), so a model built with
-    `perform_initialization=False` (weights loaded right after) has sharded weights that look
-    TP-replicated: any grad norm (this engine's and megatron-core's own) then counts TP rank 0's shard
-    only (seen: 6.00 instead of 6.97 at TP 2). Local; no communication; idempotent."""
-    from megatron.core.tensor_parallel.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
-
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-            dim = 0
-        elif isinstance(module, RowParallelLinear):
-            dim = 1
-        else:
-            continue
-        weight = getattr(module, "weight", None)
-        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
-            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
-
-
 class MegatronEngine:
     name = "megatron"
 
@@ -88,8 +62,7 @@ class MegatronEngine:
         self.tokenizer, _ = load_tokenizer(recipe)
         cuda = torch.cuda.is_available()
         chunks = build_model_chunks(recipe)
-        for chunk in chunks:
-            mark_tensor_parallel_weights(chunk)
+        for chunk in chunks:  # (build_gpt_model marks TP-split weights and turns batched p2p off on gloo)
             # Before DDP: with it DDP sums gradients over DP and the schedules keep per-micro-batch sums.
             chunk.config.calculate_per_token_loss = True
             if cuda:

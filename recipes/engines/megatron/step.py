@@ -98,12 +98,6 @@ def configure_schedule(config, model_chunks: list, overlap_grad_reduce: bool = F
         return fns[0] if len(fns) == 1 else fns
 
     config.finalize_model_grads_func = finalize_model_grads
-    if dist.get_backend() == "gloo":
-        # Interleaved 1F1B at PP 2 on gloo: with batched p2p (`batch_isend_irecv`) the activations of
-        # micro-batch 2 onwards arrived at the wrong receive (PP 2 x VP 2, 8 micro-batches: CE 5.5719
-        # against 5.5527 at every other layout; the first two micro-batches were right). Unbatched p2p
-        # gives the reference's values.
-        config.batch_p2p_comm = False
     config.no_sync_func = one_or_list("no_sync")
     if overlap_grad_reduce:
         config.grad_sync_func = one_or_list("start_grad_sync")
