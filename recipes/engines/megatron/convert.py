@@ -188,7 +188,7 @@ class SafetensorsReader:
             if not single.is_file():
                 raise FileNotFoundError(f"{self.path}: neither model.safetensors.index.json nor model.safetensors")
             with safe_open(str(single), framework="pt") as f:
-                self.weight_map = {k: single.name for k in f}
+                self.weight_map = {k: single.name for k in f.keys()}  # safe_open is not iterable
         self.files_opened: set[str] = set()
         self._open: dict = {}
 
