@@ -187,6 +187,16 @@ class Recipe:
             raise ValueError("model: give exactly one of model.name_or_path and model.config")
         if self.model.config is not None and not self.model.tokenizer:
             raise ValueError("model.tokenizer: required when the model is built from model.config")
+        if self.train.engine == "megatron":
+            for key, bad, why in (("model.vision", self.model.vision, "the Megatron engine trains text models (GPTModel)"),
+                                  ("loss.head", self.loss.head != "logits", "the Megatron engine computes the objective"
+                                   " on GPTModel's vocab-parallel logits: use loss.head: logits"),
+                                  ("deepspeed.tp_size", self.deepspeed.tp_size != 1, "with train.engine: megatron the"
+                                   " tensor-parallel size is megatron.tp_size")):
+                if bad:
+                    raise ValueError(f"{key}: {why}")
+        if self.megatron.sequence_parallel and self.megatron.tp_size == 1:
+            raise ValueError("megatron.sequence_parallel: needs megatron.tp_size > 1")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage: {self.deepspeed.zero_stage} is not 0, 1, 2 or 3")
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,

@@ -123,7 +123,7 @@ def run_steps(engine, assets: dict, first: int, last: int) -> list[dict[str, flo
         window = replica_window(s, assets["tokenizer"], engine.dp.rank, engine.dp.size,
                                 engine.recipe.train.micro_batch_size)
         out = engine.train_step(window)
-        norm = out.pop("grad_norm")
+        norm = engine.grad_norm()
         keys = sorted(out)
         total = torch.tensor([out[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(total, group=engine.dp.group)

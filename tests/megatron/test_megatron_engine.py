@@ -41,10 +41,10 @@ def _train(rank: int, world: int, assets: dict, out: Path, name: str, save_at: i
     engine = _engine(rank, world, assets, **layout)
     rows = H.run_steps(engine, assets, 1, save_at or 3)
     if save_at:
-        engine.save_state(out / f"ckpt_{name}")
+        engine.save_state(out / f"ckpt_{name}", step=save_at)
         rows += H.run_steps(engine, assets, save_at + 1, 3)
     if export:
-        engine.export(out / f"final_{name}", engine.tokenizer)
+        engine.export(out / f"final_{name}")
     engine.close()
     if rank == 0:
         H.write(out / f"{name}.json", rows)

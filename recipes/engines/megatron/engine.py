@@ -16,40 +16,36 @@ the grad norm and clip computed in `step.py`, and no overlap (it needs CUDA stre
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from numloss import NumericVocab, Objective
+from recipes.config import Recipe
+from recipes.training.checkpoints import CheckpointDirs
+from recipes.training.parallel import DataParallel
+from recipes.training.runtime import Runtime
+from recipes.training.tokenizer import load_tokenizer
 
-from ...config import Recipe
 from . import checkpoints, step
 from .model import build_model_chunks, initialize_model_parallel
 
 
-@dataclass
-class DataParallel:
-    """This rank's data-parallel position: the reader gives replica `rank` of `size` its rows; `group`
-    is megatron's data-parallel group (the loop sums logged values over it)."""
-
-    rank: int
-    size: int
-    group: object
-
-
 class MegatronEngine:
-    name = "megatron"
+    """`recipes.training.engine.Engine` on megatron-core; see the module docstring."""
 
-    def __init__(self, recipe: Recipe, runtime):
+    name = "megatron"
+    processor = None  # text models only (Recipe.validate refuses model.vision on this engine)
+
+    def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs | None = None):
         """Parallel state, model chunks, numeric vocabulary (at the padded vocab size), objective, DDP
-        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1)."""
+        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1). `dirs` is
+        not needed: every layout loads every checkpoint (the format reshards)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
         )
-
-        from ...model import load_tokenizer
 
         if recipe.loss.head != "logits":
             raise NotImplementedError("the Megatron engine computes the objective on GPTModel's vocab-parallel"
@@ -59,7 +55,14 @@ class MegatronEngine:
         initialize_model_parallel(recipe)
         self.dp = DataParallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                                ps.get_data_parallel_group())
+        self.layout = {"tensor_parallel": m.tp_size, "pipeline_parallel": m.pp_size, "data_parallel": self.dp.size,
+                       "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel}
         self.tokenizer, _ = load_tokenizer(recipe)
+        # rows as the reader made them ([b, s] masks, packed rows' segment ids): step.prepare_window
+        # builds Megatron's attention mask
+        self.batch_options = {"attn_implementation": "segments", "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
+                              "max_length": recipe.data.seq_len}
+        self._grad_norm: float | None = None
         cuda = torch.cuda.is_available()
         chunks = build_model_chunks(recipe)
         for chunk in chunks:  # (build_gpt_model marks TP-split weights and turns batched p2p off on gloo)
@@ -97,9 +100,15 @@ class MegatronEngine:
         global grad_norm before clipping. Collective over the world."""
         for chunk in self.model:
             chunk.train()
-        return step.train_step(self.model, self.optimizer, self.objective, window,
+        sums = step.train_step(self.model, self.optimizer, self.objective, window,
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
                                real_vocab_size=self.real_vocab_size)
+        self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
+        return sums
+
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (every rank holds the same)."""
+        return self._grad_norm
 
     def lr(self) -> float:
         """The learning rate the next step uses."""
@@ -119,18 +128,18 @@ class MegatronEngine:
             for chunk in overlapped:
                 chunk.enable_forward_pre_hook()
 
-    def save_state(self, directory) -> None:
+    def save_state(self, directory: Path, step: int) -> None:
         """Model, optimizer, schedule and RNG into `directory` (`checkpoints.save_state`). Collective."""
         with self._gathered_params():
             checkpoints.save_state(directory, self.model, self.optimizer)
 
-    def load_state(self, directory) -> None:
+    def load_state(self, directory: Path) -> None:
         """Restore what `save_state` wrote, from any TP / PP / DP layout. Collective."""
         checkpoints.load_state(directory, self.model, self.optimizer)
 
-    def export(self, path, tokenizer) -> None:
+    def export(self, path: Path) -> None:
         """A Hugging Face safetensors model in `path` (`export.export_hf`: DP rank 0's copy, one writer
-        per pipeline stage) and, from rank 0, `tokenizer` beside it. Collective."""
+        per pipeline stage) and, from rank 0, the tokenizer beside it. Collective."""
         import torch.distributed as dist
 
         from .export import export_hf
@@ -138,7 +147,7 @@ class MegatronEngine:
         with self._gathered_params():
             export_hf(self.model, path)
         if self.runtime.is_main:
-            tokenizer.save_pretrained(str(path))
+            self.tokenizer.save_pretrained(str(path))
         dist.barrier()
 
     def close(self) -> None:

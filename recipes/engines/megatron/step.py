@@ -1,6 +1,6 @@
 """One optimizer step of the Megatron-core engine, normalised over the whole global batch.
 
-The same normalisation as `recipes/step.py` (DeepSpeed): the step's micro-batches are counted from
+The same normalisation as the DeepSpeed engine (`recipes.training.parallel`): the step's micro-batches are counted from
 their labels alone and one SUM all-reduce over the data-parallel group gives the step's counts before
 the first forward; each micro-batch's loss is then its share of the global batch's loss
 (`numloss.adapters.megatron.numeric_loss_func`, whose module docstring says how megatron-core's own
@@ -26,8 +26,8 @@ from numloss import Objective
 from numloss.adapters.megatron import numeric_loss_func, shift_labels
 from numloss.normalization import reduce_counts
 
-from ...config import Recipe
-from ...ds_config import lr_lambda
+from recipes.config import Recipe
+from recipes.training.schedule import lr_lambda
 
 
 def prepare_window(window: list[dict], pad_multiple: int = 1, ignore_index: int = -100) -> list[dict]:
@@ -130,7 +130,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group) -> 
 
 class TorchAdamW:
     """CPU: `torch.optim.AdamW` over the model chunks' parameters (every one decayed, as the DeepSpeed
-    engine's AdamW), a LambdaLR with `recipes.ds_config.lr_lambda`, the global grad norm and clipping
+    engine's AdamW), a LambdaLR with `recipes.training.schedule.lr_lambda`, the global grad norm and clipping
     done here (megatron-core's clip asserts CUDA tensors). Each rank updates its own parameters from
     gradients that `finalize_model_grads` left identical over the data-parallel group: no communication
     beyond the norm's."""
