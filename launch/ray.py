@@ -201,7 +201,7 @@ def train_loop(config: dict) -> None:
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
-    setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.training.runtime)
+    setup_distributed(deepspeed=recipe.train.engine == "deepspeed")  # adopts Ray's process group (recipes.training.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}
