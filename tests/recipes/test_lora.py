@@ -162,3 +162,25 @@ def test_lora_recipe_refusals(workspace, override, message):
     extra = ["model.lora.target_modules=[q_proj, lm_head]"] if "chunked" in override else []
     with pytest.raises(ValueError, match=message):
         load_recipe(recipe, [override, *extra])
+
+
+def test_validate_counts_lora_memory_for_70b_on_one_node():
+    """Llama-3-70B on one node of 8 GPUs under ZeRO-3: a full fine-tune does not fit 80 GiB (~16 bytes per
+    parameter / 8); LoRA r 16 on q, k, v, o does: the frozen bf16 base / 8 + its largest module gathered
+    + the adapter's weights, fp32 gradients and optimizer states / 8 (recipes.planning.lora)."""
+    from pathlib import Path
+
+    from recipes.planning import validate as V
+
+    r70 = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
+    one_node = ["cluster.nodes=1", "train.grad_accum=8"]
+    full = V.validate_recipe(r70, one_node, offline=True, seq_len=1024)
+    lora = V.validate_recipe(r70, [*one_node, "model.lora={r: 16}"], offline=True, seq_len=1024)
+    assert not full.ok and any("does not fit" in e for e in full.errors), full.render()
+    assert lora.ok, lora.render()
+    p, largest = lora.numbers["params"], lora.numbers["largest_layer_params"]
+    h, kv, layers = 8192, 8 * 128, 80
+    adapter = layers * 16 * ((h + h) + 2 * (h + kv) + (h + h))  # q, k, v, o
+    assert lora.numbers["lora_params"] == adapter == 65_536_000
+    assert lora.numbers["gpu_mem_bytes"] == int(p * 2 / 8 + largest * 2 + adapter * (2 + 4 + 12) / 8)
+    assert lora.numbers["disk_bytes"] == int(adapter * (2 + 4 + 8) * 2 + adapter * 2)  # keep_last 2 + adapter
