@@ -2,7 +2,8 @@
 tiny random Llama). The first optimizer step's logged values are checked against the objective of the
 whole global batch computed by hand in one forward, at the initial weights:
 
-- the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process);
+- the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
+  evaluation loss afterwards;
 - the same snippet on 2 processes (torchrun, gloo; micro-batch 1 x accumulation 2 per rank);
 - the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
@@ -80,6 +81,10 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
     assert abs(sum(h["loss"] for h in halves) / 2 - want["loss"]) > 100 * REL * want["loss"]
     # the updated weights moved: the loss trained the model
     assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trainer.model.parameters()))
+    # evaluation goes through the same loss: one batch of the 4 rows is their objective at the new weights
+    trainer.args.per_device_eval_batch_size = 4
+    trained = H.whole_batch_objective(trainer.model, vocab, H.SPEC, _collator(tok)(copy.deepcopy(dataset)))
+    assert trainer.evaluate(eval_dataset=dataset)["eval_loss"] == pytest.approx(trained["loss"], rel=REL)
 
 
 def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
