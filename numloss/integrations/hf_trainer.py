@@ -148,6 +148,8 @@ class NumericTrainerMixin:
     def __init__(self, *args, numeric_vocab: NumericVocab, objective: ObjectiveConfig | dict | None = None,
                  **kwargs):
         check_version("transformers")
+        if any(klass.__module__.startswith("trl.") for klass in type(self).__mro__):
+            check_version("trl")
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError("numloss: the trainer's compute_loss_func is the numeric objective; do not pass one")
         objective = objective if isinstance(objective, ObjectiveConfig) else ObjectiveConfig.from_dict(objective or {})

@@ -68,13 +68,20 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
     initial = copy.deepcopy(model)
     dataset = H.rows(tok, 4)
     namespace = {"tokenizer": tok, "model": model, "dataset": dataset, "collator": _collator(tok),
-                 "args": _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)}
+                 "args": _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                               report_to=["tensorboard"])}
     exec(H.readme_snippets()[0], namespace)  # the README's snippet, as a user runs it
     trainer = namespace["trainer"]
     logged = trainer.state.log_history[0]
     vocab = NumericVocab.from_tokenizer(tok, policy="digits")
     want = H.whole_batch_objective(initial, vocab, H.SPEC, _collator(tok)(copy.deepcopy(dataset)))
     _assert_logged(logged, want)
+    # the Trainer's own reporters get the terms: TensorBoard's event file has them as train/term/*
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
+    assert {"train/ce", "train/term/smmd", "train/term/ntl_was"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("train/term/smmd")[0].value == pytest.approx(want["term/smmd"], rel=REL)
     # a split-dependent mean (each micro-batch divided by its own counts, then averaged) is not it
     halves = [H.whole_batch_objective(initial, vocab, H.SPEC, _collator(tok)(copy.deepcopy(dataset[i:i + 2])))
               for i in (0, 2)]
