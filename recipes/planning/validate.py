@@ -15,7 +15,7 @@ What is checked, in order:
 3. Parameter count and the largest single module's parameters, from an empty-weight model
    (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
 4. DeepSpeed's estimate of model-state memory per GPU (params, grads, optimizer states; activations
-   are extra) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
+   are extra; with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
    `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
    offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
    shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.planning.budget):
@@ -359,21 +359,32 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
             total = None
         knobs = dict(gpu_tflops=gpu_tflops, net_gbps=net_gbps, gpu_peak_tflops=gpu_peak_tflops, seq_len=seq_len)
+        adapter = None
+        if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
+            from recipes.planning.lora import report_lora
+
+            adapter = report_lora(rep, cfg, m, total)
         if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
             from recipes.planning.megatron_budget import report_megatron
 
             report_megatron(rep, recipe, cfg, total, gpu_mem_gb=gpu_mem_gb, nvlink_gbps=nvlink_gbps, **knobs)
         elif total is not None and cl.gpus_per_node > 0:
+            from recipes.planning.lora import lora_memory_estimate
+
             est = zero_memory_estimate(total, largest, ds.zero_stage, cl.nodes, cl.gpus_per_node, ds.tp_size,
-                                       ds.offload_optimizer, ds.offload_params)
+                                       ds.offload_optimizer, ds.offload_params) if adapter is None else \
+                lora_memory_estimate(total, largest, adapter, zero_stage=ds.zero_stage,
+                                     dp=cl.nodes * cl.gpus_per_node // ds.tp_size, ranks_per_node=cl.gpus_per_node,
+                                     weight_bytes=2 if m.dtype == "bfloat16" else 4,
+                                     offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params)
             rep.numbers.update(gpu_mem_bytes=est["gpu_bytes"], cpu_mem_bytes=est["cpu_bytes"])
             rep.add("memory / GPU", f"{_gib(est['gpu_bytes'])} model states (params + grads + optimizer; "
                                     f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
-                                    f"[deepspeed {est['function']}, ZeRO-{ds.zero_stage}, offload "
+                                    f"[{'deepspeed ' * (adapter is None)}{est['function']}, ZeRO-{ds.zero_stage}, offload "
                                     f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
             from recipes.planning.budget import report_budget
 
-            report_budget(rep, recipe, cfg, total, largest, est, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
                           gpu_tflops=gpu_tflops, net_gbps=net_gbps)
             from recipes.planning.megatron_budget import deepspeed_step_time
 
