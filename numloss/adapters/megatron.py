@@ -45,7 +45,7 @@ pipeline stage's `loss_func` for megatron-core's schedules with `calculate_per_t
 Every term is divided by the optimizer step's global `LossCounts` (`numloss.normalization`: counted
 from the labels of every micro-batch on every data-parallel rank, one SUM all-reduce over the
 data-parallel group before the first micro-batch), so each micro-batch's value is its share of the
-global batch's loss, exactly as `recipes/step.py` does for DeepSpeed. Megatron's own normalisation is
+global batch's loss, exactly as `recipes/training/parallel.py` does for DeepSpeed. Megatron's own normalisation is
 then undone, not bypassed: with `calculate_per_token_loss` the schedules neither divide by the
 micro-batch count nor DDP by the data-parallel size (gradients are summed), and
 `finalize_model_grads` divides every gradient by the global token count `T` (the sum, over

@@ -22,7 +22,7 @@ def make_assets(root: Path) -> dict[str, str]:
     """A digits tokenizer and a tiny random Llama (seed 0) saved in `root`; returns their paths."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from recipes.tiny import train_tokenizer
+    from recipes.experiments.tiny import train_tokenizer
 
     texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
     tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)

@@ -29,7 +29,7 @@ FOUR_RANK_RUNS = ("tp2_pp2_sp", "pp2_vp2_dp2")
 
 def _engine(rank: int, world: int, assets: dict, **layout):
     from recipes.engines.megatron.engine import MegatronEngine
-    from recipes.runtime import Runtime
+    from recipes.training.runtime import Runtime
 
     return MegatronEngine(H.make_recipe(assets, **layout), Runtime(rank, world, 0, torch.device("cpu")))
 
