@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from numloss import Objective
 from numloss.adapters.megatron import numeric_loss_func, shift_labels
-from numloss.normalization import reduce_counts
 
 from recipes.config import Recipe
+from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.schedule import lr_lambda
 
 
@@ -234,8 +234,9 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     ignore = objective.config.ignore_index
     tp = parallel_state.get_tensor_model_parallel_world_size()
     batches = prepare_window(window, pad_multiple=tp if sequence_parallel else 1, ignore_index=ignore)
-    counts = reduce_counts([objective.counts(m["labels"], m.get("sequence_ids")) for m in batches],
-                           group=parallel_state.get_data_parallel_group())
+    dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                      parallel_state.get_data_parallel_group())
+    counts = step_counts(objective.counts, batches, dp)  # the step's global counts, as the DeepSpeed engine
 
     def forward_step(data_iterator, model):
         m = next(data_iterator)

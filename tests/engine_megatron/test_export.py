@@ -19,10 +19,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from tests.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
 
 
 def _perturb(chunks, tied: bool) -> None:
@@ -60,7 +60,7 @@ def _export_and_check(rank, path, model_dir, kind):
         build_model_chunks,
         initialize_model_parallel,
     )
-    from tests.megatron.test_parallel import (
+    from tests.engine_megatron.test_parallel import (
         B,
         S,
         _batch,

@@ -21,7 +21,7 @@ from recipes.engines.megatron.convert import (
     split_qkv,
     transformer_config_from_hf,
 )
-from tests.megatron.helpers import VOCAB, save_tiny
+from tests.engine_megatron.helpers import VOCAB, save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from tests.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
 
 
 def _one_rank(rank, world, model_dir):

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.megatron import engine_helpers as H
-from tests.megatron.ranks import run_ranks
+from tests.engine_megatron import engine_helpers as H
+from tests.engine_megatron.ranks import run_ranks
 
 TWO_RANK_RUNS = ("tp2", "pp2", "dp2")
 FOUR_RANK_RUNS = ("tp2_pp2_sp", "pp2_vp2_dp2")
