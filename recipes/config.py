@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class DataConfig:
     seq_len: int | None = None  # pad every batch to this length (None: the longest row)
     shuffle_window: int = 8192
     pad_to_multiple_of: int = 8
+    # the shards' manifest records the tokenizer they were built with; a run refuses data whose tokenizer
+    # is not the model's (same size, other ids: it trains silently on wrong tokens). true: a warning only
+    allow_tokenizer_mismatch: bool = False
 
 
 @dataclass
@@ -114,6 +118,9 @@ class TrainSection:
     seed: int = 0
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
+    # the most passes over data.train the steps may take (None: no limit; the count is reported, and a
+    # warning when the data repeats); fewer rows than one global batch are always refused
+    max_epochs: float | None = None
     keep_last: int = 2
     out_dir: str = ""  # "" -> runs/<name>
     export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
@@ -199,12 +206,26 @@ class Recipe:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
         if self.train.dist_timeout_minutes <= 0:
             raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
-        for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,
-                           "optim.warmup_steps": self.optim.warmup_steps}.items():
+        o = self.optim
+        for key, value in {"optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.warmup_steps": o.warmup_steps,
+                           "optim.weight_decay": o.weight_decay, "optim.eps": o.eps,
+                           "optim.min_lr_ratio": o.min_lr_ratio}.items():
+            if not math.isfinite(value):  # NaN passes every comparison; inf trains a NaN model
+                raise ValueError(f"{key}: must be a finite number, got {value}")
             if value < 0:
                 raise ValueError(f"{key}: must be >= 0, got {value}")
-        if len(self.optim.betas) != 2:
-            raise ValueError(f"optim.betas: expected two numbers, got {self.optim.betas}")
+        if o.eps <= 0:
+            raise ValueError(f"optim.eps: must be > 0, got {o.eps}")
+        if o.min_lr_ratio > 1:
+            raise ValueError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+        if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                        for b in o.betas):
+            raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {o.betas}")
+        if not math.isfinite(self.train.dist_timeout_minutes):
+            raise ValueError(f"train.dist_timeout_minutes: must be finite, got {self.train.dist_timeout_minutes}")
+        if self.train.max_epochs is not None and not (math.isfinite(self.train.max_epochs)
+                                                      and self.train.max_epochs > 0):
+            raise ValueError(f"train.max_epochs: must be a finite number > 0, got {self.train.max_epochs}")
         if not self.data.train:
             raise ValueError("data.train: required (a data_prep output directory)")
         try:

@@ -42,6 +42,7 @@ from data_prep.reader import ShardDataset
 
 from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
+from .planning.checks import RecipeCheckError, preflight
 from .training.batches import model_inputs
 from .training.checkpoints import CheckpointDirs, step_tag
 from .training.engine import Engine
@@ -50,10 +51,21 @@ from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 
 
+# Exit status of `python -m recipes.train` (launchers and batch scripts read it):
+EXIT_REFUSED = 2  # refused before training: a recipe, data or run-directory check failed; nothing was written
+
+
 def batches(dataset: ShardDataset):
-    """Endless iteration over epochs; the dataset's own state says where in which epoch."""
+    """Endless iteration over epochs; the dataset's own state says where in which epoch. An epoch without
+    a batch (fewer rows than one global batch, which `preflight` refuses first) is an error, never a spin."""
     while True:
-        yield from dataset
+        empty = True
+        for batch in dataset:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError(f"{dataset.path}: an epoch of {dataset.num_rows} rows gave no batch "
+                               f"(global batch {dataset.global_batch_size})")
 
 
 @dataclass
@@ -73,6 +85,10 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
     engine = None
     try:
+        # ---- reliability: static checks before anything is built or written (recipes.planning.checks) ----
+        for line in preflight(recipe, runtime.world_size):
+            if runtime.is_main:
+                print(f"[numloss] {line}", flush=True)
         out = Path(recipe.train.out_dir)
         if runtime.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -151,8 +167,16 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if argv else 2)
-    recipe = load_recipe(argv[0], argv[1:])
-    last = train(recipe)
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+    except (ValueError, FileNotFoundError) as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REFUSED)
+    try:
+        last = train(recipe)
+    except RecipeCheckError as err:  # refused before training: nothing was built or written
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REFUSED)
     if last:
         print(json.dumps(last), flush=True)
 
