@@ -46,6 +46,7 @@ from .planning.checks import RecipeCheckError, preflight
 from .training.batches import model_inputs
 from .training.checkpoints import CheckpointDirs, step_tag
 from .training.engine import Engine
+from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
@@ -53,6 +54,7 @@ from .training.runtime import Runtime, setup_distributed, teardown
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
 EXIT_REFUSED = 2  # refused before training: a recipe, data or run-directory check failed; nothing was written
+EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 
 
 def batches(dataset: ShardDataset):
@@ -119,6 +121,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     progress = progress_bar(recipe, runtime, step)
     stream = batches(dataset)
     last: dict = {}
+    zero_grad = ZeroGradWatch()
     try:
         while step < recipe.train.steps:
             started = time.perf_counter()
@@ -135,8 +138,15 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
-            if step % recipe.train.log_every == 0 or step == recipe.train.steps:
+            # ---- reliability: every rank agrees on non-finite values (recipes.training.health) ----
+            (nonfinite,) = any_rank([bool(nonfinite_keys(row))], runtime.device)
+            if step % recipe.train.log_every == 0 or step == recipe.train.steps or nonfinite:
                 metrics.log(row)
+            if nonfinite:
+                raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())
+            warning = zero_grad.update(step, row["grad_norm"])
+            if warning and runtime.is_main:
+                print(f"[numloss] {warning}", file=sys.stderr, flush=True)
             if hooks.on_log is not None:
                 hooks.on_log(row)
             last = row if runtime.is_main else {}
@@ -148,6 +158,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
+            _check_weights(engine, step, dirs, runtime)
             engine.export(out / "final")
     finally:
         metrics.close()
@@ -156,7 +167,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     return last
 
 
+def _check_weights(engine: Engine, step: int, dirs: CheckpointDirs, runtime: Runtime) -> None:
+    """Never save or export non-finite weights (recipes.training.health)."""
+    if not weights_finite(engine, runtime.device):
+        raise NonFiniteTraining(step, ["the weights after the update"], dirs.latest_tag())
+
+
 def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
+    _check_weights(engine, step, dirs, dirs.runtime)
     path = dirs.save(step, dataset, lambda directory: engine.save_state(directory, step), engine.layout)
     if hooks.on_checkpoint is not None:
         hooks.on_checkpoint(step, path)
@@ -177,6 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     except RecipeCheckError as err:  # refused before training: nothing was built or written
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
+    except NonFiniteTraining as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NONFINITE)
     if last:
         print(json.dumps(last), flush=True)
 

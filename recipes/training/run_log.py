@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 from recipes.config import Recipe
+from .health import strict_json_row
 from .runtime import Runtime
 
 
@@ -38,7 +39,7 @@ class MetricsLog:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(strict_json_row(row), allow_nan=False) + "\n")  # strict JSON: NaN/inf as null
         step = row["step"]
         if self.tb is not None:
             for key, value in row.items():
