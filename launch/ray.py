@@ -46,6 +46,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import ray
@@ -200,6 +201,8 @@ def train_loop(config: dict) -> None:
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
+    if config.get("run_id"):  # a restarted worker group takes this run's own out_dir lock back (run_lock)
+        os.environ["NUMLOSS_RUN_ID"] = config["run_id"]
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
     setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.training.runtime)
     _check_shared_storage(out_dir)
@@ -270,7 +273,8 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     connect(address, temp_dir=temp_dir)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"recipe": recipe.to_dict(), "fault": fault},
+        train_loop_config={"recipe": recipe.to_dict(), "fault": fault,
+                           "run_id": f"{recipe.name}-{uuid.uuid4().hex[:12]}"},
         torch_config=torch_config(recipe),
         scaling_config=scaling(recipe, num_workers, placement),
         run_config=RunConfig(

@@ -48,6 +48,7 @@ from .training.checkpoints import CheckpointDirs, step_tag
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
+from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 
@@ -86,11 +87,16 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
     engine = None
+    lock = RunLock(recipe.train.out_dir, runtime.is_main)
     try:
-        # ---- reliability: static checks before anything is built or written (recipes.planning.checks) ----
+        # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
+        # then one run per out_dir (recipes.training.run_lock) ----
         for line in preflight(recipe, runtime.world_size):
             if runtime.is_main:
                 print(f"[numloss] {line}", flush=True)
+        note = lock.acquire()
+        if note and runtime.is_main:
+            print(f"[numloss] {note}", flush=True)
         out = Path(recipe.train.out_dir)
         if runtime.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -100,6 +106,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks())
     finally:
+        lock.release()
         teardown(engine)
 
 
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except RecipeCheckError as err:  # refused before training: nothing was built or written
+    except (RecipeCheckError, RunLocked) as err:  # refused before training: nothing was built or written
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:
