@@ -30,6 +30,11 @@ DeepSpeed files are never copied into Ray's storage. With `FailureConfig(max_fai
 or node restarts the whole group, which resumes from `latest`. If the two ever disagree (a crash
 between the rename and Ray's commit), `latest` wins: it only ever names a complete checkpoint.
 
+Preemption: a worker asked to stop (SIGTERM/SIGUSR1 where the handler could be installed, or
+`<out_dir>/PREEMPT`) finishes its step, saves, and fails with `recipes.training.preemption.Preempted`:
+a restartable failure, so Ray restarts the group from that checkpoint (it counts against
+`--max-failures`, like any failure).
+
 Ray's own run state lives in `<train.out_dir>/ray` under the recipe's name, so launching the same recipe
 again continues it (Ray and `latest` agree on that).
 """
@@ -242,7 +247,13 @@ def train_loop(config: dict) -> None:
         # durable before training moves on: Ray has persisted and registered the pointer
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
 
-    train(recipe, Hooks(on_log=on_log, on_checkpoint=on_checkpoint))
+    from recipes.training.preemption import Preempted
+
+    try:
+        train(recipe, Hooks(on_log=on_log, on_checkpoint=on_checkpoint))
+    except Preempted as err:  # saved at this step: a failure Ray restarts from it (--max-failures)
+        print(f"[launch.ray] rank {rank}: {err}; failing this attempt so Ray restarts the group", flush=True)
+        raise
 
 
 # ---- the driver --------------------------------------------------------------------------------------

@@ -151,6 +151,9 @@ class ClusterSection:
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
+    # seconds before the time limit at which SLURM signals the batch script (`--signal=B:USR1@N`): the run
+    # saves and stops (exit 75) and the job requeues itself; 0: no signal, no requeue
+    preempt_notice_s: int = 300
     host_mem_gb: float = 0.0  # host RAM per node for recipes.planning.validate's check (0: unknown, not checked)
     mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
     hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted

@@ -48,6 +48,7 @@ from .training.checkpoints import CheckpointDirs, step_tag
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
+from .training.preemption import Preempted, PreemptionWatch
 from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
@@ -56,6 +57,7 @@ from .training.runtime import Runtime, setup_distributed, teardown
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
 EXIT_REFUSED = 2  # refused before training: a recipe, data or run-directory check failed; nothing was written
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 
 
 def batches(dataset: ShardDataset):
@@ -86,7 +88,7 @@ class Hooks:
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
-    engine = None
+    engine = preemption = None
     lock = RunLock(recipe.train.out_dir, runtime.is_main)
     try:
         # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
@@ -97,6 +99,8 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         note = lock.acquire()
         if note and runtime.is_main:
             print(f"[numloss] {note}", flush=True)
+        preemption = PreemptionWatch(recipe.train.out_dir, runtime.is_main)  # from here a SIGTERM saves, not kills
+        preemption.clear_stale_file()
         out = Path(recipe.train.out_dir)
         if runtime.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -104,13 +108,16 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         torch.manual_seed(recipe.train.seed)
         dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime)
         engine = build_engine(recipe, runtime, dirs)
-        return _train(recipe, runtime, engine, dirs, hooks or Hooks())
+        return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption)
     finally:
+        if preemption is not None:
+            preemption.close()
         lock.release()
         teardown(engine)
 
 
-def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks) -> dict:
+def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
+           preemption: PreemptionWatch) -> dict:
     out = Path(recipe.train.out_dir)
     dp = engine.dp
     global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum * dp.size
@@ -145,8 +152,9 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
-            # ---- reliability: every rank agrees on non-finite values (recipes.training.health) ----
-            (nonfinite,) = any_rank([bool(nonfinite_keys(row))], runtime.device)
+            # ---- reliability: every rank agrees on non-finite values and on a stop request
+            # (recipes.training.health, recipes.training.preemption): one all-reduce ----
+            nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
             if step % recipe.train.log_every == 0 or step == recipe.train.steps or nonfinite:
                 metrics.log(row)
             if nonfinite:
@@ -162,6 +170,10 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
                 _save(dirs, engine, step, dataset, hooks)
+            if stop and step < recipe.train.steps:  # preempted: this step saved, then out (exit 75)
+                if dirs.latest_tag() != step_tag(step):
+                    _save(dirs, engine, step, dataset, hooks)
+                raise Preempted(step, dirs.root / step_tag(step), preemption.reason or "asked on another rank")
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
@@ -205,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     except NonFiniteTraining as err:
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_NONFINITE)
+    except Preempted as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
     if last:
         print(json.dumps(last), flush=True)
 
