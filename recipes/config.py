@@ -122,6 +122,9 @@ class TrainSection:
     # warning when the data repeats); fewer rows than one global batch are always refused
     max_epochs: float | None = None
     keep_last: int = 2
+    # a corrupt newest checkpoint (a file missing, truncated or changed since it was saved): true resumes
+    # from the newest intact older one with a warning; false refuses and prints the command to do so
+    resume_fallback: bool = True
     out_dir: str = ""  # "" -> runs/<name>
     export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
     # collectives' timeout: a slow checkpoint save or export at 70B runs past torch's 10-minute default

@@ -44,7 +44,7 @@ from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
 from .planning.checks import RecipeCheckError, preflight
 from .training.batches import model_inputs
-from .training.checkpoints import CheckpointDirs, step_tag
+from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, step_tag
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
@@ -55,7 +55,7 @@ from .training.runtime import Runtime, setup_distributed, teardown
 
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
-EXIT_REFUSED = 2  # refused before training: a recipe, data or run-directory check failed; nothing was written
+EXIT_REFUSED = 2  # refused before training: a recipe, data, run-directory or checkpoint check failed
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 
@@ -106,7 +106,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
             out.mkdir(parents=True, exist_ok=True)
             dump_recipe(recipe, out / "recipe.yaml")
         torch.manual_seed(recipe.train.seed)
-        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime)
+        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback)
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption)
     finally:
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RecipeCheckError, RunLocked) as err:  # refused before training: nothing was built or written
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt) as err:  # refused before training
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:

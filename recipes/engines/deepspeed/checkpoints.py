@@ -56,6 +56,13 @@ def save_state(engine, directory: Path, step: int) -> None:
 
 def load_state(engine, directory: Path, tag: str | None = None) -> None:
     """Load `directory`'s DeepSpeed state (or the sibling `tag`, a universal conversion of it)."""
-    path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name)
+    source = directory.parent / (tag or directory.name)
+    try:
+        path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name)
+    except Exception as err:  # DeepSpeed's own errors name no file (`PytorchStreamReader failed ...`)
+        files = sorted(p.name for p in source.glob("*") if p.is_file())
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint {source} ({type(err).__name__}: {err}); its "
+                           f"files: {', '.join(files) or 'none'}. An older checkpoint: point "
+                           f"{directory.parent / 'latest'} at it") from err
     if path is None:
-        raise RuntimeError(f"checkpoint {directory} could not be loaded by DeepSpeed")
+        raise RuntimeError(f"checkpoint {source} could not be loaded by DeepSpeed (no files for this layout)")
