@@ -56,6 +56,9 @@ class DataConfig:
     # the shards' manifest records the tokenizer they were built with; a run refuses data whose tokenizer
     # is not the model's (same size, other ids: it trains silently on wrong tokens). true: a warning only
     allow_tokenizer_mismatch: bool = False
+    # each shard against its manifest entry when the reader opens it: size (one stat), full (sha256 of
+    # every byte), none
+    verify: str = "size"
 
 
 @dataclass
@@ -191,6 +194,7 @@ class Recipe:
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "eval.answer_format": (self.eval.answer_format, ("number", "time")),
             "train.engine": (self.train.engine, ("deepspeed", "megatron")),
+            "data.verify": (self.data.verify, ("size", "full", "none")),
             "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
         }
         for key, (value, allowed) in choices.items():

@@ -125,7 +125,8 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            world_size=dp.size, global_batch_size=global_batch, seed=recipe.train.seed,
                            shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
-                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id)
+                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id,
+                           verify=recipe.data.verify)
     step = dirs.load(dataset, engine.load_state)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
