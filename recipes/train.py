@@ -23,6 +23,12 @@ uninterrupted one to the bit. It may resume onto another number of data-parallel
 micro-batch x grad_accum split of the same global batch (`recipes.training.checkpoints`, and each
 engine's own rules: `recipes.engines.*`).
 
+Reliability (docs/reliability.md): before anything is built the recipe and its data are checked
+(`recipes.planning.checks`) and `train.out_dir` is locked for this run (`recipes.training.run_lock`);
+a NaN/inf step stops the run without saving (`recipes.training.health`); SIGTERM/SIGUSR1 save the
+current step and stop (`recipes.training.preemption`); checkpoints are checksummed and verified at
+resume (`recipes.training.checkpoints`). Exit status: 0 done, 2 refused, 3 non-finite, 75 preempted.
+
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
 its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 """
