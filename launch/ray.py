@@ -209,7 +209,7 @@ def train_loop(config: dict) -> None:
     if config.get("run_id"):  # a restarted worker group takes this run's own out_dir lock back (run_lock)
         os.environ["NUMLOSS_RUN_ID"] = config["run_id"]
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
-    setup_distributed()  # adopts Ray's process group for DeepSpeed (recipes.training.runtime)
+    setup_distributed(deepspeed=recipe.train.engine == "deepspeed")  # adopts Ray's process group (recipes.training.runtime)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}

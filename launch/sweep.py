@@ -19,6 +19,7 @@ SWEEP.yaml:
     max_failures: 1
     num_workers: null        # default: what each recipe's cluster section implies
     evaluate: true           # recipes.evaluation.evaluate on the job's final/ model (eval.data or data.eval)
+    baseline: ce             # the loss every other loss is compared with, backbone by backbone
 
 Job J = `<backbone>-<loss>-s<seed>`, trained with overrides base < sweep `overrides` < backbone < loss <
 `train.seed=S`, `train.out_dir=<out_dir>/J`, `name=J`. Jobs run one after another (each takes the whole
@@ -27,8 +28,13 @@ again, and an interrupted one resumes from its own checkpoints. `--collect` only
 
 Results: `<out_dir>/results.csv` and `results.md`: one row per job (backbone, loss, seed, steps, final
 training loss/ce and every evaluation metric), then a Markdown table of mean ± std over seeds per
-(backbone, loss). Evaluation uses `recipes.evaluation.evaluate.evaluate`; without eval data (or with
-`evaluate: false`) the table has the final training metrics only. `EVALUATE` is the hook to replace.
+(backbone, loss), then each loss's exact match against the `baseline` loss of the same backbone:
+the difference in points over the seeds both have, with a two-level bootstrap interval (seeds, then
+test problems; `recipes.evaluation.stats.two_level_bootstrap`), the per-seed differences and their t
+interval. Seeds of one loss differ about as much as two losses do, so with fewer than 3 seeds the
+table says that no ranking can be read and shows no interval. Evaluation uses
+`recipes.evaluation.evaluate.evaluate`; without eval data (or with `evaluate: false`) the table has the
+final training metrics only. `EVALUATE` is the hook to replace.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import yaml
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 SWEEP_KEYS = {"name", "base", "out_dir", "overrides", "backbones", "losses", "seeds", "launcher",
-              "max_failures", "num_workers", "evaluate", "eval_limit"}
+              "max_failures", "num_workers", "evaluate", "eval_limit", "baseline"}
 
 
 @dataclass
@@ -73,6 +79,7 @@ class Sweep:
     num_workers: int | None = None
     evaluate: bool = True
     eval_limit: int | None = None
+    baseline: str = "ce"
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -109,7 +116,7 @@ def load_sweep(path: str | Path) -> Sweep:
     sweep = Sweep(name=str(spec.get("name", path.stem)), base=base, out_dir=out_dir,
                   launcher=spec.get("launcher", "ray"), max_failures=int(spec.get("max_failures", 0)),
                   num_workers=spec.get("num_workers"), evaluate=bool(spec.get("evaluate", True)),
-                  eval_limit=spec.get("eval_limit"))
+                  eval_limit=spec.get("eval_limit"), baseline=str(spec.get("baseline", "ce")))
     for (bname, bover), (lname, lover), seed in itertools.product(named("backbones").items(),
                                                                   named("losses").items(), seeds):
         name = f"{bname}-{lname}-s{seed}"
@@ -228,7 +235,52 @@ def _fmt(value) -> str:
     return str(value).replace("|", "\\|")
 
 
+def outcomes(job: Job) -> dict | None:
+    """{example_id: 1.0 or 0.0} for the problems the job's evaluation scored by exact match, or None
+    without an evaluation that lists its examples."""
+    results = job.out_dir / "eval_results.json"
+    if not results.is_file():
+        return None
+    examples = json.loads(results.read_text()).get("examples") or []
+    scored = {e["example_id"]: float(bool(e["correct"])) for e in examples if "correct" in e}
+    return scored or None
+
+
+def versus_baseline(sweep: Sweep, rows: list[dict]) -> list[tuple[str, str, dict | str]]:
+    """(backbone, loss, comparison) for every loss but the baseline, on each backbone that has the
+    baseline: exact match minus the baseline's over the seeds both have evaluated, paired by seed and
+    problem (`two_level_bootstrap`); from each seed's exact match alone (`seed_differences`) where the
+    evaluations list no examples; a string saying why where nothing can be compared."""
+    from recipes.evaluation.stats import seed_differences, two_level_bootstrap
+
+    jobs = {(j.backbone, j.loss, j.seed): j for j in sweep.jobs}
+    em = {(r["backbone"], r["loss"], r["seed"]): r.get("eval_exact_match") for r in rows}
+    out: list[tuple[str, str, dict | str]] = []
+    for backbone, loss in dict.fromkeys((j.backbone, j.loss) for j in sweep.jobs):
+        if loss == sweep.baseline or (backbone, sweep.baseline) not in {(j.backbone, j.loss) for j in sweep.jobs}:
+            continue
+        seeds = sorted(s for (b, l, s), v in em.items() if b == backbone and l == loss and v is not None
+                       and em.get((backbone, sweep.baseline, s)) is not None)
+        if not seeds:
+            out.append((backbone, loss, "no seed evaluated for both"))
+            continue
+        mine = [outcomes(jobs[backbone, loss, s]) for s in seeds]
+        theirs = [outcomes(jobs[backbone, sweep.baseline, s]) for s in seeds]
+        if any(o is None for o in mine + theirs):
+            out.append((backbone, loss, seed_differences(
+                [em[backbone, loss, s] - em[backbone, sweep.baseline, s] for s in seeds])))
+        elif len({frozenset(o) for o in mine + theirs}) != 1:
+            out.append((backbone, loss, f"scored on different problems than {sweep.baseline}"))
+        else:
+            ids = list(mine[0])
+            out.append((backbone, loss, two_level_bootstrap([[o[i] for i in ids] for o in mine],
+                                                            [[o[i] for i in ids] for o in theirs])))
+    return out
+
+
 def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
+    from recipes.evaluation.stats import MIN_SEEDS, versus_cells
+
     lines = [f"# Sweep {sweep.name}", "", "| " + " | ".join(columns) + " |",
              "|" + "|".join("---" if c in ("job", "backbone", "loss") else "---:" for c in columns) + "|"]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
@@ -252,6 +304,20 @@ def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
             std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
             cells.append(f"{mean:.4g} ± {std:.2g}")
         lines.append(f"| {backbone} | {loss} | {len(group)} | " + " | ".join(cells) + " |")
+    versus = versus_baseline(sweep, rows)
+    if versus:
+        lines += ["", (f"Exact match minus {sweep.baseline}'s of the same backbone, in points, over the seeds "
+                       "both have, paired by seed and test problem: a 95% two-level bootstrap interval (seeds, "
+                       "then problems), the difference at each seed and the 95% t interval of those. With fewer "
+                       f"than {MIN_SEEDS} seeds no ranking can be read and no interval is shown; a difference "
+                       "is the loss's where both intervals exclude 0."), "",
+                  (f"| backbone | loss | seeds | Δ exact match vs {sweep.baseline} [95% seeds × problems]"
+                   " | Δ per seed | Δ 95% t over seeds |"), "|---|---|---:|---:|---:|---:|"]
+        for backbone, loss, v in versus:
+            if isinstance(v, str):
+                lines.append(f"| {backbone} | {loss} | – | {v} | – | – |")
+            else:
+                lines.append(f"| {backbone} | {loss} | {v['n_seeds']} | " + " | ".join(versus_cells(v)) + " |")
     return "\n".join(lines) + "\n"
 
 

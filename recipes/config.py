@@ -31,6 +31,19 @@ from numloss import ObjectiveConfig
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters through PEFT (`model.lora`): the base model is frozen in `model.dtype` and only the
+    adapters (and their optimizer states) train. `alpha / r` scales the adapters' product B A."""
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    # module names (PEFT matches a name or its last parts), or "all-linear": every linear layer but the head
+    target_modules: list | str = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    export_merged: bool = False  # final/ also holds the merged model (base + alpha/r B A) transformers loads
+
+
+@dataclass
 class ModelConfig:
     """The backbone: a hub name or local path (`name_or_path`), or a config to build with random weights."""
 
@@ -42,6 +55,7 @@ class ModelConfig:
     vision: bool = False  # a vision-language model, loaded with AutoModelForImageTextToText + its processor
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoraSection | None = None  # None: the whole model trains
 
 
 @dataclass
@@ -204,6 +218,16 @@ class Recipe:
             raise ValueError("model: give exactly one of model.name_or_path and model.config")
         if self.model.config is not None and not self.model.tokenizer:
             raise ValueError("model.tokenizer: required when the model is built from model.config")
+        if self.train.engine == "megatron":
+            for key, bad, why in (("model.vision", self.model.vision, "the Megatron engine trains text models (GPTModel)"),
+                                  ("loss.head", self.loss.head != "logits", "the Megatron engine computes the objective"
+                                   " on GPTModel's vocab-parallel logits: use loss.head: logits"),
+                                  ("deepspeed.tp_size", self.deepspeed.tp_size != 1, "with train.engine: megatron the"
+                                   " tensor-parallel size is megatron.tp_size")):
+                if bad:
+                    raise ValueError(f"{key}: {why}")
+        if self.megatron.sequence_parallel and self.megatron.tp_size == 1:
+            raise ValueError("megatron.sequence_parallel: needs megatron.tp_size > 1")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"deepspeed.zero_stage: {self.deepspeed.zero_stage} is not 0, 1, 2 or 3")
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
@@ -236,12 +260,33 @@ class Recipe:
         if self.train.max_epochs is not None and not (math.isfinite(self.train.max_epochs)
                                                       and self.train.max_epochs > 0):
             raise ValueError(f"train.max_epochs: must be a finite number > 0, got {self.train.max_epochs}")
+        if self.model.lora is not None:
+            self._validate_lora()
         if not self.data.train:
             raise ValueError("data.train: required (a data_prep output directory)")
         try:
             ObjectiveConfig.from_dict(self.loss.objective)
         except (ValueError, TypeError) as err:
             raise ValueError(f"loss.objective: {err}") from None
+
+    def _validate_lora(self) -> None:
+        lora = self.model.lora
+        if self.train.engine == "megatron":
+            raise ValueError("model.lora is not supported with train.engine: megatron (use train.engine: deepspeed)")
+        if self.deepspeed.tp_size > 1:
+            raise ValueError("model.lora is not supported with deepspeed.tp_size > 1 (AutoTP does not split"
+                             " PEFT's adapter layers)")
+        if self.model.vision:
+            raise ValueError("model.lora is not supported with model.vision (not tested on vision towers)")
+        if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:
+            raise ValueError(f"model.lora: needs r >= 1, alpha > 0 and 0 <= dropout < 1; got r={lora.r},"
+                             f" alpha={lora.alpha}, dropout={lora.dropout}")
+        targets = [lora.target_modules] if isinstance(lora.target_modules, str) else lora.target_modules
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"model.lora.target_modules: module names or \"all-linear\", got {lora.target_modules!r}")
+        if self.loss.head == "chunked" and "lm_head" in targets:
+            raise ValueError("model.lora.target_modules: lm_head cannot take an adapter with loss.head: chunked"
+                             " (the chunked head reads the head's weight directly)")
 
     def objective_config(self) -> ObjectiveConfig:
         return ObjectiveConfig.from_dict(self.loss.objective)

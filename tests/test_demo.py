@@ -36,6 +36,7 @@ def test_demo_end_to_end_at_tiny_size(tmp_path):
     table = (out / "results.md").read_text().splitlines()
     assert len([line for line in table if line.startswith("| CE")]) == 2, table  # a row per objective
     assert "exact match [95% CI]" in table[0]
+    assert table[-1].startswith("One seed (0) of 3 steps per loss") and "cannot rank CE and CE+SMMD" in table[-1]
     for name in ("CE", "CE_SMMD"):
         results = json.loads((out / name / "eval.json").read_text())
         assert len(results["examples"]) == 24

@@ -146,10 +146,8 @@ class NumericCausalLMLoss:
     `num_items_in_batch`, the step's normaliser:
     - a `LossCounts` (every denominator of the step, `numloss.normalization`): every term divides by
       its own count over the step, so the micro-batches' losses add up to the whole batch's exactly.
-      With the HF Trainer, return `reduce_counts([model.loss_function.objective.counts(shifted labels)
-      for each micro-batch], group)` from an override of `Trainer._get_num_items_in_batch`; the Trainer
-      (transformers 5, `average_tokens_across_devices`) passes it here unchanged and scales the loss
-      by the data-parallel size as for a token count (read from its source; not run in the tests);
+      With the HF Trainer or TRL's SFTTrainer use `numloss.integrations.hf_trainer` instead, which
+      makes these counts in the Trainer's public `get_batch_samples` and is tested with the real classes;
     - a number (the HF Trainer's own: the valid tokens of the whole accumulated batch): CE divides by
       it exactly; the numeric terms, which need counts the Trainer does not make, are divided by this
       micro-batch's own counts and weighted by its share of the valid tokens.

@@ -14,7 +14,8 @@
 4. training: `recipes/configs/smollm2-demo.yaml` under DeepSpeed ZeRO-3 on 2 CPU ranks (torchrun,
    gloo), once per objective, same data, steps, learning rate and initial weights;
 5. after: the same evaluation of each fine-tuned model: a Markdown table (exact match with its 95%
-   Wilson interval, MAE, R², parse rate), training curves and the digit-distribution probe.
+   Wilson interval, MAE, R², parse rate) with a line under it saying that one seed cannot rank the
+   two losses, training curves and the digit-distribution probe.
 
 `--tiny` runs the earlier demo instead: a 1M-parameter Llama from random weights
 (`recipes/configs/demo.yaml`) with a character tokenizer trained on the fly, no backbone needed.
@@ -101,6 +102,15 @@ def train_run(name: str, objective: str, out: Path, recipe: Path, model: list[st
     return run_dir
 
 
+def one_seed_label(steps: int, seed: int, n_eval: int, names: list[str]) -> str:
+    """The line under the demo's table: what one run per loss can and cannot show. Printed by the
+    command with the table, so a copy of the table carries it."""
+    return (f"One seed ({seed}) of {steps} steps per loss: the rows show what training does, not which loss "
+            f"is better. One run per loss cannot rank {' and '.join(names)}: across seeds a "
+            f"loss's exact match moves by several points (docs/study-smollm2/). The intervals cover the "
+            f"draw of the {n_eval} test problems only, not the run-to-run spread.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true",
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the finished parts of an interrupted invocation with the same arguments")
     args = parser.parse_args(argv)
 
+    from recipes.config import load_recipe
     from recipes.evaluation.evaluate import evaluate as run_evaluation
     from recipes.evaluation.probe import plot_probe, probe_model
     from recipes.evaluation.report import markdown_table, plot_curves, read_metrics_jsonl
@@ -153,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                                 batch_size=50, max_new_tokens=max_new_tokens, name=name))
         curves[name] = read_metrics_jsonl(str(run_dir / "metrics.jsonl"))
         probes[name] = probe_model(str(run_dir / "final"), str(out / "data" / "eval"), limit=args.eval_examples)
-    table = markdown_table(results, interval=True)
+    train = load_recipe(recipe, [f"train.steps={args.steps}"] if args.steps is not None else []).train
+    table = markdown_table(results, interval=True) + "\n" + one_seed_label(
+        train.steps, train.seed, args.eval_examples, list(OBJECTIVES))
     (out / "results.md").write_text(table + "\n")
     plot_curves(curves, str(out / "curves.png"))
     plot_probe(probes, str(out / "probe.png"))

@@ -21,8 +21,11 @@ eval metrics, which test problems it solved, its training curve and speed) and i
 study is started again, so it can be completed over several invocations; the tables and plots are
 rebuilt from those files at the end (`--report-only` rebuilds them without training), and the report
 lists the runs of the grid that are done and those still missing. Exact match of each loss is
-compared with CE's on the same test problems by a paired bootstrap (`recipes.evaluation.stats.paired_bootstrap`:
-per problem, the share of the common seeds that solved it, loss minus CE, resampled over problems).
+compared with CE's over the seeds both have run, paired by seed and test problem, by a two-level
+bootstrap (`recipes.evaluation.stats.two_level_bootstrap`: seeds resampled, then problems), shown with
+the per-seed differences and their t interval: two CE seeds disagree on about as many problems as CE
+and another loss do, so an interval over problems alone would rank losses by the luck of a run.
+Below 3 seeds the report says no ranking can be read and shows no interval.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ class Setup:
 SETUPS = {
     "tiny": Setup("tiny", REPO_ROOT / "recipes" / "configs" / "study.yaml",
                   {"digits": ("digits", "digits"), "groups3": ("groups3", "integers")}),
-    # 1000 test problems: with three seeds a 2-point exact-match difference between two losses is
-    # outside the paired interval once the models agree on most problems (see docs/study-smollm2/).
+    # 1000 test problems: their draw adds about 3 points to a paired difference between two losses;
+    # the seeds' spread adds more (see docs/study-smollm2/), which only more seeds would narrow.
     "smollm2": Setup("smollm2", REPO_ROOT / "recipes" / "configs" / "smollm2-study.yaml",
                      {"smollm2": (BACKBONE, "digits")}, out=REPO_ROOT / "docs" / "study-smollm2",
                      work=REPO_ROOT / "runs" / "study-smollm2", train_examples=5000, eval_examples=1000,
@@ -186,30 +189,31 @@ def zero_shot(setup: Setup, work: Path, out: Path) -> None:
                                        indent=1) + "\n")
 
 
-def _per_problem(records: list[dict]) -> list[float]:
-    """Per test problem, the share of these runs that solved it."""
-    n = len(records[0]["correct"])
-    return [sum(r["correct"][i] == "1" for r in records) / len(records) for i in range(n)]
-
-
 def versus_ce(group: list[dict], ce: list[dict]) -> dict | None:
-    """Paired bootstrap of exact match, this loss minus CE, over the seeds both have run."""
-    from recipes.evaluation.stats import paired_bootstrap
+    """Exact match of this loss minus CE's over the seeds both have run, paired by seed (same data
+    order, same initial weights) and by test problem: `recipes.evaluation.stats.two_level_bootstrap`
+    where the records say which problems each run solved, else the per-seed differences of exact match
+    with their seed-level t interval (`seed_differences`). Below 3 common seeds: no interval."""
+    from recipes.evaluation.stats import seed_differences, two_level_bootstrap
 
-    seeds = sorted({r["seed"] for r in group if "correct" in r} & {r["seed"] for r in ce if "correct" in r})
+    by_seed = {r["seed"]: r for r in group}
+    ce_by_seed = {r["seed"]: r for r in ce}
+    seeds = sorted(by_seed.keys() & ce_by_seed.keys())
     if not seeds:
         return None
-    mine = [r for r in group if r["seed"] in seeds]
-    theirs = [r for r in ce if r["seed"] in seeds]
+    mine, theirs = [by_seed[s] for s in seeds], [ce_by_seed[s] for s in seeds]
+    if not all("correct" in r for r in mine + theirs):  # older records: each run's exact match only
+        return seed_differences([m["metrics"]["exact_match"] - c["metrics"]["exact_match"]
+                                 for m, c in zip(mine, theirs)])
     if len({r["eval_ids_sha256"] for r in mine + theirs}) != 1:
         raise ValueError(f"{mine[0]['name']} and {theirs[0]['name']} were scored on different test problems")
-    return {**paired_bootstrap(_per_problem(mine), _per_problem(theirs)), "seeds": len(seeds)}
+    return two_level_bootstrap([[c == "1" for c in r["correct"]] for r in mine],
+                               [[c == "1" for c in r["correct"]] for r in theirs])
 
 
 def aggregate(records: list[dict]) -> list[dict]:
     """Mean and standard deviation over seeds, per (tokenizer, loss), in the study's order (tokenizers
-    as they first appear), with the paired bootstrap against CE where the records say which problems
-    each run solved, and the mean training speed."""
+    as they first appear), with the difference against CE (`versus_ce`) and the mean training speed."""
     rows = []
     for tokenizer in dict.fromkeys(r["tokenizer"] for r in records):
         ce = [r for r in records if r["tokenizer"] == tokenizer and r["loss"] == "ce"]
@@ -232,6 +236,8 @@ def aggregate(records: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
+    from recipes.evaluation.stats import MIN_SEEDS, versus_cells
+
     def cell(row, key, scale=1.0, digits=2):
         if row[key] is None:
             return "n/a"
@@ -244,20 +250,28 @@ def markdown(rows: list[dict]) -> str:
         spread = f" ± {number(row[key + '_sd'])}"
         return value + spread + (f" ({row[key + '_n']} seeds)" if row[key + "_n"] < row["seeds"] else "")
 
-    def versus(row):
+    def versus(row) -> str:
         v = row.get("vs_ce")
         if not v:
-            return "–"
-        seeds = f" ({v['seeds']} seeds)" if v["seeds"] < row["seeds"] else ""
-        return f"{100 * v['diff']:+.1f} [{100 * v['low']:+.1f}, {100 * v['high']:+.1f}]{seeds}"
+            return "– | – | –"
+        both, per_seed, seed_t = versus_cells(v)
+        if MIN_SEEDS <= v["n_seeds"] < row["seeds"]:
+            both += f" ({v['n_seeds']} seeds)"
+        return f"{both} | {per_seed} | {seed_t}"
 
-    lines = ["Mean ± sample standard deviation over seeds; MAE and R² over parsed answers only. "
-             "Δ vs CE: exact match minus CE's in points, with a 95% paired bootstrap interval over the "
-             "same test problems (per problem, the share of the seeds both have run that solved it). "
-             "tokens/s: training throughput (all ranks), mean over seeds of each run's median step.", "",
-             "| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | final train CE"
-             " | Δ exact match vs CE | tokens/s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [("Mean ± sample standard deviation over seeds; MAE and R² over parsed answers only. "
+             "Δ vs CE: exact match minus CE's in points over the seeds both have run, paired by seed and "
+             "test problem, with a 95% two-level bootstrap interval (resampling the seeds, then the test "
+             "problems), which counts the run-to-run spread as well as the draw of test problems; "
+             "Δ per seed: the difference at each seed; t over seeds: the 95% t interval of those, each seed "
+             f"one observation. With fewer than {MIN_SEEDS} seeds in common with CE no ranking can be read "
+             "and no interval is shown. A bootstrap over 3 seeds cannot reach past their extremes, so the "
+             "t interval is the wider of the two: a difference can be read as the loss's where both "
+             "exclude 0. tokens/s: training throughput (all ranks), mean over seeds of each run's median "
+             "step."), "",
+             ("| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | final train CE"
+              " | Δ exact match vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds | tokens/s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = f"{row['tokens_per_s']:.0f}" if row.get("tokens_per_s") else "–"
         lines.append(f"| {row['tokenizer']} | {row['loss']} | {row['seeds']} | {cell(row, 'exact_match', 100, 1)}"

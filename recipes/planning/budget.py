@@ -22,6 +22,8 @@ activation (2 in bf16, 4 in fp32), P parameters.
   its share, P x e / world + the largest module.
 - Checkpoint on disk: DeepSpeed saves the model-dtype weights, fp32 master weights (bf16 only) and
   Adam's two fp32 moments: (e + 4 [bf16] + 8) x P bytes, times train.keep_last, plus the export (P x e).
+  LoRA: the trainable adapter's A parameters in place of P (the frozen base is not saved), and the
+  export is the adapter (A x e) plus, with `model.lora.export_merged`, the merged model (P x e).
 - Communication per GPU per optimizer step (ring collectives move (n-1)/n of the data per rank; G
   micro-batches per step; gradients reduced in fp32 under bf16, see recipes.engines.deepspeed.config):
   ZeRO-3: every micro-batch gathers the parameters in the forward and again in the backward
@@ -30,6 +32,8 @@ activation (2 in bf16, 4 in fp32), P parameters.
   parameter all-gather per step. ZeRO-0: one gradient all-reduce per step (2 x P/t x 4).
   TP: 4 all-reduces of [T, h] per layer per micro-batch, inside the node.
   Compute: 6 x P/t x T FLOPs per micro-batch (8 with gradient checkpointing: the forward runs twice).
+  LoRA: gradients (and the ZeRO 0-2 parameter gather) are the adapter's only; ZeRO-3 still gathers the
+  frozen base every micro-batch; compute 4 x P/t x T (no weight gradients of the base; 6 with checkpointing).
 """
 
 from __future__ import annotations
@@ -96,28 +100,30 @@ class Comm:
 
 def step_communication(params: int, s: Shape, *, zero_stage: int, tp: int, dp: int, nodes: int,
                        hpz: int, grad_accum: int, tokens: int, act_bytes: int,
-                       checkpointing: bool) -> Comm:
-    """Bytes each GPU sends per optimizer step (see the module docstring), split by where they go."""
+                       checkpointing: bool, trainable: int | None = None) -> Comm:
+    """Bytes each GPU sends per optimizer step (see the module docstring), split by where they go.
+    `trainable`: the parameters that get gradients when fewer than `params` (LoRA's adapter)."""
     p = params / tp
+    g = p if trainable is None else trainable / tp
     ring = (dp - 1) / dp if dp > 1 else 0.0
     grad_bytes = 4  # reduced in fp32 (recipes.engines.deepspeed.config)
     inter = intra = 0.0
     if zero_stage == 3:
         gather = p * act_bytes * ring
-        forward, backward, reduce = gather, gather, p * grad_bytes * ring
+        forward, backward, reduce = gather, gather, g * grad_bytes * ring
         if hpz > 1:
             intra += grad_accum * backward
             backward = 0.0
         inter += grad_accum * (forward + backward + reduce)
     elif zero_stage in (1, 2):
-        inter += grad_accum * p * grad_bytes * ring + p * act_bytes * ring
+        inter += grad_accum * g * grad_bytes * ring + g * act_bytes * ring
     else:
-        inter += 2 * p * grad_bytes * ring
+        inter += 2 * g * grad_bytes * ring
     if nodes == 1:  # one node: nothing crosses the network
         intra, inter = intra + inter, 0.0
     if tp > 1:
         intra += grad_accum * s.layers * 4 * tokens * s.hidden * act_bytes * 2 * (tp - 1) / tp
-    flops = (8 if checkpointing else 6) * p * tokens * grad_accum
+    flops = ((8 if checkpointing else 6) - (0 if trainable is None else 2)) * p * tokens * grad_accum
     return Comm(inter, intra, flops)
 
 
@@ -126,10 +132,10 @@ def _gib(n_bytes: float) -> str:
 
 
 def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_mem_gb: float,
-           seq_len: int | None, gpu_tflops: float, net_gbps: float) -> None:
+           seq_len: int | None, gpu_tflops: float, net_gbps: float, trainable: int | None = None) -> None:
     """recipes.planning.validate's part: GPU memory beyond model states (`est`, DeepSpeed's model-state estimate),
     host RAM, disk and communication, added to the report `rep` (recipes.planning.validate.Report), with an
-    error naming the part that does not fit (exit status 1)."""
+    error naming the part that does not fit (exit status 1). `trainable`: LoRA's adapter parameters."""
     from recipes.engines.deepspeed.config import zero_comm_settings
 
     m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
@@ -172,7 +178,8 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_
     # checkpoint shard (~5 GB) at a time per rank
     whole = ds.zero_stage < 3 and tp > 1
     load = ranks * model_bytes if whole else ranks * min(model_bytes, 5 * 2**30)
-    export = ranks * (model_bytes / world + largest * e)
+    merged = trainable is None or m.lora.export_merged  # a LoRA run without it exports the adapter alone
+    export = ranks * (model_bytes / world + largest * e) if merged else trainable * e
     # DeepSpeed's CPU estimate is host memory the run keeps only under offload (optimizer/parameters on
     # the CPU); without it, it is printed, not added
     offload = ds.offload_optimizer or ds.offload_params
@@ -187,17 +194,18 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_
                           f"{_gib(host)} the run needs at {'load' if load >= export else 'export'}"
                           + (" (ZeRO 0-2 with AutoTP load the whole model on every rank: use ZeRO-3)" if whole
                              else ""))
-    ckpt = checkpoint_bytes(total, e)
-    disk = ckpt * tr.keep_last + model_bytes
+    ckpt = checkpoint_bytes(total if trainable is None else trainable, e)
+    exported = model_bytes if trainable is None else trainable * e + (model_bytes if m.lora.export_merged else 0)
+    disk = ckpt * tr.keep_last + exported
     rep.numbers["disk_bytes"] = int(disk)
-    rep.add("disk", f"{ckpt / 1e9:,.0f} GB per checkpoint x keep_last {tr.keep_last} + export "
-                    f"{model_bytes / 1e9:,.0f} GB = {disk / 1e9:,.0f} GB in train.out_dir")
+    rep.add("disk", f"{ckpt / 1e9:,.1f} GB per checkpoint x keep_last {tr.keep_last} + export "
+                    f"{exported / 1e9:,.1f} GB = {disk / 1e9:,.1f} GB in train.out_dir")
     # communication vs compute
     dp = max(1, world // tp)
     hpz = zero_comm_settings(recipe, world).get("zero_hpz_partition_size", 1) if ds.zero_stage else 1
     comm = step_communication(total, shape, zero_stage=ds.zero_stage, tp=tp, dp=dp, nodes=cl.nodes, hpz=hpz,
                               grad_accum=tr.grad_accum, tokens=tokens, act_bytes=e,
-                              checkpointing=m.gradient_checkpointing)
+                              checkpointing=m.gradient_checkpointing, trainable=trainable)
     t_comm = comm.inter_node_bytes / (net_gbps / 8 * 1e9)
     t_compute = comm.flops / (gpu_tflops * 1e12)
     ratio = t_comm / t_compute if t_compute else float("inf")

@@ -15,7 +15,7 @@ What is checked, in order:
 3. Parameter count and the largest single module's parameters, from an empty-weight model
    (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
 4. DeepSpeed's estimate of model-state memory per GPU (params, grads, optimizer states; activations
-   are extra) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
+   are extra; with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
    `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
    offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
    shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.planning.budget):
@@ -23,7 +23,9 @@ What is checked, in order:
    buffers); a total above `--gpu-mem-gb` (80) is an error naming the largest part. Also reported:
    host RAM per node at load and at export (an error above `cluster.host_mem_gb` when given), the
    checkpoints' size on disk x keep_last, and the communication per GPU per step against its compute
-   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer).
+   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer), and a step time and MFU.
+   `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead: memory by pipeline
+   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU (`--nvlink-gbps`).
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
@@ -321,7 +323,8 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
                     offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
-                    gpu_tflops: float = 400.0, net_gbps: float = 400.0) -> Report:
+                    gpu_tflops: float = 400.0, net_gbps: float = 400.0, nvlink_gbps: float = 2880.0,
+                    gpu_peak_tflops: float = 989.0) -> Report:
     """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`)."""
     from recipes.config import load_recipe
 
@@ -357,41 +360,65 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         except Exception as err:  # noqa: BLE001  (a config transformers cannot build)
             rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
             total = None
-        if total is not None and cl.gpus_per_node > 0:
+        knobs = dict(gpu_tflops=gpu_tflops, net_gbps=net_gbps, gpu_peak_tflops=gpu_peak_tflops, seq_len=seq_len)
+        adapter = None
+        if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
+            from recipes.planning.lora import report_lora
+
+            adapter = report_lora(rep, cfg, m, total)
+        if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
+            from recipes.planning.megatron_budget import report_megatron
+
+            report_megatron(rep, recipe, cfg, total, gpu_mem_gb=gpu_mem_gb, nvlink_gbps=nvlink_gbps, **knobs)
+        elif total is not None and cl.gpus_per_node > 0:
+            from recipes.planning.lora import lora_memory_estimate
+
             est = zero_memory_estimate(total, largest, ds.zero_stage, cl.nodes, cl.gpus_per_node, ds.tp_size,
-                                       ds.offload_optimizer, ds.offload_params)
+                                       ds.offload_optimizer, ds.offload_params) if adapter is None else \
+                lora_memory_estimate(total, largest, adapter, zero_stage=ds.zero_stage,
+                                     dp=cl.nodes * cl.gpus_per_node // ds.tp_size, ranks_per_node=cl.gpus_per_node,
+                                     weight_bytes=2 if m.dtype == "bfloat16" else 4,
+                                     offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params)
             rep.numbers.update(gpu_mem_bytes=est["gpu_bytes"], cpu_mem_bytes=est["cpu_bytes"])
             rep.add("memory / GPU", f"{_gib(est['gpu_bytes'])} model states (params + grads + optimizer; "
                                     f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
-                                    f"[deepspeed {est['function']}, ZeRO-{ds.zero_stage}, offload "
+                                    f"[{'deepspeed ' * (adapter is None)}{est['function']}, ZeRO-{ds.zero_stage}, offload "
                                     f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
             from recipes.planning.budget import report_budget
 
-            report_budget(rep, recipe, cfg, total, largest, est, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
+            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
                           gpu_tflops=gpu_tflops, net_gbps=net_gbps)
+            from recipes.planning.megatron_budget import deepspeed_step_time
+
+            deepspeed_step_time(rep, recipe, cfg, **knobs)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
         rep.errors.append(f"cluster.gpus_per_node: must be >= 0, got {cl.gpus_per_node}")
     per_node = cl.ranks_per_node()
     unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
-    if per_node > 0 and per_node % ds.tp_size:
-        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
-        rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
-                          "(a TP group must stay inside a node)")
+    if tr.engine == "megatron":  # TP x PP x DP (recipes.planning.megatron_budget)
+        from recipes.planning.megatron_budget import megatron_layout
+
+        dp, layout = megatron_layout(rep, recipe)
+    else:
+        if per_node > 0 and per_node % ds.tp_size:
+            key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
+            rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
+                              "(a TP group must stay inside a node)")
+        dp = max(1, cl.nodes * per_node // ds.tp_size)
+        layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}, ZeRO-{ds.zero_stage}"
     per_step = tr.micro_batch_size * tr.grad_accum
-    dp = max(1, cl.nodes * per_node // ds.tp_size)
     effective = per_step * dp
     if tr.global_batch_size is not None and tr.global_batch_size != effective:
         rep.errors.append(f"train.global_batch_size: {tr.global_batch_size} != micro_batch_size "
                           f"{tr.micro_batch_size} x grad_accum {tr.grad_accum} x data-parallel {dp} "
                           f"(= {effective})")
-    layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}"
-    rep.add("layout", f"{layout}, ZeRO-{ds.zero_stage}")
+    rep.add("layout", layout)
     rep.numbers["effective_batch"] = effective
     rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
                      f"= {effective} sequences per step, {tr.steps} steps")
-    if ds.tp_size > 1:
+    if ds.tp_size > 1 and tr.engine == "deepspeed":
         if size and total is not None:
             from recipes.engines.deepspeed.model import autotp_problem
 
@@ -476,10 +503,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "(default: data.seq_len, else 1024)")
     p.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (400: ~40%% of an H100)")
     p.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per GPU (400: one NDR port each)")
+    p.add_argument("--nvlink-gbps", type=float, default=2880.0, help="NVLink Gb/s per GPU (2880 = 360 GB/s, NCCL's "
+                   "bus bandwidth on 8 x H100 SXM; Megatron recipes)")
+    p.add_argument("--gpu-peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU for MFU (989: H100 bf16)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
-                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps)
+                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps,
+                          nvlink_gbps=a.nvlink_gbps, gpu_peak_tflops=a.gpu_peak_tflops)
     if a.json:
         print(json.dumps({"recipe": rep.recipe, "ok": rep.ok, "errors": rep.errors, "warnings": rep.warnings,
                           "info": dict(rep.info), "numbers": rep.numbers}, indent=1))

@@ -13,6 +13,9 @@
     an example or a row.
   Padding (segment 0) attends to itself only, so its softmax row stays finite; its labels are -100.
 - Image rows: `recipes.training.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
+- `attn_implementation="segments"`: a model that builds its own attention mask from `[B, T]` tensors
+  (the Megatron engine) gets the rows as the reader made them, packed rows with their `position_ids`
+  and `sequence_ids` (the segment ids) and no 4-D mask.
 
 `model_inputs` also returns the number of real tokens in the batch (for tokens per second).
 
@@ -59,6 +62,9 @@ def model_inputs(batch: dict[str, Any], *, processor=None, attn_implementation: 
     tokens = int(batch["attention_mask"].sum())
     if "segment_ids" not in batch:
         return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}, tokens
+    if attn_implementation == "segments":
+        return {"input_ids": batch["input_ids"], "labels": batch["labels"], "attention_mask": batch["attention_mask"],
+                "position_ids": batch["position_ids"], "sequence_ids": batch["segment_ids"]}, tokens
     if attn_implementation.startswith("flash_attention"):
         segments = batch["segment_ids"]
         rows = torch.arange(segments.shape[0], device=segments.device)[:, None] * (int(segments.max()) + 1)

@@ -115,3 +115,25 @@ def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
     assert cpu.num_workers == 6 and not cpu.use_gpu and cpu.resources_per_worker == {"CPU": 2}
     gpu = scaling(load_recipe(recipe, ["cluster.nodes=2", "cluster.gpus_per_node=8", "cluster.cpu_ranks_per_node=3"]))
     assert gpu.num_workers == 16 and gpu.use_gpu and gpu.resources_per_worker["GPU"] == 1
+
+
+def test_megatron_engine_restarts_on_ray_with_the_same_losses(workspace, cluster):
+    """The Megatron engine (DP 2 over the two simulated nodes) under launch.ray: a run whose rank 1
+    SIGKILLs itself after step 3 is restarted by Ray from the committed step-2 checkpoint (Megatron's
+    distributed format) and logs the uninterrupted Megatron run's values."""
+    from launch.ray import run
+
+    root, recipe = workspace
+    engine = "train.engine=megatron"
+    want_out, out = root / "megatron", root / "megatron-killed"
+    run(recipe, [f"train.out_dir={want_out}", engine], name=f"megatron-{time.time_ns()}")
+    summary = run(recipe, [f"train.out_dir={out}", engine], name=f"megatron-killed-{time.time_ns()}",
+                  max_failures=2, fault={"step": 3, "rank": 1})
+    assert (out / ".fault_injected_step3_rank1").is_file(), "the fault was never injected"
+    assert (out / "checkpoints" / f"step_{STEPS:08d}" / "megatron").is_dir()  # the engine's own state
+    got, want = read_metrics(out), read_metrics(want_out)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        for key in ("loss", "ce", "term/smmd", "grad_norm", "lr"):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
+    assert summary["metrics"]["step"] == STEPS

@@ -1,9 +1,11 @@
 """launch.sweep: a 2x2 grid (two backbones x two losses, one seed) of tiny Ray jobs on the simulated
-cluster, evaluated with recipes.evaluation.evaluate, collected into one CSV + Markdown table."""
+cluster, evaluated with recipes.evaluation.evaluate, collected into one CSV + Markdown table; the table's
+comparison against the baseline loss from hand-made job directories (no training)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import time
 
 import pytest
@@ -42,7 +44,41 @@ def test_two_by_two_grid_runs_and_writes_the_table(workspace, cluster, tmp_path)
     assert float(smmd["train_loss"]) != float(smmd["train_ce"]) and float(ce["train_loss"]) == float(ce["train_ce"])
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert "| l2-smmd-s0 | l2 | smmd | 0 | 2 |" in table and "Mean ± std over seeds" in table
+    assert "| l1 | smmd | 1 | " in table and "1 seed: no ranking" in table  # one seed ranks nothing
     # a second run skips the finished jobs (no training: only the table is rebuilt)
     t1 = time.time()
     assert main([str(path)]) == 0
     assert time.time() - t1 < 20
+
+
+def test_the_table_compares_each_loss_with_the_baseline_of_its_backbone(tmp_path):
+    # Three backbones x (ce, smmd) x seeds 0-2, 10 test problems; ce solves problems 0-4 at every seed.
+    # b1: smmd solves 5 + s + 1 at seed s: differences +10, +20, +30 points, t interval
+    #     20 ± 4.302653 * 10 / sqrt(3) = [-4.8, +44.8].
+    # b2: seed 2 not evaluated: two seeds, no ranking, no interval.
+    # b3: evaluations without examples: per-seed exact match only, the seed-level interval only.
+    from launch.sweep import collect, load_sweep
+
+    spec = {"name": "versus", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1, 2],
+            "backbones": {"b1": [], "b2": [], "b3": []}, "losses": {"ce": [], "smmd": []}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    sweep = load_sweep(tmp_path / "sweep.yaml")
+    assert sweep.baseline == "ce"
+    for job in sweep.jobs:
+        if job.backbone == "b2" and job.seed == 2:
+            continue
+        solved = 5 + (job.seed + 1 if job.loss == "smmd" else 0)
+        examples = [{"example_id": f"p{i}", "correct": i < solved} for i in range(10)]
+        job.out_dir.mkdir(parents=True)
+        (job.out_dir / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 1.0, "ce": 1.0}) + "\n")
+        results = {"metrics": {"n": 10, "exact_match": solved / 10}}
+        if job.backbone != "b3":
+            results["examples"] = examples
+        (job.out_dir / "eval_results.json").write_text(json.dumps(results))
+    collect(sweep)
+    table = (sweep.out_dir / "results.md").read_text()
+    b1 = next(line for line in table.splitlines() if line.startswith("| b1 | smmd | 3 | +20.0 ["))
+    assert b1.endswith("| +10.0, +20.0, +30.0 | [-4.8, +44.8] |")
+    assert "| b2 | smmd | 2 | +15.0, 2 seeds: no ranking | +10.0, +20.0 | – |" in table
+    assert "| b3 | smmd | 3 | +20.0 (seed level only) | +10.0, +20.0, +30.0 | [-4.8, +44.8] |" in table
+    assert not any(line.startswith("| b1 | ce | 3 | +") for line in table.splitlines())  # no row for the baseline

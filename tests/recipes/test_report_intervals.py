@@ -54,3 +54,75 @@ def test_table_interval_column():
     table = R.markdown_table(results, interval=True)
     assert "exact match [95% CI]" in table and "| 0.5 [0.237, 0.763] |" in table
     assert "[" not in R.markdown_table(results)
+
+
+# ---- two-level bootstrap over training seeds and test problems ------------------------------------------
+
+
+def test_t_quantiles_against_tables():
+    # df = 2 has a closed form: t = (2p - 1) / sqrt(2 p (1 - p)); df = 1 is Cauchy: tan(pi (p - 1/2))
+    assert S.t_quantile(0.975, 2) == pytest.approx(0.95 / (2 * 0.975 * 0.025) ** 0.5, rel=1e-7)
+    assert S.t_quantile(0.975, 1) == pytest.approx(12.706205, rel=1e-6)
+    assert S.t_quantile(0.975, 10) == pytest.approx(2.228139, rel=1e-6)
+    assert S.t_quantile(0.025, 4) == pytest.approx(-2.776445, rel=1e-6)
+
+
+def test_seed_level_t_interval_by_hand():
+    # 3 seeds, 10 problems; at seed s the system solves s + 1 problems more than the baseline: per-seed
+    # differences 0.1, 0.2, 0.3; mean 0.2, sd 0.1, half-width t(0.975, 2) * 0.1 / sqrt(3)
+    # = 4.302653 * 0.057735 = 0.248414
+    base = [[0] * 10 for _ in range(3)]
+    system = [[1] * (s + 1) + [0] * (9 - s) for s in range(3)]
+    v = S.two_level_bootstrap(system, base, resamples=2000)
+    assert v["per_seed"] == pytest.approx([0.1, 0.2, 0.3]) and v["diff"] == pytest.approx(0.2)
+    t = v["seed_t"]
+    assert (t["mean"], t["sd"], t["n"]) == (pytest.approx(0.2), pytest.approx(0.1), 3)
+    assert (t["low"], t["high"]) == pytest.approx((-0.048414, 0.448414), abs=1e-6)
+    assert v["reason"] is None and t["reason"] is None and v["n_problems"] == 10
+    assert S.versus_cells(v) == ("+20.0 [" + f"{100 * v['low']:+.1f}, {100 * v['high']:+.1f}]",
+                                 "+10.0, +20.0, +30.0", "[-4.8, +44.8]")
+
+
+def test_seeds_that_differ_widen_the_interval_problems_that_do_not_cannot_narrow_it():
+    # Every problem has the same difference within a seed (0, 0.1, 0.2 at seeds 0-2): the one-level
+    # bootstrap of the per-problem means sees no spread at all, [0.1, 0.1]. Over seeds, a resample is the
+    # mean of three draws from {0, 0.1, 0.2}; all three 0 (or all 0.2) has probability 1/27 = 3.7% > 2.5%,
+    # so the 95% interval is [0, 0.2].
+    system = [[c] * 50 for c in (0.0, 0.1, 0.2)]
+    base = [[0.0] * 50 for _ in range(3)]
+    one = S.paired_bootstrap([sum(col) / 3 for col in zip(*system)], [0.0] * 50)
+    assert (one["low"], one["high"]) == pytest.approx((0.1, 0.1))
+    two = S.two_level_bootstrap(system, base, resamples=20000)
+    assert (two["low"], two["high"]) == pytest.approx((0.0, 0.2))
+    # 0/1 outcomes: 200 problems, the baseline solves the first 60 at every seed and the system 60 + 10 s
+    # at seed s (differences 0, 0.05, 0.10): pooled per problem, the shares give ~0.05 ± 0.02; over
+    # seeds the interval must reach from about 0 to about 0.1
+    base = [[1] * 60 + [0] * 140 for _ in range(3)]
+    system = [[1] * (60 + 10 * s) + [0] * (140 - 10 * s) for s in range(3)]
+    one = S.paired_bootstrap([sum(col) / 3 for col in zip(*system)], [sum(col) / 3 for col in zip(*base)])
+    two = S.two_level_bootstrap(system, base)
+    assert two["diff"] == pytest.approx(one["diff"]) == pytest.approx(0.05)
+    assert two["low"] < one["low"] - 0.02 and two["high"] > one["high"] + 0.02
+    assert two["low"] <= 0.005 and two["high"] >= 0.095
+
+
+def test_seeds_that_agree_give_the_one_level_interval():
+    # The same outcomes at every seed: the seed draw changes nothing, and the problems (drawn once per
+    # resample for every seed: one test set) give the one-level interval, up to Monte-Carlo error.
+    base = [1] * 80 + [0] * 120
+    system = [1] * 74 + [0] * 6 + [1] * 20 + [0] * 100  # 20 won, 6 lost: +0.07
+    one = S.paired_bootstrap(system, base, resamples=20000)
+    two = S.two_level_bootstrap([system] * 3, [base] * 3, resamples=20000, seed=1)
+    assert two["diff"] == pytest.approx(one["diff"]) == pytest.approx(0.07)
+    assert two["low"] == pytest.approx(one["low"], abs=0.006) and two["high"] == pytest.approx(one["high"], abs=0.006)
+    assert two["seed_t"]["sd"] == 0.0 and two["seed_t"]["low"] == two["seed_t"]["high"] == pytest.approx(0.07)
+
+
+def test_fewer_than_three_seeds_give_no_interval():
+    v = S.two_level_bootstrap([[1, 1, 0], [1, 0, 0]], [[1, 0, 0], [1, 0, 0]])
+    assert v["diff"] == pytest.approx(1 / 6) and v["per_seed"] == pytest.approx([1 / 3, 0.0])
+    assert v["low"] is v["high"] is v["p_le_0"] is None and "no ranking" in v["reason"]
+    assert v["seed_t"]["low"] is None and "no ranking" in v["seed_t"]["reason"]
+    assert S.versus_cells(v) == ("+16.7, 2 seeds: no ranking", "+33.3, +0.0", "–")
+    with pytest.raises(ValueError, match="same seeds and problems"):
+        S.two_level_bootstrap([[1, 0]] * 3, [[1, 0, 1]] * 3)

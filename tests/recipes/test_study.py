@@ -33,10 +33,10 @@ def test_aggregate_means_and_spreads_over_seeds():
     assert "| digits | smmd | 1 | 50.0 (1 seed) | 4.00 (1 seed) |" in table
 
 
-def test_paired_comparison_against_ce_uses_the_seeds_both_have():
+def test_comparison_against_ce_uses_the_seeds_both_have_and_ranks_nothing_below_three(tmp_path):
     # 4 test problems. CE seeds 0 and 1 solve "1100" and "1000"; SMMD seeds 0, 1 and 2 solve "1110",
-    # "1100" and "1111". Seed 2 has no CE partner and is left out: per problem, SMMD's share of seeds
-    # 0-1 is [1, 1, .5, 0] and CE's [1, .5, 0, 0], so the difference is (0 + .5 + .5 + 0) / 4 = 0.25.
+    # "1100" and "1111". Seed 2 has no CE partner and is left out: at seeds 0 and 1 SMMD solves one
+    # problem more than CE, a difference of 0.25 at each; two seeds can rank nothing, so no interval.
     def run(loss, seed, correct):
         return {**_record("smollm2", loss, seed, correct.count("1") / 4, 1.0), "name": f"smollm2-{loss}-s{seed}",
                 "correct": correct, "eval_ids_sha256": "same", "tokens_per_s": 50.0 + seed}
@@ -45,13 +45,35 @@ def test_paired_comparison_against_ce_uses_the_seeds_both_have():
                run("smmd", 0, "1110"), run("smmd", 1, "1100"), run("smmd", 2, "1111")]
     ce, smmd = study.aggregate(records)
     assert ce["vs_ce"] is None and ce["tokens_per_s"] == pytest.approx(50.5)
-    assert smmd["vs_ce"]["diff"] == pytest.approx(0.25) and smmd["vs_ce"]["seeds"] == 2
-    assert smmd["vs_ce"]["low"] >= 0.0 and smmd["vs_ce"]["high"] <= 0.5
-    assert "| +25.0 [" in study.markdown([ce, smmd]) and "(2 seeds) | 51 |" in study.markdown([ce, smmd])
+    v = smmd["vs_ce"]
+    assert v["diff"] == pytest.approx(0.25) and v["n_seeds"] == 2 and v["per_seed"] == pytest.approx([0.25, 0.25])
+    assert v["low"] is None and v["seed_t"]["low"] is None
+    table = study.markdown([ce, smmd])
+    assert "| +25.0, 2 seeds: no ranking | +25.0, +25.0 | – | 51 |" in table and "[" not in table.split("\n")[-1]
+    # CE's seed 2 ("1110"): three seeds in common, each +0.25; the t interval has no spread, the two-level
+    # one comes from the problems (per seed one won problem of four, a different one at each seed)
+    ce, smmd = study.aggregate(records + [run("ce", 2, "1110")])
+    v = smmd["vs_ce"]
+    assert v["n_seeds"] == 3 and v["per_seed"] == pytest.approx([0.25] * 3)
+    assert 0.0 <= v["low"] < 0.25 < v["high"] <= 1.0
+    assert (v["seed_t"]["low"], v["seed_t"]["high"]) == pytest.approx((0.25, 0.25))
+    assert f"| +25.0 [{100 * v['low']:+.1f}, {100 * v['high']:+.1f}] | +25.0, +25.0, +25.0 | [+25.0, +25.0] |" \
+        in study.markdown([ce, smmd])
     records[-1]["eval_ids_sha256"] = "other"
     records[2]["eval_ids_sha256"] = "other"
     with pytest.raises(ValueError, match="different test problems"):
         study.aggregate(records)
+
+
+def test_records_without_per_problem_outcomes_give_the_seed_level_interval():
+    # the tiny study's records hold each run's exact match only: per-seed differences 0.1, 0.2, 0.3,
+    # t interval 0.2 ± 4.302653 * 0.1 / sqrt(3) = [-0.048, 0.448]
+    records = [_record("digits", "ce", s, 0.1, 1.0) for s in range(3)]
+    records += [_record("digits", "smmd", s, 0.2 + 0.1 * s, 1.0) for s in range(3)]
+    v = study.aggregate(records)[1]["vs_ce"]
+    assert v["low"] is None and v["per_seed"] == pytest.approx([0.1, 0.2, 0.3])
+    assert (v["seed_t"]["low"], v["seed_t"]["high"]) == pytest.approx((-0.048414, 0.448414), abs=1e-6)
+    assert "| +20.0 (seed level only) | +10.0, +20.0, +30.0 | [-4.8, +44.8] |" in study.markdown(study.aggregate(records))
 
 
 def test_study_grid_end_to_end_at_tiny_size(tmp_path):

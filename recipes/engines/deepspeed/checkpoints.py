@@ -28,12 +28,15 @@ def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -
     if saved is None:
         return None
     tag = dirs.latest_tag()
-    for key in ("tensor_parallel", "zero_stage"):
+    for key in ("tensor_parallel", "zero_stage", "lora"):
         if saved.get(key) != layout.get(key):
             raise ValueError(f"{dirs.root / tag} was saved with {key}={saved.get(key)}; this run has"
                              f" {layout.get(key)}: resume with the same {key}")
     if saved.get("data_parallel") == layout.get("data_parallel"):
         return None
+    if layout.get("lora"):  # ds_to_universal expects every parameter in the checkpoint (not run here)
+        raise ValueError(f"{dirs.root / tag} was saved with data_parallel={saved.get('data_parallel')}; a LoRA run"
+                         f" resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')})")
     universal = f"{tag}_universal"
     if dirs.runtime.is_main and not (dirs.root / universal).is_dir():
         from deepspeed.checkpoint.ds_to_universal import main as to_universal
@@ -49,16 +52,21 @@ def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -
     return universal
 
 
-def save_state(engine, directory: Path, step: int) -> None:
-    """DeepSpeed's model, optimizer and schedule state into `directory` (a step directory)."""
-    engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False)
+def save_state(engine, directory: Path, step: int, trainable_only: bool = False) -> None:
+    """DeepSpeed's model, optimizer and schedule state into `directory` (a step directory).
+    `trainable_only` (LoRA): the frozen base is left out, as it is rebuilt at every start; a 70B base
+    would otherwise add ~140 GB to every checkpoint."""
+    engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False,
+                           exclude_frozen_parameters=trainable_only)
 
 
-def load_state(engine, directory: Path, tag: str | None = None) -> None:
-    """Load `directory`'s DeepSpeed state (or the sibling `tag`, a universal conversion of it)."""
+def load_state(engine, directory: Path, tag: str | None = None, trainable_only: bool = False) -> None:
+    """Load `directory`'s DeepSpeed state (or the sibling `tag`, a universal conversion of it).
+    `trainable_only`: the checkpoint has the trainable parameters only; the module's others stay as built."""
     source = directory.parent / (tag or directory.name)
     try:
-        path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name)
+        path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name,
+                                         load_module_strict=not trainable_only)
     except Exception as err:  # DeepSpeed's own errors name no file (`PytorchStreamReader failed ...`)
         files = sorted(p.name for p in source.glob("*") if p.is_file())
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {source} ({type(err).__name__}: {err}); its "

@@ -8,6 +8,11 @@ DeepSpeed 0.19.8 divides each micro-batch's loss by `gradient_accumulation_steps
 loss given to backward is multiplied by `grad_accum * dp` to undo both, so the update is the gradient
 of the global batch's loss at any layout. AutoTP ranks hold the same rows and labels and compute the
 same loss.
+
+LoRA (`model.lora`, `recipes.engines.deepspeed.lora`): the adapters are injected before the wrapper is
+built, the optimizer and the checkpoints hold the adapters only (the frozen base is rebuilt at every
+start), and the export writes the adapter (`final/adapter/`) and, with `model.lora.export_merged`, the
+merged model in `final/`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from recipes.training.tokenizer import load_tokenizer
 from . import checkpoints
 from .config import build_optimizer, deepspeed_config, optimizer_kind
 from .export import export_model
+from .lora import apply_lora, save_adapter, trainable_parameters
 from .model import build_model, training_module
 
 
@@ -45,6 +51,11 @@ class DeepSpeedEngine:
         self.layout = {"data_parallel": self.dp.size, "tensor_parallel": tp, "zero_stage": recipe.deepspeed.zero_stage}
         self.tokenizer, self.processor = load_tokenizer(recipe)
         model, live_ds_config = build_model(recipe, ds_config, runtime.device)
+        self.lora = recipe.model.lora
+        self.peft_model = None
+        if self.lora is not None:
+            self.layout["lora"] = True  # a LoRA checkpoint holds the adapters only: resume LoRA onto LoRA
+            self.peft_model = apply_lora(model, self.lora, recipe.model.gradient_checkpointing)
         head = model.get_output_embeddings().weight
         logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
         if len(self.tokenizer) > logits_width:
@@ -56,7 +67,7 @@ class DeepSpeedEngine:
         self.model = model
         self.wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
         self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
-        optimizer = build_optimizer(recipe, self.wrapper.parameters())
+        optimizer = build_optimizer(recipe, trainable_parameters(self.wrapper))
         self.optimizer_name = optimizer_kind(recipe, torch.cuda.is_available())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=self.wrapper, optimizer=optimizer,
@@ -92,14 +103,19 @@ class DeepSpeedEngine:
         return all(bool(torch.isfinite(getattr(p, "ds_tensor", p.data)).all()) for p in self.engine.module.parameters())
 
     def save_state(self, directory: Path, step: int) -> None:
-        checkpoints.save_state(self.engine, directory, step)
+        checkpoints.save_state(self.engine, directory, step, trainable_only=self.lora is not None)
 
     def load_state(self, directory: Path) -> None:
-        checkpoints.load_state(self.engine, directory, self._load_tag)
+        checkpoints.load_state(self.engine, directory, self._load_tag, trainable_only=self.lora is not None)
 
     def export(self, path: Path) -> None:
-        export_model(self.engine, self.model, self.processor or self.tokenizer, path, self.runtime,
-                     zero_stage=self.recipe.deepspeed.zero_stage, tp_size=self.recipe.deepspeed.tp_size)
+        tokenizer = self.processor or self.tokenizer
+        zero_stage = self.recipe.deepspeed.zero_stage
+        if self.lora is None or self.lora.export_merged:
+            export_model(self.engine, self.model, tokenizer, path, self.runtime, zero_stage=zero_stage,
+                         tp_size=self.recipe.deepspeed.tp_size)
+        if self.lora is not None:
+            save_adapter(self.peft_model, path / "adapter", tokenizer, self.runtime.is_main, zero_stage)
 
     def close(self) -> None:
         self.engine.destroy()

@@ -18,6 +18,10 @@ Atomic: the shards, then the index, config and tokenizer (last) are written into
 rank that fails reports its error to the others (no rank is left waiting), the staging directory is
 removed and the previous `final/` stays as it was (or there is none): never a mix of old and new shards.
 
+LoRA (`model.lora` with `export_merged`): each LoRA layer is one unit of the plan, its base weight and
+adapters gathered together, and written as the layer it replaced, `W + alpha/r · B A`
+(`recipes.engines.deepspeed.lora.merged_weight`): the merged model under the base model's own keys.
+
 Layout (transformers' own for sharded checkpoints): `model-00001-of-0000N.safetensors` ... and
 `model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {key: file}}; a
 single shard is written as `model.safetensors` with no index.
@@ -36,19 +40,48 @@ import torch.distributed as dist
 
 from recipes.training.runtime import Runtime
 
+from .lora import is_lora_layer, merged_weight
+
 PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.engines.deepspeed.model.training_module)
 INDEX = "model.safetensors.index.json"
 
 
 def _modules_with_state(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(prefix, module) for every module that holds parameters or persistent buffers itself, in
-    `named_modules` order (the order `state_dict` uses)."""
+    `named_modules` order (the order `state_dict` uses); a LoRA layer is one unit with its sub-layers."""
     out = []
+    lora_prefixes: list[str] = []
     for name, module in root.named_modules():
+        prefix = f"{name}." if name else ""
+        if any(prefix.startswith(p) for p in lora_prefixes):
+            continue  # a LoRA layer's base layer or adapter: exported within the LoRA layer
+        if is_lora_layer(module):
+            lora_prefixes.append(prefix)
+            out.append((prefix, module))
+            continue
         persistent = [b for n, b in module.named_buffers(recurse=False)
                       if b is not None and n not in module._non_persistent_buffers_set]
         if list(module.parameters(recurse=False)) or persistent:
-            out.append((f"{name}." if name else "", module))
+            out.append((prefix, module))
+    return out
+
+
+def _unit_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters exported with a unit: its own, or a LoRA layer's base weight and adapters."""
+    return list(module.parameters(recurse=is_lora_layer(module)))
+
+
+def _unit_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A unit's tensors by key (relative to its prefix), its parameters whole on this rank: its own
+    parameters and persistent buffers, or a LoRA layer's merged weight (and the base layer's bias)."""
+    if is_lora_layer(module):
+        out = {"weight": merged_weight(module)}
+        if getattr(module.base_layer, "bias", None) is not None:
+            out["bias"] = module.base_layer.bias
+        return out
+    out = {name: p for name, p in module.named_parameters(recurse=False) if p is not None}
+    out.update({name: b for name, b in module.named_buffers(recurse=False)
+                if b is not None and name not in module._non_persistent_buffers_set})
     return out
 
 
@@ -90,26 +123,24 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
     modules = _modules_with_state(engine.module)
     # the plan from rank 0's view of the sizes: AutoTP slices can be uneven across TP ranks, and every
     # rank must agree on who keeps what
-    sizes = [[sum(_local_numel(p) for p in m.parameters(recurse=False)) for _, m in modules]]
+    sizes = [[sum(_local_numel(p) for p in _unit_parameters(m)) for _, m in modules]]
     dist.broadcast_object_list(sizes, src=0)
     owners = plan(sizes[0], world)
     writers = sorted(set(owners))
     mine: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # tied weights (the same Parameter in two modules) are written once
     for (prefix, module), owner in zip(modules, owners):
-        params = list(module.parameters(recurse=False))
+        params = _unit_parameters(module)
         with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3 and bool(params)):
             with GatherReplacedLayerParams(params, module, enabled=tp_size > 1 and bool(params)):
                 if runtime.rank != owner:
                     continue
-                for name, p in module.named_parameters(recurse=False):
-                    if p is None or id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                    mine[prefix + name] = p.detach().to("cpu", copy=True).contiguous()
-                for name, b in module.named_buffers(recurse=False):
-                    if b is not None and name not in module._non_persistent_buffers_set:
-                        mine[prefix + name] = b.detach().to("cpu", copy=True).contiguous()
+                for name, t in _unit_state(module).items():
+                    if isinstance(t, torch.nn.Parameter):  # a live object: its id cannot be reused meanwhile
+                        if id(t) in seen:
+                            continue
+                        seen.add(id(t))
+                    mine[prefix + name] = t.detach().to("cpu", copy=True).contiguous()
     # tied weights: a Parameter seen by another rank's module first would be written twice; the key
     # kept is the one transformers expects (its tied-weight *targets* are dropped)
     tied_targets = getattr(model, "all_tied_weights_keys", None)  # transformers 5: {target: source}

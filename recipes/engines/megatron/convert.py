@@ -1,0 +1,391 @@
+"""Hugging Face Llama-family checkpoints <-> megatron-core GPTModel state dicts (our own conversion).
+
+Supported: `model_type` llama (SmolLM2 is one), qwen2 (QKV bias), mistral (no sliding window).
+RMSNorm, SwiGLU, RoPE (default, linear and Llama-3 scaling), GQA, tied or untied embeddings.
+
+Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
+- `linear_qkv.weight` `[(G/T)·(q+2)·d, H]`: the query groups g of rank r, each as `[q_g; k_g; v_g]`
+  (the q = heads/groups query heads of the group, then its key head, then its value head; d = head
+  dim). The bias (Qwen2) follows the same order. G must divide by T.
+- `linear_proj.weight` `[H, heads·d/T]`: o_proj's columns of rank r's heads (row-parallel).
+- `linear_fc1.weight` `[2·F/T, H]`: `[gate_r; up_r]`, rank r's rows of gate_proj then of up_proj.
+- `linear_fc2.weight` `[H, F/T]`: down_proj's columns of rank r (row-parallel).
+- norms: replicated. With the Transformer Engine spec the input norm lives in
+  `self_attention.linear_qkv.layer_norm_weight` and the pre-MLP norm in `mlp.linear_fc1.layer_norm_weight`
+  (`te_names=True`); the local spec keeps `input_layernorm.weight` / `pre_mlp_layernorm.weight`.
+- `embedding.word_embeddings.weight` and `output_layer.weight`: `[V'/T, H]`, rows of the vocabulary
+  padded to V' (a multiple of `make_vocab_size_divisible_by · T`, Megatron's rule) with zero rows.
+  With tied embeddings, a single pipeline stage holds only the embedding (the output layer reads it);
+  with PP > 1 the last stage holds a copy as `output_layer.weight`, which must get the same values.
+
+Pipeline: rank p's model chunk v (`vp_stage`) holds decoder layers `offset .. offset+n-1` under the
+local names `decoder.layers.0 .. n-1` (offset and n from megatron's own layer split); the first chunk
+of the first stage has the embedding, the last chunk of the last stage the final norm and output layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix
+_TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+def rope_settings(hf_config) -> tuple[float, dict | None]:
+    """(rope theta, scaling dict or None) from a transformers 5 `rope_parameters` or a transformers 4
+    `rope_theta` + `rope_scaling`. Raises for scaling kinds this conversion cannot reproduce."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
+    else:
+        theta = float(getattr(hf_config, "rope_theta", None) or 10000.0)
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("linear", "llama3"):
+        raise NotImplementedError(f"rope scaling {kind!r}: the Megatron engine supports default, linear and llama3 "
+                                  f"RoPE (a {kind} model would get the wrong positions)")
+    return theta, {**params, "rope_type": kind}
+
+
+def rope_inv_freq(hf_config, kv_channels: int) -> torch.Tensor:
+    """The RoPE inverse frequencies `[d/2]` (fp32) the HF model uses. Megatron's own `rope_scaling`
+    hard-codes Llama 3.1's constants (factor 8 default, original context 8192), so the engine writes
+    these into the built model instead (`build_gpt_model`)."""
+    theta, scaling = rope_settings(hf_config)
+    inv = 1.0 / (theta ** (torch.arange(0, kv_channels, 2, dtype=torch.int64).float() / kv_channels))
+    if scaling is None:
+        return inv
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return inv / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)  # long wavelengths: divided by factor
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Megatron's padded vocabulary: the next multiple of `divisible_by · tp_size`."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def check_supported(hf_config) -> None:
+    """Raise for configs this conversion would get wrong (rather than train a different model)."""
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"model_type {kind!r}: the Megatron engine converts {list(SUPPORTED_MODEL_TYPES)}")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is converted")
+    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+        raise NotImplementedError("attention_bias / mlp_bias: Megatron adds biases to q/k/v only (add_qkv_bias) or to"
+                                  " every linear layer; a Llama with o_proj or MLP biases is not converted")
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", kind == "mistral")
+    if uses_window and window is not None and window < hf_config.max_position_embeddings:
+        raise NotImplementedError(f"sliding_window {window}: Megatron's local attention has none; set sliding_window:"
+                                  f" null in the config if training sequences never exceed {window} tokens")
+    rope_settings(hf_config)
+
+
+def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
+                               virtual_pp_size: int | None = None, sequence_parallel: bool = False,
+                               dtype: torch.dtype = torch.float32, recompute: str | None = None,
+                               perform_initialization: bool = True, use_cpu_initialization: bool | None = None):
+    """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral config and a layout.
+
+    No dropout (fine-tuning), no fusions that need apex/TE, fp32 softmax. `perform_initialization=False`
+    skips the random init when weights are loaded right after (large models build faster). Pure: no
+    communication. RoPE and the vocabulary are GPTModel arguments: see `gpt_model_kwargs`."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    check_supported(hf_config)
+    groups = hf_config.num_key_value_heads or hf_config.num_attention_heads
+    if groups % tp_size:
+        raise ValueError(f"megatron.tp_size {tp_size}: the model's {groups} KV heads (query groups) must divide by it")
+    if hf_config.num_hidden_layers % (pp_size * (virtual_pp_size or 1)):
+        raise ValueError(f"{hf_config.num_hidden_layers} layers do not split evenly over pp_size {pp_size} x "
+                         f"virtual_pp_size {virtual_pp_size or 1}")
+    recompute_args = {}
+    if recompute == "full":
+        recompute_args = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    elif recompute == "selective":
+        recompute_args = {"recompute_granularity": "selective"}
+    elif recompute is not None:
+        raise ValueError(f"recompute {recompute!r}: expected None, 'full' or 'selective'")
+    qkv_bias = hf_config.model_type == "qwen2"
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups, kv_channels=head_dim(hf_config),
+        ffn_hidden_size=hf_config.intermediate_size, normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
+        hidden_dropout=0.0, attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+        virtual_pipeline_model_parallel_size=virtual_pp_size, sequence_parallel=sequence_parallel and tp_size > 1,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
+        # fusions need apex / TE kernels: plain torch ops everywhere
+        apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
+        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+        use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None else use_cpu_initialization,
+        perform_initialization=perform_initialization, **recompute_args)
+
+
+def gpt_model_kwargs(hf_config, tp_size: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> dict:
+    """The GPTModel constructor arguments that come from the HF config: padded vocabulary, positions,
+    RoPE base (scaling is written into the built model: see `rope_inv_freq`), tied embeddings."""
+    theta, _ = rope_settings(hf_config)
+    return {"vocab_size": padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by),
+                "max_sequence_length": hf_config.max_position_embeddings, "position_embedding_type": "rope",
+                "rotary_base": theta, "rotary_percent": 1.0,
+                "share_embeddings_and_output_weights": bool(getattr(hf_config, "tie_word_embeddings", False))}
+
+
+# ---- reading a HF checkpoint ---------------------------------------------------------------------------
+
+
+class SafetensorsReader:
+    """`reader(name) -> Tensor` over an HF safetensors directory (sharded with its index, or a single
+    `model.safetensors`). Opens a shard only when a tensor in it is asked for (the index's `weight_map`
+    says which), reads that tensor alone (safetensors memory-maps), so a rank reads only its stage's
+    share. `files_opened` records what was opened."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            from safetensors import safe_open
+
+            single = self.path / "model.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"{self.path}: neither model.safetensors.index.json nor model.safetensors")
+            with safe_open(str(single), framework="pt") as f:
+                self.weight_map = {k: single.name for k in f.keys()}  # safe_open is not iterable
+        self.files_opened: set[str] = set()
+        self._open: dict = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def __iter__(self):
+        return iter(self.weight_map)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def __call__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.weight_map:
+            raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint")
+        file = self.weight_map[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.path / file), framework="pt")
+            self.files_opened.add(file)
+        return self._open[file].get_tensor(name)
+
+
+# ---- HF -> Megatron -------------------------------------------------------------------------------------
+
+
+def layer_range(config, pp_rank: int, vp_stage: int | None = None) -> range:
+    """Global decoder layers of pipeline rank `pp_rank`'s chunk `vp_stage` (megatron's own split)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def stage_ends(config, pp_rank: int, vp_stage: int | None = None) -> tuple[bool, bool]:
+    """(pre_process, post_process) of a model chunk: the first chunk of the first stage holds the
+    embedding, the last chunk of the last stage the final norm and output layer."""
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    v = vp_stage or 0
+    return pp_rank == 0 and v == 0, pp_rank == config.pipeline_model_parallel_size - 1 and v == vp - 1
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF q `[heads·d, ...]`, k and v `[groups·d, ...]` -> Megatron's `[G·(q+2)·d, ...]` in group order
+    (`[q_g; k_g; v_g]` per group g); a bias (1-D) or a weight (2-D)."""
+    rest = q.shape[1:]
+    per_group = q.view(groups, -1, *rest), k.view(groups, -1, *rest), v.view(groups, -1, *rest)
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, groups: int, heads: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of `interleave_qkv`: Megatron's `[G·(q+2)·d, ...]` -> HF (q, k, v)."""
+    rest = qkv.shape[1:]
+    per_group = qkv.reshape(groups, (heads // groups + 2) * d, *rest)
+    q, k, v = per_group.split([heads // groups * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    return t.chunk(size, dim=dim)[rank].clone()  # a copy: the full tensor can be freed
+
+
+def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
+    if weight.shape[0] > padded:
+        raise ValueError(f"vocabulary of {weight.shape[0]} rows is larger than the padded size {padded}")
+    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+
+
+def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config, *, tp_rank: int, tp_size: int,
+                   pp_rank: int, pp_size: int, vp_stage: int | None = None, te_names: bool = False,
+                   divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> dict[str, torch.Tensor]:
+    """This rank's GPTModel state dict (one model chunk: `vp_stage`) from an HF checkpoint.
+
+    Parallel contract: no communication; each rank calls it for itself and reads (through `get_tensor`,
+    e.g. a `SafetensorsReader`) only the HF tensors of its own layers, plus the embedding (first stage)
+    and the final norm and lm_head (last stage). Returns tensors in `config.params_dtype`, local layer
+    names (`decoder.layers.0` is the chunk's first layer), `te_names` for the Transformer Engine spec.
+    Tied embeddings: the last stage's `output_layer.weight` is the (padded) embedding shard too."""
+    if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp_size, pp_size):
+        raise ValueError(f"config is TP {config.tensor_model_parallel_size} x PP {config.pipeline_model_parallel_size},"
+                         f" asked for TP {tp_size} x PP {pp_size}")
+    dtype = config.params_dtype
+    groups = config.num_query_groups
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    padded = padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by)
+    pre, post = stage_ends(config, pp_rank, vp_stage)
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        out[name] = tensor.to(dtype).contiguous()
+
+    if pre:
+        put("embedding.word_embeddings.weight", _rows(_pad_vocab(get_tensor("model.embed_tokens.weight"), padded),
+                                                      tp_rank, tp_size))
+    for local, layer in enumerate(layer_range(config, pp_rank, vp_stage)):
+        hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        norm_in, norm_mlp = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
+        if te_names:
+            norm_in, norm_mlp = _TE_NORMS[norm_in], _TE_NORMS[norm_mlp]
+        put(mg + norm_in, get_tensor(hf + "input_layernorm.weight"))
+        put(mg + norm_mlp, get_tensor(hf + "post_attention_layernorm.weight"))
+        qkv = [get_tensor(hf + f"self_attn.{p}_proj.weight") for p in "qkv"]
+        put(mg + "self_attention.linear_qkv.weight", _rows(interleave_qkv(*qkv, groups), tp_rank, tp_size))
+        if config.add_qkv_bias:
+            bias = [get_tensor(hf + f"self_attn.{p}_proj.bias") for p in "qkv"]
+            put(mg + "self_attention.linear_qkv.bias", _rows(interleave_qkv(*bias, groups), tp_rank, tp_size))
+        put(mg + "self_attention.linear_proj.weight", _rows(get_tensor(hf + "self_attn.o_proj.weight"), tp_rank,
+                                                            tp_size, dim=1))
+        gate, up = (_rows(get_tensor(hf + f"mlp.{p}_proj.weight"), tp_rank, tp_size) for p in ("gate", "up"))
+        put(mg + "mlp.linear_fc1.weight", torch.cat([gate, up]))
+        put(mg + "mlp.linear_fc2.weight", _rows(get_tensor(hf + "mlp.down_proj.weight"), tp_rank, tp_size, dim=1))
+    if post:
+        put("decoder.final_layernorm.weight", get_tensor("model.norm.weight"))
+        if not tied:
+            put("output_layer.weight", _rows(_pad_vocab(get_tensor("lm_head.weight"), padded), tp_rank, tp_size))
+        elif not pre:  # PP > 1, tied: the last stage's copy of the embedding
+            put("output_layer.weight", _rows(_pad_vocab(get_tensor("model.embed_tokens.weight"), padded),
+                                             tp_rank, tp_size))
+    return out
+
+
+# ---- Megatron -> HF -------------------------------------------------------------------------------------
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension a Megatron tensor is split along over TP: 0 (column-parallel: qkv, fc1, vocab),
+    1 (row-parallel: proj, fc2), None (replicated: norms)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "word_embeddings.weight",
+                      "output_layer.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def global_layer_names(state: Mapping[str, object], offset: int) -> dict[str, object]:
+    """`decoder.layers.<local>.x` -> `decoder.layers.<offset+local>.x` (other names unchanged)."""
+    out = {}
+    for name, value in state.items():
+        m = _LAYER.match(name)
+        out[f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name] = value
+    return out
+
+
+def megatron_to_hf(shards: Mapping[str, Sequence[torch.Tensor] | torch.Tensor], config, hf_config
+                   ) -> dict[str, torch.Tensor]:
+    """HF tensors (names, shapes, unpadded vocabulary) from Megatron tensors.
+
+    `shards`: Megatron name with the *global* layer number (`global_layer_names`) -> the TP shards in
+    TP-rank order (a list), or one tensor for a replicated one (norms). Local or TE norm names. Any
+    subset of the model (e.g. one pipeline stage's) converts on its own. Tied embeddings: the output
+    layer's copy is dropped (HF ties lm_head to embed_tokens). Pure: no communication."""
+    groups, heads, d = config.num_query_groups, config.num_attention_heads, config.kv_channels
+    vocab = hf_config.vocab_size
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    te_to_local = {te: local for local, te in _TE_NORMS.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, value in shards.items():
+        parts = [value] if isinstance(value, torch.Tensor) else list(value)
+        dim = tp_split_dim(name)
+        full = parts[0] if dim is None else torch.cat(parts, dim=dim)
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = full[:vocab]
+            continue
+        if name == "output_layer.weight":
+            if not tied:
+                out["lm_head.weight"] = full[:vocab]
+            continue
+        if name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = full
+            continue
+        m = _LAYER.match(name)
+        if m is None:
+            if name.endswith("_extra_state"):
+                continue
+            raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
+        hf, rest = f"model.layers.{m.group(1)}.", te_to_local.get(m.group(2), m.group(2))
+        if rest.endswith("_extra_state"):
+            continue
+        if rest == "input_layernorm.weight":
+            out[hf + "input_layernorm.weight"] = full
+        elif rest == "pre_mlp_layernorm.weight":
+            out[hf + "post_attention_layernorm.weight"] = full
+        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            for p, t in zip("qkv", split_qkv(full, groups, heads, d)):
+                out[hf + f"self_attn.{p}_proj.{kind}"] = t.contiguous()
+        elif rest == "self_attention.linear_proj.weight":
+            out[hf + "self_attn.o_proj.weight"] = full
+        elif rest == "mlp.linear_fc1.weight":
+            gate_up = [p.chunk(2, dim=0) for p in parts]  # each rank's [gate_r; up_r]
+            out[hf + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in gate_up])
+            out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
+        elif rest == "mlp.linear_fc2.weight":
+            out[hf + "mlp.down_proj.weight"] = full
+        else:
+            raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
+    return {k: v.contiguous() for k, v in out.items()}

@@ -1,0 +1,157 @@
+"""`MegatronEngine`: the recipe's backbone as megatron-core GPTModel chunks under TP / PP (interleaved
+when `megatron.virtual_pp_size`) / SP / DP, trained with numloss's objective normalised over the whole
+global batch. The shared training loop drives it (the DeepSpeed engine has the same interface):
+
+    engine = MegatronEngine(recipe, runtime)   # collective: every rank of the world
+    reader shards rows by engine.dp.rank / engine.dp.size
+    row = engine.train_step(window)             # this rank's share of the logged values + grad_norm
+    engine.lr(); engine.save_state(d); engine.load_state(d); engine.export(path, tokenizer); engine.close()
+
+Ranks are ordered TP fastest, then DP, then PP (`MegatronSection`); the TP and PP ranks of one
+data-parallel replica read the same rows. Devices: CUDA uses megatron-core's optimizer (DistributedOptimizer
+per the recipe) and overlapped grad reduce / param gather; CPU (gloo, `cpu_shim`) uses torch AdamW with
+the grad norm and clip computed in `step.py`, and no overlap (it needs CUDA streams).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from numloss import NumericVocab, Objective
+from recipes.config import Recipe
+from recipes.training.checkpoints import CheckpointDirs
+from recipes.training.parallel import DataParallel
+from recipes.training.runtime import Runtime
+from recipes.training.tokenizer import load_tokenizer
+
+from . import checkpoints, step
+from .model import build_model_chunks, initialize_model_parallel
+
+
+class MegatronEngine:
+    """`recipes.training.engine.Engine` on megatron-core; see the module docstring."""
+
+    name = "megatron"
+    processor = None  # text models only (Recipe.validate refuses model.vision on this engine)
+
+    def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs | None = None):
+        """Parallel state, model chunks, numeric vocabulary (at the padded vocab size), objective, DDP
+        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1). `dirs` is
+        not needed: every layout loads every checkpoint (the format reshards)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
+        if recipe.loss.head != "logits":
+            raise NotImplementedError("the Megatron engine computes the objective on GPTModel's vocab-parallel"
+                                      " logits: loss.head must be 'logits'")
+        self.recipe, self.runtime = recipe, runtime
+        m = recipe.megatron
+        initialize_model_parallel(recipe)
+        self.dp = DataParallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                               ps.get_data_parallel_group())
+        self.layout = {"tensor_parallel": m.tp_size, "pipeline_parallel": m.pp_size, "data_parallel": self.dp.size,
+                       "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel}
+        self.tokenizer, _ = load_tokenizer(recipe)
+        # rows as the reader made them ([b, s] masks, packed rows' segment ids): step.prepare_window
+        # builds Megatron's attention mask
+        self.batch_options = {"attn_implementation": "segments", "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
+                              "max_length": recipe.data.seq_len}
+        self._grad_norm: float | None = None
+        cuda = torch.cuda.is_available()
+        chunks = build_model_chunks(recipe)
+        for chunk in chunks:  # (build_gpt_model marks TP-split weights and turns batched p2p off on gloo)
+            # Before DDP: with it DDP sums gradients over DP and the schedules keep per-micro-batch sums.
+            chunk.config.calculate_per_token_loss = True
+            if cuda:
+                chunk.cuda(torch.cuda.current_device())
+        padded = chunks[0].vocab_size
+        # The HF model's logits width: Megatron's padding past it stays out of the loss, so both engines
+        # and every TP size (which pad differently) train on the same softmax.
+        self.real_vocab_size = chunks[0].hf_config.vocab_size
+        if len(self.tokenizer) > padded:
+            raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {padded}")
+        vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
+                                            max_value=recipe.loss.numeric_max_value,
+                                            space_variants=recipe.loss.space_variants, vocab_size=padded)
+        self.objective = Objective(vocab, recipe.objective_config())
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, average_in_collective=False,
+            overlap_grad_reduce=cuda and m.overlap_grad_reduce,
+            overlap_param_gather=cuda and m.distributed_optimizer and m.overlap_param_gather,
+            use_distributed_optimizer=cuda and m.distributed_optimizer)
+        # Bucketing only for the first chunk, as Megatron-LM does (later chunks' grads reduce as one).
+        self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
+                      for i, chunk in enumerate(chunks)]
+        step.configure_schedule(chunks[0].config, self.model, ddp_config.overlap_grad_reduce,
+                                ddp_config.overlap_param_gather)
+        self.optimizer = step.MegatronAdam(recipe, self.model) if cuda else step.TorchAdamW(recipe, self.model)
+        self.optimizer_name = self.optimizer.name
+
+    def train_step(self, window: list[dict]) -> dict[str, float]:
+        """One optimizer step over this replica's micro-batches (dicts of `[b, s]` tensors: input_ids,
+        labels unshifted with -100, attention_mask, optional position_ids / sequence_ids). Returns
+        this rank's share of loss, ce, term/*, numeric_positions (sum them over `dp.group`) and the
+        global grad_norm before clipping. Collective over the world."""
+        for chunk in self.model:
+            chunk.train()
+        sums = step.train_step(self.model, self.optimizer, self.objective, window,
+                               sequence_parallel=self.recipe.megatron.sequence_parallel,
+                               real_vocab_size=self.real_vocab_size)
+        self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
+        return sums
+
+    def grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (every rank holds the same)."""
+        return self._grad_norm
+
+    def lr(self) -> float:
+        """The learning rate the next step uses."""
+        return self.optimizer.lr()
+
+    @contextlib.contextmanager
+    def _gathered_params(self):
+        """With overlapped param gather (CUDA, distributed optimizer) the last step's updated params
+        are all-gathered only by the next forward's pre-hooks: gather them now (as Megatron-LM does
+        before saving) for the duration of the block. Nothing to do otherwise."""
+        overlapped = [chunk for chunk in self.model if chunk.ddp_config.overlap_param_gather]
+        for chunk in overlapped:
+            chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            for chunk in overlapped:
+                chunk.enable_forward_pre_hook()
+
+    def save_state(self, directory: Path, step: int) -> None:
+        """Model, optimizer, schedule and RNG into `directory` (`checkpoints.save_state`). Collective."""
+        with self._gathered_params():
+            checkpoints.save_state(directory, self.model, self.optimizer)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what `save_state` wrote, from any TP / PP / DP layout. Collective."""
+        checkpoints.load_state(directory, self.model, self.optimizer)
+
+    def export(self, path: Path) -> None:
+        """A Hugging Face safetensors model in `path` (`export.export_hf`: DP rank 0's copy, one writer
+        per pipeline stage) and, from rank 0, the tokenizer beside it. Collective."""
+        import torch.distributed as dist
+
+        from .export import export_hf
+
+        with self._gathered_params():
+            export_hf(self.model, path)
+        if self.runtime.is_main:
+            self.tokenizer.save_pretrained(str(path))
+        dist.barrier()
+
+    def close(self) -> None:
+        """Destroy megatron's model-parallel state (the process group stays: the loop owns it)."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,161 @@
+"""Export a trained megatron-core GPTModel as an ordinary Hugging Face safetensors directory.
+
+Contract (`export_hf`):
+- A collective: every rank of the default group calls it, with its own model chunks (one per virtual
+  pipeline stage, wrapped or not in megatron's DDP / Float16Module) built by `build_gpt_model`.
+- Only data-parallel rank 0's copy is read (DP replicas hold the same weights). Within it, each TP
+  group gathers its stage's tensors to its TP rank 0, one tensor at a time (`dist.gather`), and that
+  rank converts them to HF names and shapes (`convert.megatron_to_hf`: QKV de-interleaved, `[gate_r;
+  up_r]` split, vocabulary padding dropped, the tied output copy dropped) and writes its own shard
+  files, starting a new file past `max_shard_bytes`. So one rank per pipeline stage writes, and no rank
+  ever holds more than its stage's share of the model (at 70B, PP 8, bf16: ~18 GB) plus one full tensor.
+- Rank 0 then numbers the shards `model-0000i-of-0000N.safetensors` (pipeline order), writes
+  `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}) and `config.json` (the
+  original HF config, dtype set to the export's), all inside a temporary directory beside the target
+  (`.<name>.tmp-export`), and renames it to `path` when complete (an existing `path` is replaced). A
+  crash mid-export leaves the previous export, or nothing, at `path`, never a partial one.
+- The tokenizer is the caller's to save into `path` afterwards. Returns the HF keys this rank wrote
+  and their bytes: {"keys": [...], "bytes": n} (empty on ranks that write nothing).
+`transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .convert import global_layer_names, layer_range, megatron_to_hf, tp_split_dim
+
+INDEX = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def unwrap(model):
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (each keeps it as `.module`)."""
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _chunk_tensors(chunk) -> dict[str, torch.Tensor]:
+    """A chunk's weights with global layer numbers (no `_extra_state`)."""
+    from megatron.core import parallel_state
+
+    offset = layer_range(chunk.config, parallel_state.get_pipeline_model_parallel_rank(), chunk.vp_stage).start
+    state = {k: v for k, v in chunk.state_dict().items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return global_layer_names(state, offset)
+
+
+class _ShardWriter:
+    """Accumulates HF tensors on one rank and writes a safetensors file whenever `max_bytes` is reached."""
+
+    def __init__(self, directory: Path, prefix: str, max_bytes: int):
+        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str], int]] = []  # (file, keys, bytes)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        self.pending_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        file = f"{self.prefix}-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.directory / file), metadata={"format": "pt"})
+        self.files.append((file, sorted(self.pending), self.pending_bytes))
+        self.pending, self.pending_bytes = {}, 0
+
+
+def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write the HF export of a GPTModel trained under any TP x PP (x VP) x DP layout; see the module
+    docstring for the contract. `model_chunks`: this rank's chunk or list of chunks; `hf_config`: the
+    backbone's HF config (default: the `hf_config` that `build_gpt_model` attached to the chunk);
+    `dtype`: the tensors' dtype on disk (default: the model's)."""
+    from megatron.core import parallel_state
+
+    chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
+    hf_config = hf_config if hf_config is not None else getattr(chunks[0], "hf_config", None)
+    if hf_config is None:
+        raise ValueError("export_hf: no hf_config given and the model has none attached")
+    config = chunks[0].config
+    dtype = dtype or config.params_dtype
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-export"
+    rank = dist.get_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    tp_src = parallel_state.get_tensor_model_parallel_src_rank()
+    reads = parallel_state.get_data_parallel_rank() == 0
+    writes = reads and tp_rank == 0
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a crashed export's leftovers
+        tmp.mkdir(parents=True)
+    dist.barrier()  # the temporary directory exists (shared storage) before anyone writes into it
+
+    writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}", max_shard_bytes) if writes else None
+    if reads:
+        for chunk in chunks:
+            for name, tensor in _chunk_tensors(chunk).items():
+                # every TP rank of the group walks the same names in the same order (same layers)
+                if tp_split_dim(name) is None or tp_size == 1:
+                    shards = [tensor]
+                else:
+                    shards = [torch.empty_like(tensor) for _ in range(tp_size)] if writes else None
+                    dist.gather(tensor.contiguous(), shards, dst=tp_src, group=tp_group)
+                if writes:
+                    for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
+                        writer.add(hf_name, hf_tensor.to(dtype))
+                del shards
+        if writes:
+            writer.flush()
+    mine = {"stage": pp_rank, "parts": writer.files if writer else []}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # past this point every shard is on disk
+
+    if rank == 0:
+        parts = sorted((info["stage"], file, keys, nbytes) for info in everyone for file, keys, nbytes in info["parts"])
+        count = len(parts)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for i, (_, file, keys, nbytes) in enumerate(parts):
+            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(tmp / file, tmp / final)
+            for key in keys:
+                if key in weight_map:
+                    raise RuntimeError(f"export: {key} written twice ({weight_map[key]}, {final})")
+                weight_map[key] = final
+            total += nbytes
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        out_config = copy.deepcopy(hf_config)
+        out_config.dtype = dtype
+        out_config.save_pretrained(str(tmp))
+        if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
+            old = path.parent / f".{path.name}.old-export"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    dist.barrier()  # the export is complete at `path` on every rank's return
+    return {"keys": sorted(k for _, keys, _ in mine["parts"] for k in keys),
+            "bytes": sum(n for _, _, n in mine["parts"])}

@@ -1,0 +1,267 @@
+"""One optimizer step of the Megatron-core engine, normalised over the whole global batch.
+
+The same normalisation as the DeepSpeed engine (`recipes.training.parallel`): the step's micro-batches are counted from
+their labels alone and one SUM all-reduce over the data-parallel group gives the step's counts before
+the first forward; each micro-batch's loss is then its share of the global batch's loss
+(`numloss.adapters.megatron.numeric_loss_func`, whose module docstring says how megatron-core's own
+scaling with `calculate_per_token_loss=True` is undone). So both engines train on the gradient of the
+same global-batch loss at any TP / PP / DP layout and micro-batch split.
+
+Parallel contract of a step: every rank of the world calls `train_step` with its data-parallel
+replica's window (the TP and PP ranks of one replica hold the same rows: the reader shards by
+`parallel_state`'s data-parallel rank). Collectives: the count's all-reduce (DP group), the pipeline
+schedule's p2p and the model's TP collectives, `finalize_model_grads` (DP grad reduce, TP-replicated
+and tied-embedding grads, the token count), the grad norm's all-reduce (model-parallel group), and one
+broadcast of the logged values from the last pipeline stage (PP group).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from numloss import Objective
+from numloss.adapters.megatron import numeric_loss_func, shift_labels
+from numloss.normalization import reduce_counts
+
+from recipes.config import Recipe
+from recipes.training.schedule import lr_lambda
+
+
+def prepare_window(window: list[dict], pad_multiple: int = 1, ignore_index: int = -100) -> list[dict]:
+    """The loop's micro-batches -> what the schedule feeds GPTModel. Local; no communication.
+
+    In: dicts of `[b, s]` tensors `input_ids`, `labels` (Hugging Face style: unshifted, `ignore_index`
+    where not scored), `attention_mask` (1: a real token), optional `position_ids`, `sequence_ids`
+    (packed rows' segment ids). Out: `labels` shifted once (logit-aligned), every micro-batch padded on
+    the right to one length (a multiple of `pad_multiple`: the pipeline's p2p shapes are fixed per
+    step, and sequence parallelism splits the sequence over TP), `position_ids` (0.. per row unless
+    given), and `attention_mask` in Megatron's form: None (Megatron's causal mask) when rows are
+    right-padded and unpacked (padding then sits after every real token, and its labels are ignored),
+    else a `[b, 1, s, s]` bool mask, True where attention is NOT allowed: causal, within a segment,
+    never onto padding (a padded query attends to itself only, so no row is empty)."""
+    longest = max(m["input_ids"].shape[1] for m in window)
+    length = -(-longest // pad_multiple) * pad_multiple
+    return [_prepare_micro_batch(m, length, ignore_index) for m in window]
+
+
+def _prepare_micro_batch(m: dict, length: int, ignore_index: int) -> dict:
+    """One micro-batch of `prepare_window`, right-padded to `length`."""
+    b, s = m["input_ids"].shape
+    device = m["input_ids"].device
+    pad = length - s
+
+    def right(x: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(x, (0, pad), value=value)
+
+    real = m.get("attention_mask")
+    real = torch.ones(b, s, dtype=torch.long, device=device) if real is None else real
+    if real.dim() != 2:
+        raise ValueError(f"the Megatron engine takes a [b, s] attention_mask (1: a real token) and sequence_ids"
+                         f" for packed rows; got a {real.dim()}-D mask")
+    real = right(real.long(), 0).bool()
+    positions = m.get("position_ids")
+    positions = torch.arange(s, device=device).expand(b, s) if positions is None else positions
+    out = {"input_ids": right(m["input_ids"], 0),
+           "labels": right(shift_labels(m["labels"], ignore_index), ignore_index),
+           "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=device)], 1)}
+    segments = m.get("sequence_ids")
+    if segments is not None:
+        out["sequence_ids"] = right(segments, 0)
+    if segments is None and bool((real[:, 1:] <= real[:, :-1]).all()):  # unpacked, right-padded
+        out["attention_mask"] = None
+        return out
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril() & real[:, None, :]
+    if segments is not None:
+        allowed &= out["sequence_ids"][:, :, None] == out["sequence_ids"][:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool, device=device)
+    out["attention_mask"] = ~allowed[:, None]
+    return out
+
+
+def configure_schedule(config, model_chunks: list, overlap_grad_reduce: bool = False,
+                       overlap_param_gather: bool = False) -> None:
+    """Set what `get_forward_backward_func` reads from the model's TransformerConfig: per-token loss
+    (no division by the micro-batch count; `finalize_model_grads` divides by the global token count),
+    `finalize_model_grads` itself, and DDP's no-sync / overlap hooks (as Megatron-LM's training loop
+    wires them). `calculate_per_token_loss` must already be set when DDP is built (DDP then sums
+    gradients over the data-parallel group instead of averaging them)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    if not config.calculate_per_token_loss:
+        raise ValueError("build the model with calculate_per_token_loss=True before wrapping it in DDP")
+
+    def one_or_list(name: str):
+        fns = [getattr(chunk, name) for chunk in model_chunks]
+        return fns[0] if len(fns) == 1 else fns
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = one_or_list("no_sync")
+    if overlap_grad_reduce:
+        config.grad_sync_func = one_or_list("start_grad_sync")
+    if overlap_param_gather:
+        config.param_sync_func = one_or_list("start_param_sync")
+
+
+def _params(model_chunks: list) -> list[torch.nn.Parameter]:
+    return [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group) -> float:
+    """The L2 norm of the whole model's gradient (`p.grad`) after `finalize_model_grads`.
+
+    Parallel contract: gradients are identical over the data-parallel group by then, so only the
+    model-parallel group (TP x PP) is summed over, once (one all-reduce of one float64). Each gradient
+    element is counted once: a TP-sharded parameter by every TP rank (its shard), a TP-replicated one
+    (norms, under SP too) by TP rank 0 only, and the last stage's copy of tied embeddings (`shared`)
+    not at all (the first stage counts it)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    squares = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
+    for p in params:
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.detach().double().square().sum()
+    dist.all_reduce(squares, group=model_parallel_group)
+    return float(squares.sqrt())
+
+
+class TorchAdamW:
+    """CPU: `torch.optim.AdamW` over the model chunks' parameters (every one decayed, as the DeepSpeed
+    engine's AdamW), a LambdaLR with `recipes.training.schedule.lr_lambda`, the global grad norm and clipping
+    done here (megatron-core's clip asserts CUDA tensors). Each rank updates its own parameters from
+    gradients that `finalize_model_grads` left identical over the data-parallel group: no communication
+    beyond the norm's."""
+
+    name = "torch.optim.AdamW (CPU)"
+
+    def __init__(self, recipe: Recipe, model_chunks: list):
+        from megatron.core import parallel_state
+
+        o = recipe.optim
+        self.model_chunks, self.params = model_chunks, _params(model_chunks)
+        self.grad_clip = o.grad_clip
+        self.group = parallel_state.get_model_parallel_group()
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(recipe))
+
+    def step(self) -> float:
+        """Norm (before clipping), clip, update, advance the schedule; returns the norm."""
+        for p in self.params:  # DDP accumulates into its fp32 buffer (main_grad); AdamW reads .grad
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        norm = global_grad_norm(self.params, self.group)
+        if self.grad_clip > 0 and norm > self.grad_clip:
+            for p in self.params:
+                p.grad.mul_(self.grad_clip / (norm + 1e-6))  # megatron-core's coefficient
+        self.optimizer.step()
+        self.scheduler.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+
+class MegatronAdam:
+    """CUDA: megatron-core's optimizer from `get_megatron_optimizer` (the DistributedOptimizer when
+    `megatron.distributed_optimizer`; bf16 params with fp32 main params and grads), which computes the
+    grad norm and clips itself; every parameter decayed (no per-name overrides, as the AdamW of the
+    CPU path and of the DeepSpeed engine); the recipe's schedule as a LambdaLR on each torch optimizer
+    inside it. Written from megatron-core 0.16.1's source; not run on this CPU-only machine."""
+
+    def __init__(self, recipe: Recipe, model_chunks: list):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        o, m = recipe.optim, recipe.megatron
+        config = OptimizerConfig(optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+                                 adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.grad_clip,
+                                 bf16=recipe.model.dtype == "bfloat16", params_dtype=getattr(torch, recipe.model.dtype),
+                                 use_distributed_optimizer=m.distributed_optimizer)
+        self.model_chunks = model_chunks
+        self.optimizer = get_megatron_optimizer(config, model_chunks, config_overrides={})
+        self.name = f"megatron-core {'DistributedOptimizer' if m.distributed_optimizer else 'mixed-precision'} Adam"
+        inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe)) for opt in inner]
+
+    def step(self) -> float:
+        ok, norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("megatron-core's optimizer skipped the update (non-finite gradients)")
+        for scheduler in self.schedulers:
+            scheduler.step()
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+
+def log_keys(objective: Objective) -> list[str]:
+    """The logged values' keys, as `ObjectiveOutput.log_dict()` names them (known on every stage)."""
+    return sorted(["loss", "ce", "numeric_positions", *(f"term/{k}" for k in objective.config.terms)])
+
+
+def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
+               sequence_parallel: bool = False, real_vocab_size: int | None = None) -> dict[str, float]:
+    """Forward, backward and update for this replica's micro-batches `window` (see `prepare_window`).
+    `real_vocab_size`: the vocabulary before Megatron's padding, whose padded columns the objective
+    leaves out (`numeric_loss_func`).
+
+    Returns this rank's share of the logged values (`log_keys`, summed over the window; a SUM over the
+    data-parallel group gives the global batch's) and "grad_norm" (the global norm before clipping,
+    the same on every rank). Every rank returns the same keys: the last pipeline stage computes the
+    values and broadcasts them over the pipeline group."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    config = model_chunks[0].config
+    if not config.calculate_per_token_loss or parallel_state.get_context_parallel_world_size() != 1:
+        raise ValueError("the numloss step needs calculate_per_token_loss=True and no context parallelism")
+    ignore = objective.config.ignore_index
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    batches = prepare_window(window, pad_multiple=tp if sequence_parallel else 1, ignore_index=ignore)
+    counts = reduce_counts([objective.counts(m["labels"], m.get("sequence_ids")) for m in batches],
+                           group=parallel_state.get_data_parallel_group())
+
+    def forward_step(data_iterator, model):
+        m = next(data_iterator)
+        output = model(m["input_ids"], m["position_ids"], m["attention_mask"])  # last stage: [b, s, V/tp]
+        return output, partial(numeric_loss_func, objective, counts, m["labels"],
+                               sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size)
+
+    b, s = batches[0]["input_ids"].shape
+    if any(m["input_ids"].shape[0] != b for m in batches):
+        raise ValueError("every micro-batch of a step must have the same number of rows")
+    # Interleaved 1F1B: one iterator per model chunk, each walking the whole window.
+    iterators = [iter(batches) for _ in model_chunks]
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=False)
+    grad_norm = optimizer.step()
+    optimizer.zero_grad()
+
+    keys = log_keys(objective)
+    values = torch.zeros(len(keys), dtype=torch.float64)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        for report in reports:
+            values += torch.tensor([float(report[k]) for k in keys], dtype=torch.float64)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        device = next(iter(model_chunks[0].parameters())).device  # NCCL needs a device tensor
+        values = values.to(device)
+        dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return {**dict(zip(keys, values.tolist())), "grad_norm": grad_norm}

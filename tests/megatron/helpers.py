@@ -1,0 +1,78 @@
+"""Shared by tests/megatron: tiny HF models saved to disk (fixed seeds, so every run starts from the same
+weights), recipes that point at them, and a process spawner with a timeout."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB = 300  # padded to 384 at TP 1 and to 512 at TP 2 (Megatron's multiple of 128 x tp)
+LLAMA = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True, "rope_theta": 500000.0,
+             # Llama-3 scaling with a short original context, so the scaled band covers real positions
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}}
+QWEN2 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
+
+
+def save_tiny(kind: str, out: str | Path, seed: int = 0) -> Path:
+    """A random-weight tiny `kind` ("llama": tied, 4 layers, GQA, Llama-3 rope; "qwen2": QKV bias,
+    untied) saved as several safetensors shards with their index. Biases get random values (HF
+    initialises them to zero, which would hide a misplaced bias)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(out)
+    if (out / "config.json").is_file():
+        return out
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(kind, **(LLAMA if kind == "llama" else QWEN2))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(str(out), max_shard_size="60KB")
+    return out
+
+
+def recipe_for(model_dir: str | Path, tp: int = 1, pp: int = 1, vp: int | None = None, sp: bool = False):
+    from recipes.config import MegatronSection, ModelConfig, Recipe
+
+    return Recipe(model=ModelConfig(name_or_path=str(model_dir), dtype="float32"),
+                  megatron=MegatronSection(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp))
+
+
+def _entry(rank: int, world: int, init_file: str, fn, args):
+    torch.set_num_threads(1)  # 2-core machines: several ranks must not oversubscribe
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
+    """`fn(rank, world, *args)` in `world` spawned processes joined in a gloo group; a rank's exception
+    fails the caller with its traceback, and past `timeout` seconds every rank is killed and the caller
+    fails (a deadlocked collective cannot hang the test run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world,
+                                     join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks ran past {timeout} s")
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()

@@ -1,0 +1,133 @@
+"""Export at TP 2 x PP 2 (4 gloo ranks, one spawn): a tied Llama and an untied Qwen2 with QKV bias, their
+megatron weights perturbed (so an export of the untouched checkpoint could not pass), exported with
+`export_hf` into a directory that already holds an older export. Checked on every rank:
+
+- the directory is an ordinary sharded HF checkpoint (index + `model-0000i-of-0000N` shards, several per
+  stage) that `AutoModelForCausalLM.from_pretrained` loads, nothing of the old export and no temporary
+  directory is left;
+- its weights, converted back for each (TP rank, PP rank), equal every rank's megatron weights
+  bit for bit (vocabulary padding aside), and the tied model has no lm_head in the files;
+- the loaded HF model's logits equal the TP 2 x PP 2 megatron model's (1e-5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from tests.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+
+if importlib.util.find_spec("megatron.core") is None:
+    raise ImportError("tests/megatron needs megatron-core (pip install -e '.[megatron]')")
+
+
+def _perturb(chunks, tied: bool) -> None:
+    """Add noise seeded by the global name (and the TP rank for split tensors), so replicated tensors stay
+    replicated and the tied copies (embedding, last stage's output layer) stay equal."""
+    from megatron.core import parallel_state
+
+    from recipes.engines.megatron.convert import (
+        global_layer_names,
+        layer_range,
+        tp_split_dim,
+    )
+
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        for chunk in chunks:
+            offset = layer_range(chunk.config, pp_rank, chunk.vp_stage).start
+            params = global_layer_names(dict(chunk.named_parameters()), offset)
+            for name, p in params.items():
+                key = "embedding.word_embeddings.weight" if tied and name == "output_layer.weight" else name
+                seed = zlib.crc32(f"{key}/{tp_rank if tp_split_dim(name) is not None else 0}".encode())
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def _export_and_check(rank, path, model_dir, kind):
+    from megatron.core import parallel_state
+    from transformers import AutoModelForCausalLM
+
+    from recipes.engines.megatron.convert import (
+        SafetensorsReader,
+        hf_to_megatron,
+    )
+    from recipes.engines.megatron.export import export_hf
+    from recipes.engines.megatron.model import (
+        build_model_chunks,
+        initialize_model_parallel,
+    )
+    from tests.megatron.test_parallel import (
+        B,
+        S,
+        _batch,
+        _gather_vocab,
+        _schedule_logits,
+    )
+
+    recipe = recipe_for(model_dir, tp=2, pp=2)
+    initialize_model_parallel(recipe)
+    chunks = build_model_chunks(recipe)
+    tied = kind == "llama"
+    _perturb(chunks, tied)
+    if rank == 0:  # an older export in the way: it must be replaced whole
+        path.mkdir()
+        (path / "stale.safetensors").write_text("old")
+    dist.barrier()
+    info = export_hf(chunks, path, max_shard_bytes=40_000)
+
+    files = sorted(p.name for p in path.iterdir())
+    assert "stale.safetensors" not in files and not any(".tmp-export" in p.name or ".old-export" in p.name
+                                                       for p in path.parent.iterdir())
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 4 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                                           for i in range(1, len(shards) + 1)]
+    assert set(shards) <= set(files) and "config.json" in files
+    assert ("lm_head.weight" in index["weight_map"]) == (not tied)
+    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    assert bool(info["keys"]) == (tp_rank == 0 and dp_rank == 0)  # one writer per stage
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    reader = SafetensorsReader(path)
+    for name, t in hf.state_dict().items():  # transformers loaded exactly what was written
+        if name in reader:
+            assert torch.equal(t, reader(name)), name
+    for chunk in chunks:
+        config = chunk.config
+        expected = hf_to_megatron(reader, config, hf.config, tp_rank=tp_rank, tp_size=2, pp_rank=pp_rank, pp_size=2,
+                                  vp_stage=chunk.vp_stage)
+        for name, p in chunk.named_parameters():
+            want = expected[name]
+            if name.endswith(("word_embeddings.weight", "output_layer.weight")):
+                real = max(0, min(p.shape[0], VOCAB - tp_rank * p.shape[0]))  # padding rows are not exported
+                p, want = p[:real], want[:real]
+            assert torch.equal(p.detach(), want), f"rank {rank} {kind} {name}"
+
+    ids, _ = _batch()
+    with torch.no_grad():
+        reference = hf(ids).logits
+        local, _ = _schedule_logits(chunks, ids)
+    if local is not None:
+        full = _gather_vocab(local)
+        assert full.shape[:2] == (B, S)
+        torch.testing.assert_close(full[..., :VOCAB], reference, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"rank {rank} {kind} logits: {m}")
+    parallel_state.destroy_model_parallel()
+
+
+def _four_ranks(rank, world, llama_dir, qwen_dir, out):
+    _export_and_check(rank, out / "llama-export", llama_dir, "llama")
+    _export_and_check(rank, out / "qwen2-export", qwen_dir, "qwen2")
+
+
+def test_export_tp2_pp2_loads_in_transformers(tmp_path):
+    llama = save_tiny("llama", tmp_path / "llama")
+    qwen = save_tiny("qwen2", tmp_path / "qwen2")
+    out = tmp_path / "exports"
+    out.mkdir()
+    run_ranks(4, _four_ranks, llama, qwen, out, timeout=420)
