@@ -57,13 +57,29 @@ _LIST_COLS = ("input_ids", "labels", "numeric_mask", "span_start", "span_end", "
 _PACKED_LIST_COLS = _LIST_COLS + ("position_ids", "segment_ids", "records", "answers")
 
 
+class DataError(ValueError):
+    """A shard that cannot be trained on, named with its file (and row group and record when known)."""
+
+
+VERIFY = ("size", "full", "none")
+
+
 class ShardDataset(torch.utils.data.IterableDataset):
-    """Batches from a data_prep output directory for one data-parallel rank. See the module docstring."""
+    """Batches from a data_prep output directory for one data-parallel rank. See the module docstring.
+
+    Faults name their shard (`DataError`): at open every shard listed in the manifest must exist with
+    the recorded size (`verify="size"`, the default: one stat per shard), or the recorded sha256
+    (`verify="full"`: every byte read once), and be a readable Parquet file; when a row group is read,
+    a decoding error names the file and row group, and a token id or label outside the manifest
+    tokenizer's vocabulary names the file, row group, row and record."""
 
     def __init__(self, path: str, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, shuffle_window: int = 8192,
                  seq_len: int | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
-                 cache_row_groups: int | None = None, global_batch_size: int | None = None):
+                 cache_row_groups: int | None = None, global_batch_size: int | None = None,
+                 verify: str = "size"):
+        if verify not in VERIFY:
+            raise ValueError(f"verify: {verify!r} is not one of {list(VERIFY)}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if batch_size < 1 or shuffle_window < 1:
@@ -89,8 +105,9 @@ class ShardDataset(torch.utils.data.IterableDataset):
         # Row groups of all shards, in (shard, row group) order: (file, row group, global start, rows).
         self.units: list[tuple[str, int, int, int]] = []
         start = 0
+        self.vocab_size = tok.get("length")  # token ids and labels must lie in [0, vocab_size)
         for shard in self.manifest["shards"]:
-            meta = pq.ParquetFile(os.path.join(path, shard["file"])).metadata
+            meta = self._open(shard, verify)
             for g in range(meta.num_row_groups):
                 n = meta.row_group(g).num_rows
                 self.units.append((shard["file"], g, start, n))
@@ -188,13 +205,55 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return self._rows_at(epoch, np.arange(start, start + self.batch_size, dtype=np.int64))
 
     # ---- I/O ------------------------------------------------------------------------------------
+    def _open(self, shard: dict, verify: str):
+        """A shard's Parquet metadata, after the manifest's size (and with verify="full" its sha256)."""
+        from .shards import sha256_file
+
+        full = os.path.join(self.path, shard["file"])
+        if not os.path.isfile(full):
+            raise DataError(f"{full}: missing (listed in {self.path}/manifest.json)")
+        if verify != "none" and shard.get("bytes") is not None and os.path.getsize(full) != shard["bytes"]:
+            raise DataError(f"{full}: {os.path.getsize(full)} bytes, the manifest records {shard['bytes']}: truncated "
+                            f"or replaced since the build; rebuild the data (python -m data_prep build ...)")
+        if verify == "full" and shard.get("sha256") and sha256_file(full) != shard["sha256"]:
+            raise DataError(f"{full}: its sha256 differs from the manifest's: the file changed since the build; "
+                            f"rebuild the data")
+        try:
+            return pq.ParquetFile(full).metadata
+        except Exception as err:  # noqa: BLE001  (pyarrow's errors name no file)
+            raise DataError(f"{full}: not a readable Parquet file ({type(err).__name__}: {err})") from err
+
+    def _check_ids(self, cols: dict[str, Any], file: str, g: int) -> None:
+        """Token ids and labels of a row group inside [0, vocab_size) (labels may also be -100)."""
+        if not self.vocab_size:
+            return
+        for name in ("input_ids", "labels"):
+            if name not in cols:
+                continue
+            values, offsets = cols[name]
+            bad = (values >= self.vocab_size) | ((values < 0) & (values != IGNORE_INDEX) if name == "labels"
+                                                  else (values < 0))
+            if not bad.any():
+                continue
+            first = int(np.argmax(bad))
+            row = int(np.searchsorted(offsets, first, side="right") - 1)
+            record = cols["record"][row] if "record" in cols else cols["records"][0][cols["records"][1][row]]
+            raise DataError(f"{os.path.join(self.path, file)}: row group {g}, row {row} (record {record}), position "
+                            f"{first - int(offsets[row])}: {name[:-1] if name.endswith('s') else name} "
+                            f"{int(values[first])} outside the vocabulary [0, {self.vocab_size}) of the manifest's "
+                            f"tokenizer")
+
     def _row_group(self, unit: int) -> dict[str, Any]:
         cached = self._cache.get(unit)
         if cached is not None:
             self._cache.move_to_end(unit)
             return cached
-        file, g, _, _ = self.units[unit]
-        table = pq.ParquetFile(os.path.join(self.path, file)).read_row_group(g)
+        file, g, start, n = self.units[unit]
+        try:
+            table = pq.ParquetFile(os.path.join(self.path, file)).read_row_group(g)
+        except Exception as err:  # noqa: BLE001  (`ZSTD decompression failed`, naming no file)
+            raise DataError(f"{os.path.join(self.path, file)}: row group {g} (rows {start}-{start + n - 1} of the data) "
+                            f"unreadable ({type(err).__name__}: {err}); rebuild the data") from err
         cols: dict[str, Any] = {}
         for name in table.column_names:
             col = table.column(name).combine_chunks()
@@ -202,6 +261,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 cols[name] = (col.values.to_numpy(zero_copy_only=False), col.offsets.to_numpy())
             else:
                 cols[name] = col.to_pylist()
+        self._check_ids(cols, file, g)
         self._cache[unit] = cols
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -30,6 +30,11 @@ DeepSpeed files are never copied into Ray's storage. With `FailureConfig(max_fai
 or node restarts the whole group, which resumes from `latest`. If the two ever disagree (a crash
 between the rename and Ray's commit), `latest` wins: it only ever names a complete checkpoint.
 
+Preemption: a worker asked to stop (SIGTERM/SIGUSR1 where the handler could be installed, or
+`<out_dir>/PREEMPT`) finishes its step, saves, and fails with `recipes.training.preemption.Preempted`:
+a restartable failure, so Ray restarts the group from that checkpoint (it counts against
+`--max-failures`, like any failure).
+
 Ray's own run state lives in `<train.out_dir>/ray` under the recipe's name, so launching the same recipe
 again continues it (Ray and `latest` agree on that).
 """
@@ -46,6 +51,7 @@ import socket
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import ray
@@ -200,6 +206,8 @@ def train_loop(config: dict) -> None:
 
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
+    if config.get("run_id"):  # a restarted worker group takes this run's own out_dir lock back (run_lock)
+        os.environ["NUMLOSS_RUN_ID"] = config["run_id"]
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
     setup_distributed(deepspeed=recipe.train.engine == "deepspeed")  # adopts Ray's process group (recipes.training.runtime)
     _check_shared_storage(out_dir)
@@ -239,7 +247,13 @@ def train_loop(config: dict) -> None:
         # durable before training moves on: Ray has persisted and registered the pointer
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
 
-    train(recipe, Hooks(on_log=on_log, on_checkpoint=on_checkpoint))
+    from recipes.training.preemption import Preempted
+
+    try:
+        train(recipe, Hooks(on_log=on_log, on_checkpoint=on_checkpoint))
+    except Preempted as err:  # saved at this step: a failure Ray restarts from it (--max-failures)
+        print(f"[launch.ray] rank {rank}: {err}; failing this attempt so Ray restarts the group", flush=True)
+        raise
 
 
 # ---- the driver --------------------------------------------------------------------------------------
@@ -270,7 +284,8 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     connect(address, temp_dir=temp_dir)
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"recipe": recipe.to_dict(), "fault": fault},
+        train_loop_config={"recipe": recipe.to_dict(), "fault": fault,
+                           "run_id": f"{recipe.name}-{uuid.uuid4().hex[:12]}"},
         torch_config=torch_config(recipe),
         scaling_config=scaling(recipe, num_workers, placement),
         run_config=RunConfig(

@@ -26,6 +26,15 @@ train.out_dir (created), local model/tokenizer directories and HF_HOME are mount
   c10d rendezvous on the first node; no restarts inside the job (requeue the job; the recipe resumes
   from `latest` by itself).
 
+Preemption (recipes.training.preemption): with `cluster.preempt_notice_s` N > 0 (default 300) the script
+asks for `--signal=B:USR1@N` and `--requeue`. SLURM then signals the batch shell N seconds before the
+time limit; its trap writes `<out_dir>/PREEMPT`, which rank 0 sees at the end of the current step: every
+rank saves a checkpoint and exits (75), and the script runs `scontrol requeue` so the job starts again
+and resumes from that checkpoint. The file, not a signal passed down, because the batch shell is the
+one process SLURM signals with `B:`, and neither srun, torchrun nor Ray pass a SIGUSR1 on to the ranks.
+A preemption by SLURM itself (SIGTERM to every process of the job) reaches the ranks directly:
+torchrun passes SIGTERM on, and they save the same way within the grace time.
+
 Nothing from the recipe or the command line reaches the script unquoted: every value is validated
 (names, partition, time, image, integers) and then inserted with shlex.quote.
 """
@@ -94,6 +103,9 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
     header = [f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
               f"#SBATCH --cpus-per-task={cpus * workers_per_node}", f"#SBATCH --time={time_limit}",
               "#SBATCH --exclusive"]
+    notice = _positive(c.preempt_notice_s, "cluster.preempt_notice_s", zero_ok=True)
+    if notice:  # the batch shell gets SIGUSR1 ahead of the limit; its trap asks the run to save and stop
+        header += [f"#SBATCH --signal=B:USR1@{notice}", "#SBATCH --requeue"]
     if gpus:
         header.append(f"#SBATCH --gpus-per-node={gpus}")
     if c.partition:
@@ -112,7 +124,10 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
         container = f"--container-image={q(image)} --container-mounts=\"$MOUNTS\" " \
                     f"--container-workdir=\"$WORKDIR\" "
     env = [f"export NCCL_DEBUG={q(_check(c.nccl_debug, _WORD, 'cluster.nccl_debug'))}",
-           "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1"]
+           "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+           # torchrun passes a SIGTERM on to the ranks, then kills them after this many seconds (30 by
+           # default): long enough for them to save a checkpoint first
+           f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(notice, 300)}"]
     if c.nccl_socket_ifname:
         env.append(f"export NCCL_SOCKET_IFNAME={q(_check(c.nccl_socket_ifname, _IFNAME, 'cluster.nccl_socket_ifname'))}")
     if c.hf_home:
@@ -142,6 +157,7 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
         "CPUS_PER_TASK": str(cpus * workers_per_node),
         "RECIPE_ARGS": recipe_arg,
         "MAX_FAILURES": str(max_failures),
+        "PREEMPT": "1" if notice else "0",
         "PORT": str(port),
         "RDZV_PORT": str(rdzv_port),
     }

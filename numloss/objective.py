@@ -24,6 +24,7 @@ from .chunked_head import DEFAULT_CHUNK_SIZE, chunked_logit_stats
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses import TERMS, cross_entropy_term
 from .losses.cross_entropy import z_loss_term
+from .losses.options import finite, option_problems
 from .normalization import LossCounts, batch_counts, denominator_key
 from .vocab import NumericVocab
 
@@ -48,6 +49,11 @@ class TermConfig:
 
 @dataclass
 class ObjectiveConfig:
+    """The terms and their weights and options, checked when made (`numloss.losses.options`): unknown
+    terms or options, non-finite or negative weights, option values the term cannot use (a scalar or
+    zero `sigmas`, `tau <= 0`, ...) are ValueErrors naming the term and option. `Objective` adds the
+    vocabulary's checks (NTIL needs a digits vocabulary)."""
+
     terms: dict[str, TermConfig] = field(default_factory=dict)
     z_loss: float = 0.0
     ignore_index: int = IGNORE_INDEX
@@ -65,7 +71,14 @@ class ObjectiveConfig:
             if term.weight is None:
                 term.weight = DEFAULT_WEIGHTS[name]
             _check_options(name, term.options)
+            problems = option_problems(name, term.options, term.weight)
+            if problems:
+                raise ValueError("objective: " + "; ".join(problems))
             self.terms[name] = term
+        for key, value in (("z_loss", self.z_loss),):
+            problem = finite(0)(value)
+            if problem:
+                raise ValueError(f"objective: {key}: {problem}")
 
     @classmethod
     def from_dict(cls, config: dict) -> "ObjectiveConfig":
@@ -138,6 +151,9 @@ class Objective:
             config = ObjectiveConfig()
         elif isinstance(config, dict):
             config = ObjectiveConfig.from_dict(config)
+        if "ntil" in config.terms and not vocab.is_digits():
+            raise ValueError(f"objective: term 'ntil' needs a digits vocabulary (values 0..9, numeric policy "
+                             f"digits); {vocab!r} is not one")
         self.vocab = vocab
         self.config = config
 

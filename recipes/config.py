@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ class DataConfig:
     seq_len: int | None = None  # pad every batch to this length (None: the longest row)
     shuffle_window: int = 8192
     pad_to_multiple_of: int = 8
+    # the shards' manifest records the tokenizer they were built with; a run refuses data whose tokenizer
+    # is not the model's (same size, other ids: it trains silently on wrong tokens). true: a warning only
+    allow_tokenizer_mismatch: bool = False
+    # each shard against its manifest entry when the reader opens it: size (one stat), full (sha256 of
+    # every byte), none
+    verify: str = "size"
 
 
 @dataclass
@@ -128,7 +135,13 @@ class TrainSection:
     seed: int = 0
     log_every: int = 1
     save_every: int = 0  # 0: only at the end
+    # the most passes over data.train the steps may take (None: no limit; the count is reported, and a
+    # warning when the data repeats); fewer rows than one global batch are always refused
+    max_epochs: float | None = None
     keep_last: int = 2
+    # a corrupt newest checkpoint (a file missing, truncated or changed since it was saved): true resumes
+    # from the newest intact older one with a warning; false refuses and prints the command to do so
+    resume_fallback: bool = True
     out_dir: str = ""  # "" -> runs/<name>
     export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
     # collectives' timeout: a slow checkpoint save or export at 70B runs past torch's 10-minute default
@@ -158,6 +171,9 @@ class ClusterSection:
     container: str | None = None
     partition: str | None = None
     time_limit: str = "24:00:00"
+    # seconds before the time limit at which SLURM signals the batch script (`--signal=B:USR1@N`): the run
+    # saves and stops (exit 75) and the job requeues itself; 0: no signal, no requeue
+    preempt_notice_s: int = 300
     host_mem_gb: float = 0.0  # host RAM per node for recipes.planning.validate's check (0: unknown, not checked)
     mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
     hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted
@@ -192,6 +208,7 @@ class Recipe:
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "eval.answer_format": (self.eval.answer_format, ("number", "time")),
             "train.engine": (self.train.engine, ("deepspeed", "megatron")),
+            "data.verify": (self.data.verify, ("size", "full", "none")),
             "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
         }
         for key, (value, allowed) in choices.items():
@@ -223,12 +240,26 @@ class Recipe:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
         if self.train.dist_timeout_minutes <= 0:
             raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
-        for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,
-                           "optim.warmup_steps": self.optim.warmup_steps}.items():
+        o = self.optim
+        for key, value in {"optim.lr": o.lr, "optim.grad_clip": o.grad_clip, "optim.warmup_steps": o.warmup_steps,
+                           "optim.weight_decay": o.weight_decay, "optim.eps": o.eps,
+                           "optim.min_lr_ratio": o.min_lr_ratio}.items():
+            if not math.isfinite(value):  # NaN passes every comparison; inf trains a NaN model
+                raise ValueError(f"{key}: must be a finite number, got {value}")
             if value < 0:
                 raise ValueError(f"{key}: must be >= 0, got {value}")
-        if len(self.optim.betas) != 2:
-            raise ValueError(f"optim.betas: expected two numbers, got {self.optim.betas}")
+        if o.eps <= 0:
+            raise ValueError(f"optim.eps: must be > 0, got {o.eps}")
+        if o.min_lr_ratio > 1:
+            raise ValueError(f"optim.min_lr_ratio: must be in [0, 1], got {o.min_lr_ratio}")
+        if len(o.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                        for b in o.betas):
+            raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {o.betas}")
+        if not math.isfinite(self.train.dist_timeout_minutes):
+            raise ValueError(f"train.dist_timeout_minutes: must be finite, got {self.train.dist_timeout_minutes}")
+        if self.train.max_epochs is not None and not (math.isfinite(self.train.max_epochs)
+                                                      and self.train.max_epochs > 0):
+            raise ValueError(f"train.max_epochs: must be a finite number > 0, got {self.train.max_epochs}")
         if self.model.lora is not None:
             self._validate_lora()
         if not self.data.train:

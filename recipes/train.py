@@ -23,6 +23,12 @@ uninterrupted one to the bit. It may resume onto another number of data-parallel
 micro-batch x grad_accum split of the same global batch (`recipes.training.checkpoints`, and each
 engine's own rules: `recipes.engines.*`).
 
+Reliability (docs/reliability.md): before anything is built the recipe and its data are checked
+(`recipes.planning.checks`) and `train.out_dir` is locked for this run (`recipes.training.run_lock`);
+a NaN/inf step stops the run without saving (`recipes.training.health`); SIGTERM/SIGUSR1 save the
+current step and stop (`recipes.training.preemption`); checkpoints are checksummed and verified at
+resume (`recipes.training.checkpoints`). Exit status: 0 done, 2 refused, 3 non-finite, 75 preempted.
+
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
 its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 """
@@ -42,18 +48,35 @@ from data_prep.reader import ShardDataset
 
 from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
+from .planning.checks import RecipeCheckError, preflight
 from .training.batches import model_inputs
-from .training.checkpoints import CheckpointDirs, step_tag
+from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, step_tag
 from .training.engine import Engine
+from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
+from .training.preemption import Preempted, PreemptionWatch
+from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 
 
+# Exit status of `python -m recipes.train` (launchers and batch scripts read it):
+EXIT_REFUSED = 2  # refused before training: a recipe, data, run-directory or checkpoint check failed
+EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
+
+
 def batches(dataset: ShardDataset):
-    """Endless iteration over epochs; the dataset's own state says where in which epoch."""
+    """Endless iteration over epochs; the dataset's own state says where in which epoch. An epoch without
+    a batch (fewer rows than one global batch, which `preflight` refuses first) is an error, never a spin."""
     while True:
-        yield from dataset
+        empty = True
+        for batch in dataset:
+            empty = False
+            yield batch
+        if empty:
+            raise RuntimeError(f"{dataset.path}: an epoch of {dataset.num_rows} rows gave no batch "
+                               f"(global batch {dataset.global_batch_size})")
 
 
 @dataclass
@@ -71,21 +94,36 @@ class Hooks:
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
-    engine = None
+    engine = preemption = None
+    lock = RunLock(recipe.train.out_dir, runtime.is_main)
     try:
+        # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
+        # then one run per out_dir (recipes.training.run_lock) ----
+        for line in preflight(recipe, runtime.world_size):
+            if runtime.is_main:
+                print(f"[numloss] {line}", flush=True)
+        note = lock.acquire()
+        if note and runtime.is_main:
+            print(f"[numloss] {note}", flush=True)
+        preemption = PreemptionWatch(recipe.train.out_dir, runtime.is_main)  # from here a SIGTERM saves, not kills
+        preemption.clear_stale_file()
         out = Path(recipe.train.out_dir)
         if runtime.is_main:
             out.mkdir(parents=True, exist_ok=True)
             dump_recipe(recipe, out / "recipe.yaml")
         torch.manual_seed(recipe.train.seed)
-        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime)
+        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback)
         engine = build_engine(recipe, runtime, dirs)
-        return _train(recipe, runtime, engine, dirs, hooks or Hooks())
+        return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption)
     finally:
+        if preemption is not None:
+            preemption.close()
+        lock.release()
         teardown(engine)
 
 
-def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks) -> dict:
+def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
+           preemption: PreemptionWatch) -> dict:
     out = Path(recipe.train.out_dir)
     dp = engine.dp
     global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum * dp.size
@@ -93,7 +131,8 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            world_size=dp.size, global_batch_size=global_batch, seed=recipe.train.seed,
                            shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
-                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id)
+                           pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id,
+                           verify=recipe.data.verify)
     step = dirs.load(dataset, engine.load_state)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
@@ -103,6 +142,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     progress = progress_bar(recipe, runtime, step)
     stream = batches(dataset)
     last: dict = {}
+    zero_grad = ZeroGradWatch()
     try:
         while step < recipe.train.steps:
             started = time.perf_counter()
@@ -119,8 +159,16 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
-            if step % recipe.train.log_every == 0 or step == recipe.train.steps:
+            # ---- reliability: every rank agrees on non-finite values and on a stop request
+            # (recipes.training.health, recipes.training.preemption): one all-reduce ----
+            nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
+            if step % recipe.train.log_every == 0 or step == recipe.train.steps or nonfinite:
                 metrics.log(row)
+            if nonfinite:
+                raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())
+            warning = zero_grad.update(step, row["grad_norm"])
+            if warning and runtime.is_main:
+                print(f"[numloss] {warning}", file=sys.stderr, flush=True)
             if hooks.on_log is not None:
                 hooks.on_log(row)
             last = row if runtime.is_main else {}
@@ -129,9 +177,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
                 _save(dirs, engine, step, dataset, hooks)
+            if stop and step < recipe.train.steps:  # preempted: this step saved, then out (exit 75)
+                if dirs.latest_tag() != step_tag(step):
+                    _save(dirs, engine, step, dataset, hooks)
+                raise Preempted(step, dirs.root / step_tag(step), preemption.reason or "asked on another rank")
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
+            _check_weights(engine, step, dirs, runtime)
             engine.export(out / "final")
     finally:
         metrics.close()
@@ -140,7 +193,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     return last
 
 
+def _check_weights(engine: Engine, step: int, dirs: CheckpointDirs, runtime: Runtime) -> None:
+    """Never save or export non-finite weights (recipes.training.health)."""
+    if not weights_finite(engine, runtime.device):
+        raise NonFiniteTraining(step, ["the weights after the update"], dirs.latest_tag())
+
+
 def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
+    _check_weights(engine, step, dirs, dirs.runtime)
     path = dirs.save(step, dataset, lambda directory: engine.save_state(directory, step), engine.layout)
     if hooks.on_checkpoint is not None:
         hooks.on_checkpoint(step, path)
@@ -151,8 +211,22 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if argv else 2)
-    recipe = load_recipe(argv[0], argv[1:])
-    last = train(recipe)
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+    except (ValueError, FileNotFoundError) as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REFUSED)
+    try:
+        last = train(recipe)
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt) as err:  # refused before training
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_REFUSED)
+    except NonFiniteTraining as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_NONFINITE)
+    except Preempted as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_PREEMPTED)
     if last:
         print(json.dumps(last), flush=True)
 

@@ -341,3 +341,38 @@ def test_bf16_objective(dig):
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
     c = obj(logits, labels).loss
     assert math.isclose(a.item(), c.item(), rel_tol=5e-2)
+
+
+# ---- checked when the config is made, not at the first forward -------------------------------------------
+
+
+@pytest.mark.parametrize("terms, words", [
+    ({"smmd": -3}, ["smmd", "weight", ">= 0"]),                      # a negative weight trains away from the targets
+    ({"smmd": {"weight": float("nan")}}, ["smmd", "weight", "finite"]),
+    ({"ntl_was": {"weight": float("inf")}}, ["ntl_was", "weight", "finite"]),
+    ({"gce": 1.5}, ["gce", "weight", "<= 1"]),                       # (1 - w) CE would be negative
+    ({"smmd": {"sigmas": [0]}}, ["smmd", "sigmas", "> 0"]),
+    ({"smmd": {"sigmas": 2.0}}, ["smmd", "sigmas", "list"]),         # a scalar, not a list
+    ({"smmd": {"sigmas": [2.0, float("inf")]}}, ["smmd", "sigmas"]),
+    ({"dist2": {"tau": 0.0}}, ["dist2", "tau", "> 0"]),
+    ({"ntil": {"noise_scale": -0.1}}, ["ntil", "noise_scale"]),
+    ({"gce": {"sigma": float("nan")}}, ["gce", "sigma", "finite"]),
+    ({"ntl_mse": {"loss": "l3"}}, ["ntl_mse", "loss"]),
+])
+def test_bad_weights_and_options_are_refused_when_the_config_is_made(terms, words):
+    with pytest.raises(ValueError) as err:
+        ObjectiveConfig.from_dict({"terms": terms})
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_z_loss_must_be_finite_and_not_negative():
+    for bad in (-1e-4, float("nan")):
+        with pytest.raises(ValueError, match="z_loss"):
+            ObjectiveConfig.from_dict({"z_loss": bad})
+
+
+def test_ntil_with_a_non_digits_vocabulary_is_refused_when_the_objective_is_made():
+    integers = NumericVocab(list(range(100, 200)), [float(v) for v in range(100)])
+    with pytest.raises(ValueError, match="ntil.*digits"):
+        Objective(integers, {"terms": {"ntil": {}}})
+    Objective(integers, {"terms": {"smmd": {}}})  # the other terms take any vocabulary

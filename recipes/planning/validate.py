@@ -30,8 +30,10 @@ What is checked, in order:
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
    micro_batch_size * grad_accum, and the quotient is reported as the implied rank count.
-6. Loss vs data: NTIL needs the digits policy; a built data dir's numeric vocabulary policy must match
-   loss.numeric_policy, and its tokenizer should be the model's.
+6. Loss vs data (`recipes.planning.checks`, which recipes.train also runs before building its model):
+   NTIL needs the digits policy; a built data dir's numeric vocabulary policy must match
+   loss.numeric_policy; the training data must hold one global batch (and the steps must fit
+   train.max_epochs when given); its manifest's tokenizer fingerprint must be the model tokenizer's.
 7. Data: data.train / data.eval / eval.data must be data_prep directories (manifest.json). A missing one
    is a warning ("data missing: build it with ...", the command from a `# data_prep train: ...` /
    `# data_prep eval: ...` comment in the recipe file), an error with --strict.
@@ -434,11 +436,11 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
                                 "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
 
-    # 6: loss vs data policy
+    # 6: loss vs data policy (recipes.planning.checks: the checks recipes.train runs before its model)
+    from recipes.planning import checks
+
     terms = set((recipe.loss.objective or {}).get("terms") or {})
-    if "ntil" in terms and recipe.loss.numeric_policy != "digits":
-        rep.errors.append(f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, "
-                          f"got {recipe.loss.numeric_policy!r}")
+    rep.errors.extend(checks.objective_problems(recipe))
     rep.add("objective", "CE" + "".join(f" + {t}" for t in sorted(terms)) +
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
     chunked_head_note(rep, recipe, hidden_size)
@@ -460,7 +462,14 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         tok = man.get("tokenizer", {})
         rep.add(key, f"{where}: {man.get('totals', {}).get('rows', '?')} rows, numeric vocab "
                      f"{nv.get('policy')} (N={nv.get('size')}), tokenizer {tok.get('name')}")
-        if nv.get("policy") and nv["policy"] != recipe.loss.numeric_policy:
+        if kind == "train":  # rows vs the global batch and the steps, policy, tokenizer fingerprint
+            errors, warnings, notes = checks.data_problems(recipe, man, where, dp, _tokenizer_identity(recipe, offline,
+                                                                                                       rep))
+            rep.errors.extend(errors)
+            rep.warnings.extend(warnings)
+            for note in notes:
+                rep.add("epochs", note)
+        elif nv.get("policy") and nv["policy"] != recipe.loss.numeric_policy:
             rep.errors.append(f"loss.numeric_policy: {recipe.loss.numeric_policy!r} but {where} was built "
                               f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
         if man.get("packed") and kind == "eval":
@@ -469,6 +478,18 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
             rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")
     return rep
+
+
+def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
+    """The model tokenizer's fingerprint and size, when it can be loaded here (else a warning)."""
+    from recipes.planning import checks
+
+    try:
+        return checks.tokenizer_identity(checks.model_tokenizer(recipe, offline=offline))
+    except Exception as err:  # noqa: BLE001  (not cached offline, no fast version, ...)
+        rep.warnings.append(f"model.tokenizer: not loadable here ({type(err).__name__}), so the data's tokenizer "
+                            f"fingerprint was not compared with it (recipes.train compares it before training)")
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

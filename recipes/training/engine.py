@@ -43,6 +43,12 @@ class Engine(Protocol):
         """The last step's global gradient norm before clipping (None where the engine has none)."""
         ...
 
+    def weights_finite(self) -> bool:
+        """Optional: whether this rank's parameters (its own shards) are all finite; the loop combines the
+        ranks and never saves or exports non-finite weights (`recipes.training.health`). An engine without
+        it is not checked."""
+        ...
+
     def save_state(self, directory: Path, step: int) -> None:
         """The engine's state (model, optimizer, schedule) into a step directory."""
         ...

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 
 from recipes.config import Recipe
+from .health import strict_json_row
 from .runtime import Runtime
 
 
@@ -20,10 +22,8 @@ class MetricsLog:
         self.tb = self.wandb = None
         if not self.enabled:
             return
-        if self.path.exists():  # a restart: drop the lines logged after the checkpoint it resumes from
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_step]
-            self.path.write_text("".join(line + "\n" for line in keep))
+        if self.path.exists():  # a restart: drop the rows logged after the checkpoint it resumes from
+            truncate_rows(self.path, resumed_step)
         if recipe.train.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -37,8 +37,7 @@ class MetricsLog:
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(self.path, row)
         step = row["step"]
         if self.tb is not None:
             for key, value in row.items():
@@ -52,6 +51,33 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One strict-JSON line (NaN/inf as null, `recipes.training.health`) appended in one write(2) to an
+    O_APPEND file: a line is never interleaved with another or half-rewritten by a truncation."""
+    data = (json.dumps(strict_json_row(row), allow_nan=False) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def truncate_rows(path: Path, last_step: int) -> None:
+    """Keep the rows of steps <= `last_step` (the checkpoint a run resumes from), once each, in order;
+    a torn last line (a crash mid-write) goes too. Written to a temporary file and renamed over."""
+    kept: dict[int, str] = {}
+    for line in path.read_text().splitlines():
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if step <= last_step:
+            kept.setdefault(step, line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept[s] + "\n" for s in sorted(kept)))
+    os.replace(tmp, path)
 
 
 def progress_bar(recipe: Recipe, runtime: Runtime, start: int):

@@ -58,6 +58,10 @@ if [ "$1" = show ] && [ "$2" = hostnames ]; then
   echo "$FAKE_SLURM_NODES" | tr ',' '\n'
   exit 0
 fi
+if [ "$1" = requeue ]; then
+  echo "{\"scontrol\": \"requeue\", \"job\": \"$2\"}" >> "$FAKE_SLURM_LOG"
+  exit 0
+fi
 echo "fake scontrol: unsupported: $*" >&2
 exit 2
 '''

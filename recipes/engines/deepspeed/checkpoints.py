@@ -63,7 +63,14 @@ def save_state(engine, directory: Path, step: int, trainable_only: bool = False)
 def load_state(engine, directory: Path, tag: str | None = None, trainable_only: bool = False) -> None:
     """Load `directory`'s DeepSpeed state (or the sibling `tag`, a universal conversion of it).
     `trainable_only`: the checkpoint has the trainable parameters only; the module's others stay as built."""
-    path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name,
-                                     load_module_strict=not trainable_only)
+    source = directory.parent / (tag or directory.name)
+    try:
+        path, _ = engine.load_checkpoint(str(directory.parent), tag=tag or directory.name,
+                                         load_module_strict=not trainable_only)
+    except Exception as err:  # DeepSpeed's own errors name no file (`PytorchStreamReader failed ...`)
+        files = sorted(p.name for p in source.glob("*") if p.is_file())
+        raise RuntimeError(f"DeepSpeed could not load the checkpoint {source} ({type(err).__name__}: {err}); its "
+                           f"files: {', '.join(files) or 'none'}. An older checkpoint: point "
+                           f"{directory.parent / 'latest'} at it") from err
     if path is None:
-        raise RuntimeError(f"checkpoint {directory} could not be loaded by DeepSpeed")
+        raise RuntimeError(f"checkpoint {source} could not be loaded by DeepSpeed (no files for this layout)")

@@ -98,6 +98,10 @@ class DeepSpeedEngine:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else None
 
+    def weights_finite(self) -> bool:
+        """This rank's parameters are finite: its ZeRO-3 partitions (`ds_tensor`), else the whole tensors."""
+        return all(bool(torch.isfinite(getattr(p, "ds_tensor", p.data)).all()) for p in self.engine.module.parameters())
+
     def save_state(self, directory: Path, step: int) -> None:
         checkpoints.save_state(self.engine, directory, step, trainable_only=self.lora is not None)
 

@@ -13,6 +13,11 @@ Parallel contract: a collective; every rank calls `export_model` with the same e
 0-3 with or without AutoTP (`deepspeed.tp_size`): under ZeRO-3 `GatheredParameters` reassembles each
 parameter, under AutoTP DeepSpeed's `GatherReplacedLayerParams` reassembles the TP slices.
 
+Atomic: the shards, then the index, config and tokenizer (last) are written into `.final.partial` beside
+`final/`, fsynced, and switched in by rank 0 only when every rank has reported its shard written; a
+rank that fails reports its error to the others (no rank is left waiting), the staging directory is
+removed and the previous `final/` stays as it was (or there is none): never a mix of old and new shards.
+
 LoRA (`model.lora` with `export_merged`): each LoRA layer is one unit of the plan, its base weight and
 adapters gathered together, and written as the layer it replaced, `W + alpha/r · B A`
 (`recipes.engines.deepspeed.lora.merged_weight`): the merged model under the base model's own keys.
@@ -24,8 +29,10 @@ single shard is written as `model.safetensors` with no index.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -154,36 +161,98 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
         state = revert_weight_conversion(model, state)  # the checkpoint's key names, as save_pretrained
     count = len(writers)
     file = shard_name(writers.index(runtime.rank), count) if runtime.rank in writers else None
+    path = Path(path)
+    staging = staging_dir(path)
     if runtime.is_main:
-        path.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # a failed export's leftovers
+        staging.mkdir(parents=True)
     dist.barrier()  # the directory exists on shared storage before anyone writes into it
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    if file is not None:
-        tmp = path / f".{file}.tmp"
-        save_file(state, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / file)
-    elif state:
-        raise RuntimeError(f"rank {runtime.rank} holds {len(state)} tensors but no shard file in the plan")
-    mine_info = {"file": file, "keys": sorted(state), "bytes": nbytes}
+    error = None
+    try:
+        if file is not None:
+            save_file(state, str(staging / file), metadata={"format": "pt"})
+            _fsync(staging / file)
+        elif state:
+            raise RuntimeError(f"rank {runtime.rank} holds {len(state)} tensors but no shard file in the plan")
+    except Exception as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
+        error = f"rank {runtime.rank}: {type(err).__name__}: {err}"
+    mine_info = {"file": file, "keys": sorted(state), "bytes": nbytes, "error": error}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, mine_info)  # also: every shard is on disk past this point
-    if runtime.is_main:
-        weight_map: dict[str, str] = {}
-        for info in everyone:
-            for key in info["keys"]:
-                if key in weight_map:
-                    raise RuntimeError(f"export: {key} written by two ranks ({weight_map[key]}, {info['file']})")
-                weight_map[key] = info["file"]
-        if count > 1:
-            index = {"metadata": {"total_size": sum(i["bytes"] for i in everyone)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        model.config.save_pretrained(str(path))
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(str(path))
-        tokenizer.save_pretrained(str(path))
-    dist.barrier()
+    errors = [info["error"] for info in everyone if info["error"]]
+    if not errors and runtime.is_main:
+        try:
+            _finish(everyone, count, model, tokenizer, staging, path)
+        except Exception as err:  # noqa: BLE001
+            errors.append(f"rank 0 (index, config, switch): {type(err).__name__}: {err}")
+    verdict = [errors]
+    dist.broadcast_object_list(verdict, src=0)  # rank 0 has switched `path` in, or not
+    if verdict[0]:
+        if runtime.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        kept = f"the previous {path} is unchanged" if path.is_dir() else f"no {path} was written"
+        raise RuntimeError(f"export to {path} failed ({kept}): " + "; ".join(verdict[0]))
+    mine_info.pop("error")
     return mine_info
+
+
+def staging_dir(path: Path) -> Path:
+    """Where an export is written before it is switched in: beside `path`, hidden."""
+    return path.parent / f".{path.name}.partial"
+
+
+def _finish(everyone: list, count: int, model, tokenizer, staging: Path, path: Path) -> None:
+    """Rank 0, once every shard is on disk: the index, config and tokenizer last, everything fsynced,
+    then the staging directory switched in for `path` (an atomic exchange where the file system has
+    one, else two renames) and the previous export removed."""
+    weight_map: dict[str, str] = {}
+    for info in everyone:
+        for key in info["keys"]:
+            if key in weight_map:
+                raise RuntimeError(f"export: {key} written by two ranks ({weight_map[key]}, {info['file']})")
+            weight_map[key] = info["file"]
+    if count > 1:
+        index = {"metadata": {"total_size": sum(i["bytes"] for i in everyone)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    model.config.save_pretrained(str(staging))
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    for f in staging.iterdir():
+        if f.is_file():
+            _fsync(f)
+    _fsync(staging)
+    if path.exists() and _exchange(staging, path):  # `path` is the new export, `staging` the old one
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        old = path.parent / f".{path.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)  # a crash between these two renames leaves the previous export in `old`
+        os.replace(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync(path.parent)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0
 
 
 def read_export(path: str | Path) -> dict[str, torch.Tensor]:

@@ -128,6 +128,10 @@ class MegatronEngine:
             for chunk in overlapped:
                 chunk.enable_forward_pre_hook()
 
+    def weights_finite(self) -> bool:
+        """This rank's parameters (its TP / PP shards) are all finite (`recipes.training.health`)."""
+        return all(bool(torch.isfinite(p).all()) for chunk in self.model for p in chunk.parameters())
+
     def save_state(self, directory: Path, step: int) -> None:
         """Model, optimizer, schedule and RNG into `directory` (`checkpoints.save_state`). Collective."""
         with self._gathered_params():

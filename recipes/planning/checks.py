@@ -1,0 +1,140 @@
+"""What a recipe can get wrong statically, checked before any model is built: by `recipes.validate` (as
+report lines) and by `recipes.train` on every rank before its engine starts (`preflight`: one
+`RecipeCheckError` listing every error, exit status 2).
+
+Loading the recipe already refuses bad types, choices, non-finite or negative optimizer settings
+(`recipes.config.Recipe.validate`) and bad term weights and options (`numloss.ObjectiveConfig`). Here,
+what needs more than one section or the data:
+- the objective against the numeric vocabulary: NTIL needs the digits policy;
+- the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
+  at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
+  epoch of no steps, and the loop would spin on empty epochs), and `train.steps` fit in
+  `train.max_epochs` passes when that is given (a warning when the data repeats and it is not);
+- the data's tokenizer against the model's: the manifest's tokenizer fingerprint (the sha256 of the
+  tokenizer's ids, template and special tokens, `data_prep.tokenize.tokenizer_fingerprint`) must be the
+  model tokenizer's (`data.allow_tokenizer_mismatch: true` makes it a warning, for the rare deliberate
+  case), and the data's tokenizer may never be larger than the model's (its ids would index past the
+  embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from data_prep.shards import MANIFEST
+
+
+class RecipeCheckError(ValueError):
+    """The recipe cannot run as it stands; the message lists every error, one per line."""
+
+
+def data_parallel_size(recipe, world_size: int) -> int:
+    """Data-parallel ranks of a world: world / tp (DeepSpeed AutoTP) or world / (tp x pp) (Megatron)."""
+    if recipe.train.engine == "megatron":
+        model_parallel = recipe.megatron.tp_size * recipe.megatron.pp_size
+    else:
+        model_parallel = recipe.deepspeed.tp_size
+    return max(1, world_size // model_parallel)
+
+
+def objective_problems(recipe) -> list[str]:
+    terms = set((recipe.loss.objective or {}).get("terms") or {})
+    if "ntil" in terms and recipe.loss.numeric_policy != "digits":
+        return [f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}"]
+    return []
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    p = Path(path) / MANIFEST
+    if not p.is_file():
+        return None
+    with p.open() as fh:
+        return json.load(fh)
+
+
+def model_tokenizer(recipe, offline: bool = False):
+    """The model's tokenizer loaded as data_prep loads one (fast, so the fingerprints compare)."""
+    from transformers import AutoTokenizer
+
+    source = recipe.model.tokenizer or recipe.model.name_or_path
+    return AutoTokenizer.from_pretrained(source, use_fast=True, trust_remote_code=recipe.model.trust_remote_code,
+                                         local_files_only=offline)
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """{"fingerprint", "length"} of a tokenizer, in the manifest's terms."""
+    from data_prep.tokenize import tokenizer_fingerprint
+
+    return {"fingerprint": tokenizer_fingerprint(tokenizer), "length": len(tokenizer)}
+
+
+def data_problems(recipe, manifest: dict, where: str, data_parallel: int,
+                  tokenizer: dict | None = None, key: str = "data.train") -> tuple[list[str], list[str], list[str]]:
+    """(errors, warnings, notes) of training data `where` (its manifest) for this recipe on
+    `data_parallel` data-parallel ranks; `tokenizer`: the model tokenizer's `tokenizer_identity` (None:
+    not compared)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    notes: list[str] = []
+    t = recipe.train
+    policy = manifest.get("numeric_vocab", {}).get("policy")
+    if policy and policy != recipe.loss.numeric_policy:
+        errors.append(f"loss.numeric_policy: {recipe.loss.numeric_policy!r} but {where} was built with the "
+                      f"{policy!r} policy (its numeric_mask would not match)")
+    rows = int(manifest.get("totals", {}).get("rows", 0))
+    global_batch = t.micro_batch_size * t.grad_accum * data_parallel
+    if rows < global_batch:
+        errors.append(f"{key}: {where} holds {rows} rows, fewer than one global batch of {global_batch} "
+                      f"(micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x {data_parallel} "
+                      f"data-parallel ranks): no step could ever be taken; use more data or a smaller batch")
+    else:
+        per_epoch = rows // global_batch  # the reader leaves the last rows mod G out of each epoch
+        epochs = t.steps / per_epoch
+        notes.append(f"{t.steps} steps x {global_batch} rows = {epochs:.3g} epochs of {rows} rows "
+                     f"({per_epoch} steps each)")
+        if t.max_epochs is not None and epochs > t.max_epochs + 1e-9:
+            errors.append(f"train.steps: {t.steps} steps take {epochs:.3g} passes over {where} ({per_epoch} steps "
+                          f"each), more than train.max_epochs {t.max_epochs:g}: lower train.steps to "
+                          f"{math.floor(t.max_epochs * per_epoch)} or raise train.max_epochs")
+        elif t.max_epochs is None and epochs > 1:
+            warnings.append(f"train.steps: {t.steps} steps repeat {where} {epochs:.3g} times; set train.max_epochs "
+                            f"to state it (or use more data)")
+    built = manifest.get("tokenizer", {})
+    if tokenizer is not None and built.get("fingerprint"):
+        mine = tokenizer["fingerprint"]
+        if built.get("length") is not None and built["length"] > tokenizer["length"]:
+            errors.append(f"{key}: {where} was built with a tokenizer of {built['length']} tokens "
+                          f"({built.get('name')!r}); the model's has {tokenizer['length']}: its ids would index "
+                          f"past the model's embedding. Rebuild the data with the model's tokenizer")
+        elif built["fingerprint"] != mine:
+            msg = (f"{key}: {where} was built with another tokenizer ({built.get('name')!r}, fingerprint "
+                   f"{built['fingerprint'][:12]}) than the model's (fingerprint {mine[:12]}): the same ids would "
+                   f"mean other tokens. Rebuild the data with the model's tokenizer, or set "
+                   f"data.allow_tokenizer_mismatch=true if this is deliberate")
+            (warnings if recipe.data.allow_tokenizer_mismatch else errors).append(msg)
+    return errors, warnings, notes
+
+
+def preflight(recipe, world_size: int, tokenizer=None) -> list[str]:
+    """Every static check of the module docstring for a run on `world_size` ranks; raises
+    RecipeCheckError listing the errors, returns the warnings and notes. `tokenizer`: the model's
+    (default: loaded as `model_tokenizer`)."""
+    errors = objective_problems(recipe)
+    warnings: list[str] = []
+    manifest = read_manifest(recipe.data.train)
+    if manifest is None:
+        errors.append(f"data.train: {recipe.data.train} is not a data_prep output directory (no {MANIFEST}); "
+                      f"build it with python -m data_prep build ... --out {recipe.data.train}")
+    else:
+        if tokenizer is None:
+            tokenizer = model_tokenizer(recipe)
+        e, w, notes = data_problems(recipe, manifest, recipe.data.train, data_parallel_size(recipe, world_size),
+                                    tokenizer_identity(tokenizer))
+        errors += e
+        warnings += [f"warning: {x}" for x in w] + notes
+    if errors:
+        raise RecipeCheckError(f"recipe {recipe.name} cannot run ({len(errors)} error"
+                               f"{'s' * (len(errors) != 1)}):\n" + "\n".join(f"  {e}" for e in errors))
+    return warnings

@@ -1,0 +1,82 @@
+"""Whether training is still sane, decided the same on every rank: non-finite values stop the run,
+non-finite weights are never saved or exported, a gradient norm stuck at exactly 0 is a warning.
+
+Policy (no skipping): a step whose global loss, a logged term or the gradient norm is NaN or inf has
+already been applied by the engine's optimizer, so the weights after it cannot be trusted. The run logs
+that step's row (non-finite values as null, `"nonfinite": [keys]`), writes no checkpoint and no export,
+and stops with `NonFiniteTraining` (`python -m recipes.train` exits 3); the last checkpoint, saved
+from a step whose values were all finite, stays `latest`. Before every checkpoint and the export the
+engine's own parameters are checked as well (`Engine.weights_finite`, each rank its own shards, then
+one all-reduce): an update can make the weights infinite while the loss of that step was still finite
+(`optim.lr: 1e39`), and the next step would only see NaN after a save.
+
+The ranks agree through `any_rank`, one MAX all-reduce over the world per step (it also carries the
+preemption request, `recipes.training.preemption`), so every rank stops at the same step and no rank is
+left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+ZERO_GRAD_STEPS = 3  # this many steps in a row with a gradient norm of exactly 0: a warning
+
+
+class NonFiniteTraining(RuntimeError):
+    """Training produced NaN or inf; nothing was saved after the last good checkpoint."""
+
+    def __init__(self, step: int, keys: list[str], last_checkpoint: str | None):
+        self.step, self.keys, self.last_checkpoint = step, keys, last_checkpoint
+        kept = f"the last checkpoint is {last_checkpoint} (finite)" if last_checkpoint else "no checkpoint was written"
+        super().__init__(f"step {step}: {', '.join(keys)} not finite; stopped without saving or exporting "
+                         f"({kept}). Lower optim.lr (or raise optim.warmup_steps), check the data, "
+                         f"and resume from the last checkpoint")
+
+
+def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
+    """Each flag OR-ed over every rank of the world (one MAX all-reduce); as given in a world of one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [bool(f) for f in flags]
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v > 0) for v in t.tolist()]
+
+
+def nonfinite_keys(row: dict) -> list[str]:
+    """The keys of a metrics row whose value is a NaN or inf number (None, as ZeRO-0's norm, is fine)."""
+    return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
+def strict_json_row(row: dict) -> dict:
+    """A row every strict JSON reader accepts: non-finite numbers as null, named under "nonfinite"."""
+    bad = nonfinite_keys(row)
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
+
+
+def weights_finite(engine, device: torch.device) -> bool:
+    """Every rank's parameters are finite (`engine.weights_finite()`, where the engine has it). A collective."""
+    check = getattr(engine, "weights_finite", None)
+    local = True if check is None else bool(check())
+    return not any_rank([not local], device)[0]
+
+
+class ZeroGradWatch:
+    """Warns once when the gradient norm is exactly 0 for `ZERO_GRAD_STEPS` steps in a row: a collapsed
+    model (every logit saturated: `optim.lr: 1e6` gave CE stuck at ln V) or nothing that trains."""
+
+    def __init__(self, steps: int = ZERO_GRAD_STEPS):
+        self.steps, self.run, self.warned = steps, 0, False
+
+    def update(self, step: int, grad_norm: float | None) -> str | None:
+        self.run = self.run + 1 if grad_norm == 0.0 else 0
+        if self.run >= self.steps and not self.warned:
+            self.warned = True
+            return (f"warning: the gradient norm has been exactly 0 for {self.run} steps (steps "
+                    f"{step - self.run + 1}-{step}): the model has collapsed or nothing trains "
+                    f"(an optim.lr far too high does this); the run goes on")
+        return None

@@ -1,0 +1,112 @@
+"""Issue 27: checkpoints are verified (recipes.training.checkpoints), on 2 real gloo ranks with a stand-in
+engine that writes one state file per rank, as DeepSpeed writes its shards.
+
+- a truncated file in the newest checkpoint (before: `PytorchStreamReader failed reading zip archive`
+  from inside DeepSpeed, naming no file, no fallback): the run names the file, warns, resumes from the
+  previous intact checkpoint (and keeps the corrupt one aside); with `resume_fallback: false` it refuses
+  and prints the command that falls back;
+- a planted `rank_00000.pt` that would run code when unpickled (a shared run directory; its entry in
+  checkpoint.json rewritten to match): refused by `torch.load(weights_only=True)`, nothing runs;
+- every save wrote checkpoint.json (size and sha256 of every file) before `latest` named it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class FakeData:
+    def __init__(self):
+        self.position = 0
+
+    def state_dict(self):
+        return {"epoch": 0, "samples": self.position, "fingerprint": "abc"}
+
+    def load_state_dict(self, state):
+        self.position = state["samples"]
+
+
+class Planted:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # what a hostile file in a shared directory would do at unpickling
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _engine_state(rank):
+    def save(directory: Path):
+        torch.save({"weights": torch.full((64,), float(rank))}, directory / f"model_rank{rank}.pt")
+
+    def load(directory: Path):
+        torch.load(directory / f"model_rank{rank}.pt", weights_only=True)
+    return save, load
+
+
+def _rank(rank, world, root: str):
+    from recipes.training.checkpoints import CheckpointCorrupt, CheckpointDirs, MANIFEST
+    from recipes.training.runtime import Runtime
+
+    root = Path(root)
+    runtime = Runtime(rank, world, rank, torch.device("cpu"))
+    save, load = _engine_state(rank)
+    data = FakeData()
+    dirs = CheckpointDirs(root, keep_last=3, runtime=runtime)
+    for step in (2, 4):
+        data.position = step * 8
+        dirs.save(step, data, save, {"data_parallel": world})
+    recorded = json.loads((root / "step_00000004" / MANIFEST).read_text())["files"]
+    assert {"model_rank0.pt", "model_rank1.pt", "rank_00000.pt", "rank_00001.pt", "layout.json"} <= set(recorded)
+    dist.barrier()
+
+    # a truncated shard in the newest checkpoint, with the fallback refused
+    if rank == 1:
+        path = root / "step_00000004" / "model_rank0.pt"
+        path.write_bytes(path.read_bytes()[:100])
+    dist.barrier()
+    with pytest.raises(CheckpointCorrupt) as err:
+        CheckpointDirs(root, 3, runtime, fallback=False).load(FakeData(), load)
+    message = str(err.value)
+    assert f"{root / 'step_00000004' / 'model_rank0.pt'}: 100 bytes" in message, message
+    assert f"echo step_00000002 > {root / 'latest'}" in message
+    # the default: a warning naming the file, and the previous checkpoint
+    resumed = FakeData()
+    assert CheckpointDirs(root, 3, runtime).load(resumed, load) == 2 and resumed.position == 16
+    assert (root / "latest").read_text() == "step_00000002" and (root / "corrupt_step_00000004").is_dir()
+    dist.barrier()
+
+    # a planted pickle that runs code, checksummed to look intact
+    marker = root / "code_ran"
+    if rank == 0:
+        state = root / "step_00000002" / "rank_00000.pt"
+        state.write_bytes(pickle.dumps({"step": 2, "data": Planted(marker)}))
+        manifest_path = root / "step_00000002" / MANIFEST
+        manifest = json.loads(manifest_path.read_text())
+        from recipes.training.checkpoints import _sha256
+        manifest["files"]["rank_00000.pt"] = {"bytes": state.stat().st_size, "sha256": _sha256(state)}
+        manifest_path.write_text(json.dumps(manifest))
+    dist.barrier()
+    dirs = CheckpointDirs(root, 3, runtime)
+    if rank == 0:
+        with pytest.raises(pickle.UnpicklingError):
+            dirs.load(FakeData(), load)
+    else:
+        dirs.load(FakeData(), load)  # its own, intact file
+    assert not marker.exists()
+
+
+def test_corrupt_checkpoints_are_named_and_fall_back_and_planted_files_do_not_run(tmp_path, capfd):
+    run_ranks(2, _rank, str(tmp_path))
+    err = capfd.readouterr().err
+    assert "warning: checkpoint" in err and "model_rank0.pt: 100 bytes, " in err and "Resuming from step_00000002" in err

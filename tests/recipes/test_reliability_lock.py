@@ -1,0 +1,93 @@
+"""Issue 27: one run per train.out_dir (recipes.training.run_lock) and a metrics.jsonl that a restart
+trims instead of duplicating (recipes.training.run_log).
+
+A second run used to start in a used out_dir without a word: both exited 0, the second resumed from the
+first's checkpoint, both wrote the same step directories, and metrics.jsonl ended with steps twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from recipes.training.run_lock import LOCK, RunLock, RunLocked
+from recipes.training.run_log import append_row, truncate_rows
+
+REPO = Path(__file__).resolve().parents[2]
+HOLD = ("import sys, time; from recipes.training.run_lock import RunLock; "
+        "RunLock(sys.argv[1], True).acquire(); print('held', flush=True); time.sleep(120)")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Another process holding the lock of tmp_path/run."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMLOSS_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_detected(tmp_path, holder, monkeypatch):
+    for key in ("NUMLOSS_RUN_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RunLocked) as err:
+        RunLock(tmp_path / "run", True).acquire()
+    assert f"pid {holder.pid} on {socket.gethostname()}" in str(err.value), str(err.value)
+    holder.send_signal(signal.SIGKILL)  # the holder dies without releasing: a stale lock
+    holder.wait()
+    lock = RunLock(tmp_path / "run", True)
+    note = lock.acquire()
+    assert note.startswith(f"removed a stale lock (pid {holder.pid}"), note
+    assert json.loads((tmp_path / "run" / LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / "run" / LOCK).exists()
+
+
+def test_a_lock_from_another_host_is_refused_unless_it_is_this_runs_own(tmp_path, monkeypatch):
+    (tmp_path / LOCK).write_text(json.dumps({"host": "node-17", "pid": 4242, "started": "2026-01-01T00:00:00",
+                                             "run_id": "SLURM_JOB_ID=981"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "982")
+    monkeypatch.delenv("NUMLOSS_RUN_ID", raising=False)
+    with pytest.raises(RunLocked, match=f"pid 4242 on node-17.*cannot be checked from this host; if that run is "
+                                        f"gone \\(a lost node\\), remove {tmp_path / LOCK}"):
+        RunLock(tmp_path, True).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "981")  # the same job, requeued onto another node
+    assert "took back this run's own lock" in RunLock(tmp_path, True).acquire()
+
+
+def test_train_refuses_a_used_out_dir_before_building_anything(tmp_path, holder, rec_data_dir, rec_tokenizer_dir):
+    demo = REPO / "recipes" / "configs" / "demo.yaml"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env.pop("NUMLOSS_RUN_ID", None)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "recipes.train", str(demo), f"data.train={rec_data_dir}",
+                           f"model.tokenizer={rec_tokenizer_dir}", "train.micro_batch_size=4",
+                           "train.global_batch_size=null", "train.steps=2", f"train.out_dir={tmp_path / 'run'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"is in use by another run (pid {holder.pid} on" in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK]  # nothing else written
+    assert time.time() - started < 120
+
+
+def test_metrics_rows_are_appended_whole_and_a_restart_drops_the_rows_past_its_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2, 3, 4, 3):  # a duplicate of step 3 from an earlier, unlocked run
+        append_row(path, {"step": step, "loss": float("nan") if step == 4 else 1.0 / step})
+    with path.open("a") as f:
+        f.write('{"step": 5, "lo')  # torn by a crash mid-write
+    truncate_rows(path, 3)  # resuming from the checkpoint of step 3
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    truncate_rows(path, 0)  # no checkpoint: nothing logged before counts
+    assert path.read_text() == ""
