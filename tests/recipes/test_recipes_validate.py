@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from recipes.planning import validate as V
+from recipes.planning.model_size import count_parameters
 from recipes.config import load_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -64,7 +65,7 @@ def test_parameter_count_equals_a_real_model(tmp_path):
     recipe = load_recipe(DEMO)
     cfg = dict(recipe.model.config)
     real = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg))
-    total, largest = V.count_parameters(real.config)
+    total, largest = count_parameters(real.config)
     assert total == sum(p.numel() for p in real.parameters())
     assert largest == max(p.numel() for p in real.parameters())
 
