@@ -48,76 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# ---- offline fallback metadata ------------------------------------------------------------------------
-#
-# Architecture of the papers' backbones, used only when the hub cannot be reached and the config is not
-# in the local HF cache. Values are those of the public config.json files (Llama-3 8B/70B, Qwen2.5-1.5B,
-# Qwen2.5-VL-7B, SmolLM3-3B); the parameter counts they give here match the published totals (8.03B,
-# 70.55B, 1.54B, 8.29B with the vision tower, 3.08B). Ministral-3-3B is recalled, not checked against
-# its config.json (confidence: low; 3.85B total = ~3.4B language model + ~0.4B Pixtral tower, which
-# matches the announced size): prefer the hub's config when reachable.
-# `vision_config` is only used for `model.vision: true` recipes (else the text part alone is built).
-
-# Directories that `python -m recipes.experiments.backbone NAME` converts a packaged model into: (NAME, hub name).
-CONVERTED_BACKBONES = {"SmolLM2-135M-Instruct.Q4_1": ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")}
-
-KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
-    "meta-llama/Meta-Llama-3-8B-Instruct": {
-        "confidence": "high",
-        "text": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False),
-    },
-    "meta-llama/Meta-Llama-3-70B-Instruct": {
-        "confidence": "high",
-        "text": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                     num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False),
-    },
-    "Qwen/Qwen2.5-1.5B-Instruct": {
-        "confidence": "high",
-        "text": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                     num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=True),
-    },
-    "Qwen/Qwen2.5-VL-7B-Instruct": {
-        "confidence": "high (text part); vision tower: medium",
-        "text": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                     max_position_embeddings=128000, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-        "vision_model_type": "qwen2_5_vl",
-        "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
-                              out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
-                              temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
-    },
-    "HuggingFaceTB/SmolLM2-135M-Instruct": {  # the demo's backbone (recipes.experiments.backbone converts its GGUF)
-        "confidence": "high",
-        "text": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                     tie_word_embeddings=True),
-    },
-    "HuggingFaceTB/SmolLM3-3B": {
-        "confidence": "high",
-        "text": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
-                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
-                     max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    },
-    "mistralai/Ministral-3-3B-Instruct-2512": {
-        "confidence": "low (recalled, not checked against config.json)",
-        "text": dict(model_type="ministral3", vocab_size=131072, hidden_size=3072, intermediate_size=9216,
-                     num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                     tie_word_embeddings=True),
-        "vision_model_type": "mistral3",
-        "vision_config": dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
-                              num_hidden_layers=24, num_attention_heads=16, patch_size=14, image_size=1540),
-    },
-}
-
+from recipes.planning.backbones import (  # noqa: F401  (re-exported: tests and callers use them here)
+    CONVERTED_BACKBONES, KNOWN_BACKBONES, count_parameters, resolve_model_config, zero_memory_estimate)
 
 # ---- report -------------------------------------------------------------------------------------------
 
@@ -154,115 +86,6 @@ def _gib(n_bytes: float) -> str:
 
 def _params(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-# ---- model config and size ----------------------------------------------------------------------------
-
-
-def _config_from_table(name: str, vision: bool):
-    from transformers import AutoConfig
-
-    entry = KNOWN_BACKBONES[name]
-    text = dict(entry["text"])
-    if vision and "vision_config" in entry:
-        kind = entry["vision_model_type"]
-        text_cfg = dict(text)
-        if kind == "qwen2_5_vl":
-            text_cfg.pop("model_type")
-        return AutoConfig.for_model(kind, text_config=text_cfg, vision_config=dict(entry["vision_config"]),
-                                    tie_word_embeddings=text["tie_word_embeddings"])
-    return AutoConfig.for_model(text.pop("model_type"), **text)
-
-
-def resolve_model_config(recipe, offline: bool = False):
-    """(transformers config, where it came from, warnings). Raises ValueError when nothing resolves."""
-    from transformers import AutoConfig
-
-    m = recipe.model
-    notes: list[str] = []
-    if m.config is not None:
-        cfg = dict(m.config)
-        kind = cfg.pop("model_type", None)
-        if not kind:
-            raise ValueError("model.config: needs a model_type (e.g. llama)")
-        try:
-            return AutoConfig.for_model(kind, **cfg), "model.config (random init)", notes
-        except (ValueError, TypeError, KeyError) as err:
-            raise ValueError(f"model.config: {err}") from None
-    name = m.name_or_path
-    if os.path.isdir(name):
-        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code), f"local dir {name}", notes
-    try:
-        cfg = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=m.trust_remote_code)
-        return cfg, "local Hugging Face cache", notes
-    except Exception:  # noqa: BLE001  (not cached: any of several exception types)
-        pass
-    if not offline and os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false"):
-        try:
-            cfg = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
-            return cfg, "Hugging Face hub", notes
-        except Exception as err:  # noqa: BLE001
-            notes.append(f"model.name_or_path: hub unreachable for {name!r} ({type(err).__name__})")
-    local = CONVERTED_BACKBONES.get(os.path.basename(os.path.normpath(name)))
-    if local is not None:  # `python -m recipes.experiments.backbone` has not written this directory yet
-        notes.append(f"model.name_or_path: {name} does not exist yet; `python -m recipes.experiments.backbone {local[0]}` "
-                     f"writes it (the demo does so itself)")
-        name = local[1]
-    if name in KNOWN_BACKBONES:
-        conf = KNOWN_BACKBONES[name]["confidence"]
-        return _config_from_table(name, m.vision), f"offline fallback table (confidence: {conf})", notes
-    raise ValueError(f"model.name_or_path: cannot resolve a config for {name!r} offline "
-                     f"(known offline: {sorted(KNOWN_BACKBONES)})")
-
-
-def count_parameters(config, vision: bool = False) -> tuple[int, int]:
-    """(total parameters, parameters of the largest single module) of an empty-weight model built from
-    `config` on the meta device (tied weights counted once)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    with torch.device("meta"):
-        if vision:
-            model = AutoModelForImageTextToText.from_config(config)
-        else:
-            model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
-    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
-    return int(total), int(largest)
-
-
-def zero_memory_estimate(total_params: int, largest_params: int, zero_stage: int, nodes: int,
-                         gpus_per_node: int, tp_size: int = 1, offload_optimizer: bool = False,
-                         offload_params: bool = False) -> dict:
-    """DeepSpeed's model-state memory estimate per GPU and per node's CPU (bytes)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
-    per_rank_params = total_params // tp_size
-    dp_per_node = max(1, gpus_per_node // tp_size)
-    if zero_stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            total_params=per_rank_params, largest_layer_params=largest_params // tp_size,
-            num_gpus_per_node=dp_per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_params, zero_init=True)
-        fn = "estimate_zero3_model_states_mem_needs"
-    else:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        cpu, gpu = estimate_zero2_model_states_mem_needs(
-            total_params=per_rank_params, num_gpus_per_node=dp_per_node, num_nodes=nodes,
-            cpu_offload=offload_optimizer)
-        fn = "estimate_zero2_model_states_mem_needs"
-    return {"gpu_bytes": int(gpu), "cpu_bytes": int(cpu), "function": fn}
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -320,10 +143,11 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
 
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
-                    offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
-                    gpu_tflops: float = 400.0, net_gbps: float = 400.0, nvlink_gbps: float = 2880.0,
-                    gpu_peak_tflops: float = 989.0) -> Report:
-    """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`)."""
+                    offline: bool = False, gpu_mem_gb: float | None = None, size: bool = True,
+                    seq_len: int | None = None, mean_row_tokens: float | None = None, **hardware) -> Report:
+    """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`). `hardware`:
+    gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
+    cluster.* values, else recipes.planning.step_model.Hardware's defaults)."""
     from recipes.config import load_recipe
 
     rep = Report(str(path))
@@ -358,7 +182,12 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         except Exception as err:  # noqa: BLE001  (a config transformers cannot build)
             rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
             total = None
-        knobs = dict(gpu_tflops=gpu_tflops, net_gbps=net_gbps, gpu_peak_tflops=gpu_peak_tflops, seq_len=seq_len)
+        from recipes.planning.step_model import hardware as _hardware, row_tokens
+
+        hw = _hardware(recipe, gpu_tflops=hardware.get("gpu_tflops"), peak_tflops=hardware.get("gpu_peak_tflops"),
+                       nic_gbps=hardware.get("net_gbps"), nics_per_node=hardware.get("nics_per_node"),
+                       nvlink_gbps=hardware.get("nvlink_gbps"), mem_gib=gpu_mem_gb)
+        rows = row_tokens(recipe, seq_len, mean_row_tokens)
         adapter = None
         if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
             from recipes.planning.lora import report_lora
@@ -367,7 +196,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
             from recipes.planning.megatron_budget import report_megatron
 
-            report_megatron(rep, recipe, cfg, total, gpu_mem_gb=gpu_mem_gb, nvlink_gbps=nvlink_gbps, **knobs)
+            report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows)
         elif total is not None and cl.gpus_per_node > 0:
             from recipes.planning.lora import lora_memory_estimate
 
@@ -382,13 +211,9 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                     f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
                                     f"[{'deepspeed ' * (adapter is None)}{est['function']}, ZeRO-{ds.zero_stage}, offload "
                                     f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
-            from recipes.planning.budget import report_budget
+            from recipes.planning.deepspeed_report import report_budget
 
-            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
-                          gpu_tflops=gpu_tflops, net_gbps=net_gbps)
-            from recipes.planning.megatron_budget import deepspeed_step_time
-
-            deepspeed_step_time(rep, recipe, cfg, **knobs)
+            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, hw=hw, rows=rows)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
@@ -477,19 +302,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value (YAML value)")
     p.add_argument("--strict", action="store_true", help="missing data is an error, not a warning")
     p.add_argument("--offline", action="store_true", help="never contact the hub (cache, then the fallback table)")
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory to compare the estimate with")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row for the activation estimate "
-                                                                  "(default: data.seq_len, else 1024)")
-    p.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (400: ~40%% of an H100)")
-    p.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per GPU (400: one NDR port each)")
-    p.add_argument("--nvlink-gbps", type=float, default=2880.0, help="NVLink Gb/s per GPU (2880 = 360 GB/s, NCCL's "
-                   "bus bandwidth on 8 x H100 SXM; Megatron recipes)")
-    p.add_argument("--gpu-peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU for MFU (989: H100 bf16)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in GiB (cluster.gpu_mem_gb, else 80)")
+    p.add_argument("--seq-len", type=int, default=None, help="rows of this many tokens (default: data.seq_len, else "
+                   "the data's manifest, else 1024 assumed)")
+    p.add_argument("--mean-row-tokens", type=float, default=None, help="mean tokens per row for compute and traffic")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="achieved TFLOP/s per GPU (cluster.gpu_tflops, "
+                   "else 400: ~40%% of an H100)")
+    p.add_argument("--net-gbps", type=float, default=None, help="Gb/s of one NIC (cluster.nic_gbps, else 400: NDR)")
+    p.add_argument("--nics-per-node", type=int, default=None, help="NICs per node (cluster.nics_per_node, else one "
+                   "per GPU)")
+    p.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink Gb/s per GPU (cluster.nvlink_gbps, else "
+                   "2880 = 360 GB/s, NCCL's bus bandwidth on 8 x H100 SXM)")
+    p.add_argument("--gpu-peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU for MFU "
+                   "(cluster.gpu_peak_tflops, else 989: H100 bf16 dense)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
-                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps,
-                          nvlink_gbps=a.nvlink_gbps, gpu_peak_tflops=a.gpu_peak_tflops)
+                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, gpu_tflops=a.gpu_tflops,
+                          net_gbps=a.net_gbps, nics_per_node=a.nics_per_node, nvlink_gbps=a.nvlink_gbps,
+                          gpu_peak_tflops=a.gpu_peak_tflops)
     if a.json:
         print(json.dumps({"recipe": rep.recipe, "ok": rep.ok, "errors": rep.errors, "warnings": rep.warnings,
                           "info": dict(rep.info), "numbers": rep.numbers}, indent=1))

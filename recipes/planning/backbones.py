@@ -1,0 +1,188 @@
+"""The backbones recipes.planning.validate knows: the model config a recipe resolves to (local, cached,
+hub, or the offline fallback table of the papers' backbones), its parameter count from an empty-weight
+model, and DeepSpeed's own estimate of model-state memory per GPU."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+# ---- offline fallback metadata ------------------------------------------------------------------------
+#
+# Architecture of the papers' backbones, used only when the hub cannot be reached and the config is not
+# in the local HF cache. Values are those of the public config.json files (Llama-3 8B/70B, Qwen2.5-1.5B,
+# Qwen2.5-VL-7B, SmolLM3-3B); the parameter counts they give here match the published totals (8.03B,
+# 70.55B, 1.54B, 8.29B with the vision tower, 3.08B). Ministral-3-3B is recalled, not checked against
+# its config.json (confidence: low; 3.85B total = ~3.4B language model + ~0.4B Pixtral tower, which
+# matches the announced size): prefer the hub's config when reachable.
+# `vision_config` is only used for `model.vision: true` recipes (else the text part alone is built).
+
+# Directories that `python -m recipes.experiments.backbone NAME` converts a packaged model into: (NAME, hub name).
+CONVERTED_BACKBONES = {"SmolLM2-135M-Instruct.Q4_1": ("smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct")}
+
+KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    },
+    "meta-llama/Meta-Llama-3-70B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                     num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                     max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False),
+    },
+    "Qwen/Qwen2.5-1.5B-Instruct": {
+        "confidence": "high",
+        "text": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                     num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=True),
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {
+        "confidence": "high (text part); vision tower: medium",
+        "text": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     max_position_embeddings=128000, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+        "vision_model_type": "qwen2_5_vl",
+        "vision_config": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                              out_hidden_size=3584, patch_size=14, spatial_merge_size=2,
+                              temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    },
+    "HuggingFaceTB/SmolLM2-135M-Instruct": {  # the demo's backbone (recipes.experiments.backbone converts its GGUF)
+        "confidence": "high",
+        "text": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True),
+    },
+    "HuggingFaceTB/SmolLM3-3B": {
+        "confidence": "high",
+        "text": dict(model_type="smollm3", vocab_size=128256, hidden_size=2048, intermediate_size=11008,
+                     num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    },
+    "mistralai/Ministral-3-3B-Instruct-2512": {
+        "confidence": "low (recalled, not checked against config.json)",
+        "text": dict(model_type="ministral3", vocab_size=131072, hidden_size=3072, intermediate_size=9216,
+                     num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     tie_word_embeddings=True),
+        "vision_model_type": "mistral3",
+        "vision_config": dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096,
+                              num_hidden_layers=24, num_attention_heads=16, patch_size=14, image_size=1540),
+    },
+}
+
+
+
+# ---- model config and size ----------------------------------------------------------------------------
+
+
+def _config_from_table(name: str, vision: bool):
+    from transformers import AutoConfig
+
+    entry = KNOWN_BACKBONES[name]
+    text = dict(entry["text"])
+    if vision and "vision_config" in entry:
+        kind = entry["vision_model_type"]
+        text_cfg = dict(text)
+        if kind == "qwen2_5_vl":
+            text_cfg.pop("model_type")
+        return AutoConfig.for_model(kind, text_config=text_cfg, vision_config=dict(entry["vision_config"]),
+                                    tie_word_embeddings=text["tie_word_embeddings"])
+    return AutoConfig.for_model(text.pop("model_type"), **text)
+
+
+def resolve_model_config(recipe, offline: bool = False):
+    """(transformers config, where it came from, warnings). Raises ValueError when nothing resolves."""
+    from transformers import AutoConfig
+
+    m = recipe.model
+    notes: list[str] = []
+    if m.config is not None:
+        cfg = dict(m.config)
+        kind = cfg.pop("model_type", None)
+        if not kind:
+            raise ValueError("model.config: needs a model_type (e.g. llama)")
+        try:
+            return AutoConfig.for_model(kind, **cfg), "model.config (random init)", notes
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"model.config: {err}") from None
+    name = m.name_or_path
+    if os.path.isdir(name):
+        return AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code), f"local dir {name}", notes
+    try:
+        cfg = AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=m.trust_remote_code)
+        return cfg, "local Hugging Face cache", notes
+    except Exception:  # noqa: BLE001  (not cached: any of several exception types)
+        pass
+    if not offline and os.environ.get("HF_HUB_OFFLINE", "0") in ("", "0", "false"):
+        try:
+            cfg = AutoConfig.from_pretrained(name, trust_remote_code=m.trust_remote_code)
+            return cfg, "Hugging Face hub", notes
+        except Exception as err:  # noqa: BLE001
+            notes.append(f"model.name_or_path: hub unreachable for {name!r} ({type(err).__name__})")
+    local = CONVERTED_BACKBONES.get(os.path.basename(os.path.normpath(name)))
+    if local is not None:  # `python -m recipes.experiments.backbone` has not written this directory yet
+        notes.append(f"model.name_or_path: {name} does not exist yet; `python -m recipes.experiments.backbone {local[0]}` "
+                     f"writes it (the demo does so itself)")
+        name = local[1]
+    if name in KNOWN_BACKBONES:
+        conf = KNOWN_BACKBONES[name]["confidence"]
+        return _config_from_table(name, m.vision), f"offline fallback table (confidence: {conf})", notes
+    raise ValueError(f"model.name_or_path: cannot resolve a config for {name!r} offline "
+                     f"(known offline: {sorted(KNOWN_BACKBONES)})")
+
+
+def count_parameters(config, vision: bool = False) -> tuple[int, int]:
+    """(total parameters, parameters of the largest single module) of an empty-weight model built from
+    `config` on the meta device (tied weights counted once)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        if vision:
+            model = AutoModelForImageTextToText.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
+    return int(total), int(largest)
+
+
+def zero_memory_estimate(total_params: int, largest_params: int, zero_stage: int, nodes: int,
+                         gpus_per_node: int, tp_size: int = 1, offload_optimizer: bool = False,
+                         offload_params: bool = False) -> dict:
+    """DeepSpeed's model-state memory estimate per GPU and per node's CPU (bytes)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
+    per_rank_params = total_params // tp_size
+    dp_per_node = max(1, gpus_per_node // tp_size)
+    if zero_stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params=per_rank_params, largest_layer_params=largest_params // tp_size,
+            num_gpus_per_node=dp_per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
+            cpu_offload_params=offload_params, zero_init=True)
+        fn = "estimate_zero3_model_states_mem_needs"
+    else:
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            total_params=per_rank_params, num_gpus_per_node=dp_per_node, num_nodes=nodes,
+            cpu_offload=offload_optimizer)
+        fn = "estimate_zero2_model_states_mem_needs"
+    return {"gpu_bytes": int(gpu), "cpu_bytes": int(cpu), "function": fn}
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
