@@ -80,9 +80,12 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, hw: 
             f"{'off' if lay.checkpointing else 'on'} would make activations {_gib(other)}")
     if not B.fits(pl, hw):
         big = max(mem, key=mem.get)
+        with_ckpt = pl.total - pl.memory["activations"] + other
         rep.errors.append(f"memory: {_gib(pl.total)} per GPU does not fit {hw.mem_gib:g} GiB (--gpu-mem-gb): "
                           + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items())
                           + f"; the largest part is {big}" + (
+                              f"; turn on model.gradient_checkpointing ({_gib(with_ckpt)})"
+                              if not lay.checkpointing and with_ckpt <= hw.mem_gib * GiB else
                               "; turn on model.gradient_checkpointing" if "off" in big else
                               "; use loss.head: chunked" if big.startswith("head (logits") and tp == 1 else
                               "; offload, more GPUs or a smaller micro-batch"))
