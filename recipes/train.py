@@ -48,6 +48,7 @@ from .training.engine import Engine
 from .training.parallel import reduce_sum
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
+from .training.throughput import StepMeter
 
 
 def batches(dataset: ShardDataset):
@@ -101,6 +102,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
         print(f"[numloss] engine {engine.name}, optimizer {engine.optimizer_name}, layout {engine.layout}", flush=True)
     metrics = MetricsLog(recipe, out, runtime, step)
     progress = progress_bar(recipe, runtime, step)
+    meter = StepMeter(recipe, engine, runtime)  # TFLOP/s, MFU, time split, peak memory (training/throughput.py)
     stream = batches(dataset)
     last: dict = {}
     try:
@@ -112,15 +114,17 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 inputs, batch_tokens = model_inputs(next(stream), **engine.batch_options)
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
+            meter.data_read(started)
             sums = engine.train_step(window)
             step += 1
-            sums["tokens"] = tokens
-            row = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
+            sums["tokens"], sums["model_flops"] = tokens, meter.flops(tokens, window)
+            reduced = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
-            row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
-                   "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
+            row = {"step": step, **{k: v for k, v in reduced.items() if k not in ("tokens", "model_flops")},
+                   "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
+                   **meter.row(reduced, elapsed)}
             if step % recipe.train.log_every == 0 or step == recipe.train.steps:
-                metrics.log(row)
+                metrics.log({**row, **meter.peak_memory()})
             if hooks.on_log is not None:
                 hooks.on_log(row)
             last = row if runtime.is_main else {}
@@ -129,6 +133,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
                 _save(dirs, engine, step, dataset, hooks)
+        meter.summary(out)
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
