@@ -18,14 +18,15 @@ What is checked, in order:
    are extra; with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
    `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
    offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
-   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.planning.budget):
-   activations (with or without gradient checkpointing), the head (logits or chunked, with its
-   buffers); a total above `--gpu-mem-gb` (80) is an error naming the largest part. Also reported:
-   host RAM per node at load and at export (an error above `cluster.host_mem_gb` when given), the
-   checkpoints' size on disk x keep_last, and the communication per GPU per step against its compute
-   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer), and a step time and MFU.
-   `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead: memory by pipeline
-   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU (`--nvlink-gbps`).
+   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Then the plan
+   (recipes.planning.budget, printed by recipes.planning.deepspeed_report; shared arithmetic in
+   recipes.planning.step_model): memory by part (model states, hpZ copy, buffers, activations, head; a
+   total above `--gpu-mem-gb` / cluster.gpu_mem_gb (80) is an error naming the part), host RAM per node at
+   load and at export (an error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the
+   bytes each GPU moves per step by collective over the network and NVLink, step time, MFU, the limiting
+   part and the changes that shorten it. Rows: --seq-len, data.seq_len, the data's manifest, or 1024
+   assumed (stated). `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead:
+   memory by pipeline stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU.
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
