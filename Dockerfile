@@ -14,10 +14,14 @@ FROM ${BASE_IMAGE}
 ARG DEEPSPEED_VERSION=0.19.8
 ARG RAY_VERSION=2.60.0
 ARG FLASH_ATTN_VERSION=2.8.3
-# GPUs to build DeepSpeed's and flash-attn's kernels for (A100, H100/H200). There is no GPU during
-# `docker build`, so the architectures cannot be detected and must be given.
-ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
+# GPUs to build DeepSpeed's kernels for: A100 (8.0), H100/H200/GH200 (9.0), B200/GB200 (10.0; CUDA 12.8 or
+# newer, which NGC 25.11's CUDA 13 is). There is no GPU during `docker build`, so the architectures cannot
+# be detected and must be given; the build checks that the base image's torch was compiled for them.
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0"
 ARG MAX_JOBS=8
+# 1: compile flash-attn from source when the base image has none (hours on a build machine); default 0:
+# such a base image fails the build at once, saying so.
+ARG BUILD_FLASH_ATTN=0
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -47,11 +51,19 @@ assert any(p.lower().startswith('torch==') for p in pins), 'no torch in the base
 open('/opt/numloss/constraints.txt', 'w').write(''.join(p + chr(10) for p in pins))" \
  && cat /opt/numloss/constraints.txt
 
-# flash-attn: the NGC image already has a build matching its torch (frozen above); build one only if a
-# base image without it is used. --no-build-isolation builds against the installed torch instead of a
-# PyPI torch in an isolated build environment.
+# The base image's torch must have kernels for every architecture above (else DeepSpeed's ops and the
+# model's own kernels would not run on those GPUs).
+RUN python -c "import torch; flags = torch._C._cuda_getArchFlags() if hasattr(torch._C, '_cuda_getArchFlags') else ''; \
+want = ['sm_' + a.replace('.', '') for a in '${TORCH_CUDA_ARCH_LIST}'.split(';')]; \
+missing = [w for w in want if flags and w not in flags.split()]; print('torch CUDA archs:', flags); \
+assert not missing, f'the base image torch has no kernels for {missing}: another BASE_IMAGE or TORCH_CUDA_ARCH_LIST'"
+
+# flash-attn: the NGC image already has a build matching its torch (frozen above). A base image without it
+# fails here unless BUILD_FLASH_ATTN=1 asks for a source build (hours: flash-attn publishes no wheel for
+# NGC's torch); --no-build-isolation builds against the installed torch.
 RUN python -c "import flash_attn" 2>/dev/null \
- || MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+ || { [ "${BUILD_FLASH_ATTN}" = 1 ] && MAX_JOBS=${MAX_JOBS} pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"; } \
+ || { echo "the base image has no flash-attn: use an NGC PyTorch image (it has one), or build with --build-arg BUILD_FLASH_ATTN=1 (compiles it: hours)" >&2; exit 1; }
 
 # DeepSpeed with FusedAdam (GPU) and CPUAdam (ZeRO-Offload) compiled now, so a job does not spend its
 # first minute compiling them with gcc/nvcc on every node. DS_ACCELERATOR=cuda because there is no GPU

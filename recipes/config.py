@@ -105,6 +105,11 @@ class DeepSpeedSection:
     offload_optimizer: bool = False
     offload_params: bool = False
     tp_size: int = 1  # AutoTP; > 1 shards the lm_head along the vocabulary (vocab_parallel_lm_head)
+    # dtype of the gradient reduce-scatter under bf16: fp32 (the default for loss comparisons: the sum of
+    # many ranks' gradients is not rounded to bf16's 8-bit mantissa, so a recipe's loss curve does not
+    # depend on its layout through that rounding) | bf16 (half the gradient traffic; the rounding then
+    # differs with the data-parallel size: compare losses only between runs with the same setting)
+    reduce_dtype: str = "fp32"
     overrides: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config
 
 
@@ -180,6 +185,14 @@ class ClusterSection:
     hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub
     nccl_debug: str = "WARN"  # NCCL_DEBUG for the job (INFO when debugging a hang)
     nccl_socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, e.g. "ib0" or "^lo,docker"; None: NCCL picks
+    # the hardware recipes.planning.step_model assumes (None: validate's flags / defaults: 400 TFLOP/s
+    # achieved and 989 peak per GPU, one 400 Gb/s NIC per GPU, 2880 Gb/s NVLink per GPU, 80 GiB)
+    gpu_tflops: float | None = None
+    gpu_peak_tflops: float | None = None
+    nic_gbps: float | None = None
+    nics_per_node: int | None = None
+    nvlink_gbps: float | None = None
+    gpu_mem_gb: float | None = None
 
     def ranks_per_node(self) -> int:
         """Training processes per node: one per GPU, or `cpu_ranks_per_node` on CPU."""
@@ -210,6 +223,7 @@ class Recipe:
             "train.engine": (self.train.engine, ("deepspeed", "megatron")),
             "data.verify": (self.data.verify, ("size", "full", "none")),
             "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
+            "deepspeed.reduce_dtype": (self.deepspeed.reduce_dtype, ("fp32", "bf16")),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:

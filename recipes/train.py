@@ -58,6 +58,7 @@ from .training.preemption import Preempted, PreemptionWatch
 from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
+from .training.throughput import StepMeter
 
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
@@ -140,6 +141,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
         print(f"[numloss] engine {engine.name}, optimizer {engine.optimizer_name}, layout {engine.layout}", flush=True)
     metrics = MetricsLog(recipe, out, runtime, step)
     progress = progress_bar(recipe, runtime, step)
+    meter = StepMeter(recipe, engine, runtime)  # TFLOP/s, MFU, time split, peak memory (training/throughput.py)
     stream = batches(dataset)
     last: dict = {}
     zero_grad = ZeroGradWatch()
@@ -152,18 +154,20 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 inputs, batch_tokens = model_inputs(next(stream), **engine.batch_options)
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
+            meter.data_read(started)
             sums = engine.train_step(window)
             step += 1
-            sums["tokens"] = tokens
-            row = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
+            sums["tokens"], sums["model_flops"] = tokens, meter.flops(tokens, window)
+            reduced = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
-            row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
-                   "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
+            row = {"step": step, **{k: v for k, v in reduced.items() if k not in ("tokens", "model_flops")},
+                   "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
+                   **meter.row(reduced, elapsed)}
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.training.health, recipes.training.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
             if step % recipe.train.log_every == 0 or step == recipe.train.steps or nonfinite:
-                metrics.log(row)
+                metrics.log({**row, **meter.peak_memory()})
             if nonfinite:
                 raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())
             warning = zero_grad.update(step, row["grad_norm"])
@@ -181,6 +185,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 if dirs.latest_tag() != step_tag(step):
                     _save(dirs, engine, step, dataset, hooks)
                 raise Preempted(step, dirs.root / step_tag(step), preemption.reason or "asked on another rank")
+        meter.summary(out)
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:

@@ -110,6 +110,16 @@ def test_dockerfile_keeps_the_base_images_torch():
     assert lines.index(constraint_run) < min(i for i, l in enumerate(lines) if "pip install" in l)
 
 
+def test_dockerfile_builds_for_the_gpus_it_claims_and_never_compiles_flash_attn_unasked():
+    text = read("Dockerfile")
+    archs = re.search(r'^ARG TORCH_CUDA_ARCH_LIST="([^"]+)"', text, re.M).group(1).split(";")
+    assert {"8.0", "9.0", "10.0"} <= set(archs)  # A100, H100/H200, B200
+    assert re.search(r"^ARG BUILD_FLASH_ATTN=0$", text, re.M)
+    install = [line for line in text.splitlines() if "pip install" in line and "flash-attn" in line]
+    assert install and all('[ "${BUILD_FLASH_ATTN}" = 1 ] &&' in line for line in install), install
+    assert "exit 1" in text.split("import flash_attn", 1)[1].split("\n\n", 1)[0]
+
+
 def test_dockerignore_keeps_the_venv_out_of_the_context():
     ignored = {l.strip() for l in read(".dockerignore").splitlines() if l.strip() and not l.startswith("#")}
     assert {".venv", ".git", "outputs"} <= ignored

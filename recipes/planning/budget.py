@@ -1,46 +1,61 @@
-"""What a recipe costs per GPU and per node beyond model states: activations, the head, host RAM at load
-and export, checkpoints on disk, and the communication of one optimizer step against its compute.
-Used by `recipes.planning.validate`; every number is an estimate from the model's shape, stated with its formula.
+"""The DeepSpeed engine's plan: memory per GPU, the bytes each GPU moves per optimizer step by ZeRO stage,
+hpZ and reduction dtype, split inside / across nodes, compute, step time and MFU (the shared arithmetic is
+recipes.planning.step_model's). Used by recipes.planning.validate (recipes.planning.deepspeed_report
+prints it) and by the run log's summary; every number is an estimate from the model's shape.
 
 Shapes: L layers, hidden h, intermediate I, a attention heads of size d, k KV heads, vocabulary V,
-tensor-parallel size t, T tokens per micro-batch (micro_batch_size x sequence length), e bytes per
-activation (2 in bf16, 4 in fp32), P parameters.
+tensor-parallel size t, D data-parallel ranks, G = train.grad_accum micro-batches per step, T tokens per
+micro-batch, e bytes per weight / activation (2 in bf16, 4 in fp32), r bytes per reduced gradient
+(deepspeed.reduce_dtype: 4 fp32, 2 bf16), P parameters.
 
-- Activations saved for the backward of one decoder layer (per token, elements): the residual stream
-  and its norm twice (4h), q/k/v before and after RoPE plus the attention output (3ad + 3kd, split t
-  ways), the MLP's gate, up, activation and product (4I, split t ways); eager attention adds the
-  a x seq attention probabilities twice. Without gradient checkpointing all L layers are held; with it,
-  each layer's input (h per token) plus one layer recomputed during the backward.
-- The head: logits path: [T, V/t] logits in the model dtype, their fp32 copy for the loss, its
-  gradient and the logits' gradient, (2e + 8) bytes per entry; chunked (one vocabulary chunk at a time,
-  numloss.chunked_head): a chunk of min(chunk_size, T/8) tokens' worth of the V/t logits, in the model
-  dtype and fp32 (e + 4 bytes per entry; 4 in fp32), plus d hidden's fp32 accumulator and one product
-  in the model dtype, T x h x (4 + e).
-- Host RAM per node: at load, ZeRO 0-2 with AutoTP materialise the whole model per rank (ranks/node
-  x P x e); otherwise each rank streams it a checkpoint shard (~5 GB) at a time (ZeRO-3 partitioned,
-  ZeRO 0-2 at TP 1 straight onto its GPU, recipes.engines.deepspeed.model.load_placement). At export (recipes.engines.deepspeed.export) each rank holds
-  its share, P x e / world + the largest module.
-- Checkpoint on disk: DeepSpeed saves the model-dtype weights, fp32 master weights (bf16 only) and
-  Adam's two fp32 moments: (e + 4 [bf16] + 8) x P bytes, times train.keep_last, plus the export (P x e).
-  LoRA: the trainable adapter's A parameters in place of P (the frozen base is not saved), and the
-  export is the adapter (A x e) plus, with `model.lora.export_merged`, the merged model (P x e).
-- Communication per GPU per optimizer step (ring collectives move (n-1)/n of the data per rank; G
-  micro-batches per step; gradients reduced in fp32 under bf16, see recipes.engines.deepspeed.config):
-  ZeRO-3: every micro-batch gathers the parameters in the forward and again in the backward
-  (P/t x e each) and reduce-scatters the gradients (P/t x 4); with hpZ (zero_hpz_partition_size) the
-  backward gather stays inside the node. ZeRO 1-2: a gradient reduce-scatter per micro-batch and one
-  parameter all-gather per step. ZeRO-0: one gradient all-reduce per step (2 x P/t x 4).
-  TP: 4 all-reduces of [T, h] per layer per micro-batch, inside the node.
-  Compute: 6 x P/t x T FLOPs per micro-batch (8 with gradient checkpointing: the forward runs twice).
-  LoRA: gradients (and the ZeRO 0-2 parameter gather) are the adapter's only; ZeRO-3 still gathers the
-  frozen base every micro-batch; compute 4 x P/t x T (no weight gradients of the base; 6 with checkpointing).
+Memory per GPU:
+- Model states: ZeRO-3: P/(t D) x (e weights + 4 fp32 gradient partition + 12 fp32 master weights and
+  Adam moments) + the largest module gathered with its gradient (2 e x its parameters / t): at bf16
+  DeepSpeed's own estimator (`estimate_zero3_model_states_mem_needs`, tests check it at every shipped
+  recipe). ZeRO 1-2: 2 e P/t (weights and their gradients) + 16 P/(t D); ZeRO-0: (2 e + 16) P/t.
+- hpZ (`zero_hpz_partition_size` z): the secondary copy of the weights sharded over the node, e P/(t z)
+  (Llama-3-70B, z 8: 16.4 GiB), kept from the step's first gather until the optimizer step.
+- Buffers: the ZeRO-3 prefetch bucket (e x its elements), the gradient reduce bucket (bf16 gradients and
+  their r-byte copy for the reduction), step_model.FIXED_BUFFER_GIB.
+- Activations one decoder layer saves for backward, per token, bytes (transformers' Llama/Qwen2 code,
+  flash or SDPA attention): each RMSNorm its input in fp32 (4h), the normalised input and its product
+  with the weight (2 e h): 2 (4 + 2e) h; q and k after RoPE, v, the attention output e (2ad + 2kd)/t and
+  the kernel's fp32 log-sum-exp 4a/t (GQA: k and v keep their k heads); SwiGLU's gate, silu(gate), up and
+  their product 4 e I/t. Eager attention adds k and v repeated to a heads and the a x s probabilities in
+  fp32 and e. Without gradient checkpointing all L layers; with it each layer's input (e h) and one layer
+  recomputed at a time. Rows are the longest the data has (step_model.row_tokens: peak).
+- The head (final norm, then the logits or the chunked head): logits [T, V/t] in e, their fp32 copy, its
+  gradient and the logits' gradient, (2e + 8) bytes each; chunked (numloss.chunked_head): one vocabulary
+  chunk of min(chunk_size, T/8) tokens' logits in e and fp32, d hidden's fp32 accumulator and a product.
+Checkpoint on disk: ZeRO-3 saves fp32 master weights and Adam's two moments, 12 bytes per parameter (its
+module file holds no weights); ZeRO 0-2 add the e-byte module: (e + 12) P. LoRA: the adapter's only.
+
+Bytes each GPU sends per optimizer step (step_model.ring_bytes; where they go: step_model's docstring):
+- ZeRO-3 without hpZ: the parameters all-gathered in every micro-batch's forward and backward (2G x e P/t
+  over the D ranks); with hpZ (DeepSpeed 0.19.8, partition_parameters.py and stage3.py `_post_step`):
+  the step's first forward gathers over all D ranks, re-partitions into the node's secondary copy, and
+  every later gather of the step (2G - 1) uses it, inside the node. Gradients: a reduce-scatter per
+  micro-batch (G x r P/t over D; hpZ does not change it). Gradient accumulation therefore adds traffic.
+- ZeRO-2: a reduce-scatter per micro-batch, ZeRO-1 one per step; both one parameter all-gather per step.
+  ZeRO-0: one all-reduce per step.
+- AutoTP: 4 all-reduces of [T, h] per layer per micro-batch (6 under gradient checkpointing: the forward
+  runs again), inside the node. DP groups are then t ranks apart: one rank per node at t = 8, so every hop
+  of the data-parallel ring crosses the network.
+- Left out: the step's small collectives (counts, logged sums, the gradient norm), parameters below the
+  persistence threshold (10 h elements), and what `stage3_max_reuse_distance` (1e9 elements) keeps
+  gathered between the end of the forward and the backward (about one layer). Counted against a real
+  gloo run without prefetching (tests/recipes/test_traffic_gloo.py: equal within 1 %); with prefetching
+  DeepSpeed gathered fewer in-node bytes than counted here on a tiny model, so those are an upper bound.
+Time: compute (recompute included) and the collectives overlap (overlap_comm, prefetch): step =
+max(compute, sum of collective times); the optimizer step itself is left out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-GiB = 2**30
+from recipes.planning import step_model as sm
+from recipes.planning.step_model import GiB, Collective, Hardware, layer_matmul_params, matmul_params
 
 
 @dataclass
@@ -62,160 +77,243 @@ class Shape:
                    getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size)
 
 
-def layer_activation_elements(s: Shape, tokens: int, tp: int, seq: int, eager: bool) -> float:
-    """Elements one decoder layer saves for its backward (see the module docstring)."""
-    per_token = 4 * s.hidden + (3 * s.heads * s.head_dim + 3 * s.kv_heads * s.head_dim + 4 * s.intermediate) / tp
-    out = per_token * tokens
+# ---- memory ----------------------------------------------------------------------------------------------
+
+
+def layer_activation_bytes(s: Shape, tokens: float, tp: int, seq: int, e: int, eager: bool = False) -> float:
+    """Bytes one decoder layer saves for its backward (module docstring)."""
+    per_token = 2 * (4 + 2 * e) * s.hidden
+    per_token += (e * (2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate) + 4 * s.heads) / tp
     if eager:
-        out += 2 * (s.heads / tp) * seq * tokens  # attention probabilities and their dropout/softmax copy
-    return out
+        per_token += (e * 2 * (s.heads - s.kv_heads) * s.head_dim + (4 + e) * s.heads * seq) / tp
+    return per_token * tokens
 
 
-def activation_bytes(s: Shape, tokens: int, tp: int, seq: int, act_bytes: int, checkpointing: bool,
+def activation_bytes(s: Shape, tokens: float, tp: int, seq: int, e: int, checkpointing: bool,
                      eager: bool = False) -> float:
-    layer = layer_activation_elements(s, tokens, tp, seq, eager) * act_bytes
+    layer = layer_activation_bytes(s, tokens, tp, seq, e, eager)
     if not checkpointing:
         return s.layers * layer
-    return s.layers * s.hidden * tokens * act_bytes + layer
+    return s.layers * s.hidden * tokens * e + layer
 
 
-def head_bytes(s: Shape, tokens: int, tp: int, act_bytes: int, chunked: bool, chunk_size: int) -> float:
+def head_bytes(s: Shape, tokens: float, tp: int, act_bytes: int, chunked: bool, chunk_size: int) -> float:
     if chunked:
-        chunk_tokens = min(chunk_size, -(-tokens // 8))  # at least 8 vocab chunks: numloss.chunked_head.MIN_CHUNKS
+        chunk_tokens = min(chunk_size, -(-int(tokens) // 8))  # at least 8 vocab chunks: numloss.chunked_head.MIN_CHUNKS
         per_entry = act_bytes + 4 if act_bytes < 4 else 4
         return chunk_tokens * (s.vocab / tp) * per_entry + tokens * s.hidden * (4 + act_bytes)
     return tokens * (s.vocab / tp) * (2 * act_bytes + 8)
 
 
-def checkpoint_bytes(params: int, act_bytes: int) -> float:
-    return params * (act_bytes + (4 if act_bytes == 2 else 0) + 8)
+def zero_model_states(params: int, largest: int, zero_stage: int, dp: int, tp: int = 1, e: int = 2) -> float:
+    """Model-state bytes per GPU (module docstring): DeepSpeed's estimator's at bf16."""
+    p, dp = params / tp, max(1, dp)
+    if zero_stage == 3:
+        return p * (e + 4 + 12) / dp + 2 * e * largest / tp
+    if zero_stage in (1, 2):
+        return 2 * e * p + 16 * p / dp
+    return (2 * e + 16) * p
+
+
+def checkpoint_bytes(params: int, act_bytes: int, zero_stage: int = 3) -> float:
+    return params * (12 + (0 if zero_stage == 3 else act_bytes))
+
+
+# ---- traffic ---------------------------------------------------------------------------------------------
+
+
+def zero_collectives(params: int, *, zero_stage: int, tp: int, dp: int, ranks_per_node: int, hpz: int,
+                     grad_accum: int, e: int, reduce_bytes: int, trainable: int | None = None,
+                     shape: Shape | None = None, tokens: float = 0, checkpointing: bool = False) -> list[Collective]:
+    """Every collective one GPU takes part in per optimizer step (module docstring). `trainable`: the
+    parameters that get gradients when fewer than `params` (LoRA's adapter)."""
+    p = params / tp
+    g = p if trainable is None else trainable / tp
+    G = grad_accum
+    per_node = max(1, min(dp, ranks_per_node // tp))  # DP ranks of one group on a node
+    nodes = -(-dp // per_node)
+
+    def over_dp(name: str, kind: str, buffer: float, calls: int) -> Collective:
+        return Collective(name, calls * sm.ring_bytes(kind, buffer, dp), nodes, per_node, calls)
+
+    out = []
+    if zero_stage == 3:
+        if hpz > 1:
+            out.append(over_dp("parameter all-gather (the step's first forward)", "all_gather", p * e, 1))
+            out.append(Collective("parameter all-gathers (hpZ, inside the node)",
+                                  (2 * G - 1) * sm.ring_bytes("all_gather", p * e, hpz), 1, hpz, 2 * G - 1))
+        else:
+            out.append(over_dp("parameter all-gathers (forward and backward)", "all_gather", p * e, 2 * G))
+        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G))
+    elif zero_stage in (1, 2):
+        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G if zero_stage == 2 else 1))
+        out.append(over_dp("parameter all-gather (after the optimizer step)", "all_gather", g * e, 1))
+    else:
+        out.append(over_dp("gradient all-reduce", "all_reduce", g * reduce_bytes, 1))
+    if tp > 1 and shape is not None:
+        calls = G * shape.layers * (6 if checkpointing else 4)
+        out.append(Collective("TP all-reduces", calls * sm.ring_bytes("all_reduce", tokens * shape.hidden * e, tp),
+                              1, tp, calls))
+    return [c for c in out if c.ring > 0]
+
+
+# ---- the plan --------------------------------------------------------------------------------------------
 
 
 @dataclass
-class Comm:
-    inter_node_bytes: float  # per GPU per optimizer step, over the network
-    intra_node_bytes: float  # per GPU per optimizer step, inside the node (NVLink)
-    flops: float  # per GPU per optimizer step
+class DSLayout:
+    """What a DeepSpeed plan depends on besides the model (the recipe's settings, or a variant of them)."""
+
+    zero_stage: int = 3
+    tp: int = 1
+    nodes: int = 1
+    ranks_per_node: int = 8
+    hpz: int = 1
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    e: int = 2
+    reduce_bytes: int = 4
+    checkpointing: bool = False
+    chunked: bool = False
+    chunk_size: int = 1024
+    eager: bool = False
+    prefetch_bucket: int = 0  # elements
+    reduce_bucket: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.world // self.tp)
 
 
-def step_communication(params: int, s: Shape, *, zero_stage: int, tp: int, dp: int, nodes: int,
-                       hpz: int, grad_accum: int, tokens: int, act_bytes: int,
-                       checkpointing: bool, trainable: int | None = None) -> Comm:
-    """Bytes each GPU sends per optimizer step (see the module docstring), split by where they go.
-    `trainable`: the parameters that get gradients when fewer than `params` (LoRA's adapter)."""
-    p = params / tp
-    g = p if trainable is None else trainable / tp
-    ring = (dp - 1) / dp if dp > 1 else 0.0
-    grad_bytes = 4  # reduced in fp32 (recipes.engines.deepspeed.config)
-    inter = intra = 0.0
-    if zero_stage == 3:
-        gather = p * act_bytes * ring
-        forward, backward, reduce = gather, gather, g * grad_bytes * ring
-        if hpz > 1:
-            intra += grad_accum * backward
-            backward = 0.0
-        inter += grad_accum * (forward + backward + reduce)
-    elif zero_stage in (1, 2):
-        inter += grad_accum * g * grad_bytes * ring + g * act_bytes * ring
-    else:
-        inter += 2 * g * grad_bytes * ring
-    if nodes == 1:  # one node: nothing crosses the network
-        intra, inter = intra + inter, 0.0
-    if tp > 1:
-        intra += grad_accum * s.layers * 4 * tokens * s.hidden * act_bytes * 2 * (tp - 1) / tp
-    flops = ((8 if checkpointing else 6) - (0 if trainable is None else 2)) * p * tokens * grad_accum
-    return Comm(inter, intra, flops)
+@dataclass
+class DSPlan:
+    layout: DSLayout
+    memory: dict = field(default_factory=dict)  # part -> bytes per GPU
+    collectives: list = field(default_factory=list)
+    flops: float = 0.0  # per GPU per step, recompute included
+    model_flops: float = 0.0  # per GPU per step, no recompute
+    t_compute: float = 0.0
+    t_comm: float = 0.0
+    step_s: float = 0.0
+    mfu: float = 0.0
+    tokens: float = 0.0  # per step, all GPUs
+    limit: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def net_bytes(self) -> float:
+        return sum(c.net for c in self.collectives)
+
+    @property
+    def nvl_bytes(self) -> float:
+        return sum(c.nvl for c in self.collectives)
 
 
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / GiB:.1f} GiB"
+def deepspeed_plan(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.Rows, hw: Hardware, *,
+                   model_states: float | None = None, trainable: int | None = None) -> DSPlan:
+    """Memory, traffic, compute and step time of one GPU (module docstring). `model_states`: bytes to use
+    instead of zero_model_states (LoRA's estimate)."""
+    t, e = lay.tp, lay.e
+    pl = DSPlan(lay)
+    peak_T, mean_T = lay.micro_batch_size * rows.peak, lay.micro_batch_size * rows.mean
+    mem = pl.memory
+    mem["model states"] = model_states if model_states is not None else zero_model_states(
+        params, largest, lay.zero_stage, lay.dp, t, e)
+    if lay.zero_stage == 3 and lay.hpz > 1:
+        mem["hpZ copy"] = e * params / (t * lay.hpz)
+    mem["activations"] = activation_bytes(s, peak_T, t, rows.peak, e, lay.checkpointing, lay.eager)
+    mem["head"] = (4 + 2 * e) * s.hidden * peak_T + head_bytes(s, peak_T, t, e, lay.chunked, lay.chunk_size)
+    mem["buffers"] = (e * lay.prefetch_bucket * (lay.zero_stage == 3) + (e + lay.reduce_bytes) * lay.reduce_bucket
+                      + sm.FIXED_BUFFER_GIB * GiB)
+    pl.collectives = zero_collectives(params, zero_stage=lay.zero_stage, tp=t, dp=lay.dp,
+                                      ranks_per_node=lay.ranks_per_node, hpz=lay.hpz, grad_accum=lay.grad_accum, e=e,
+                                      reduce_bytes=lay.reduce_bytes, trainable=trainable, shape=s, tokens=mean_T,
+                                      checkpointing=lay.checkpointing)
+    n = matmul_params(s) / t
+    attn = sm.attention_flops_per_token(s, rows.mean) / t
+    backward = 4 if trainable is None else 2  # LoRA: no weight gradients of the frozen base
+    step_tokens = mean_T * lay.grad_accum
+    pl.model_flops = step_tokens * (n * (2 + backward) + attn)
+    pl.flops = pl.model_flops + step_tokens * lay.checkpointing * (2 * (n - s.vocab * s.hidden / t) + attn / 3)
+    pl.t_compute, pl.t_comm = hw.compute_s(pl.flops), sm.comm_time(pl.collectives, hw)
+    pl.step_s = max(pl.t_compute, pl.t_comm)
+    pl.mfu = sm.mfu(pl.model_flops * lay.world, pl.step_s, lay.world, hw)
+    pl.tokens = step_tokens * lay.dp
+    worst = sm.slowest(pl.collectives, hw)
+    pl.limit = "compute" if pl.t_compute >= pl.t_comm or worst is None else f"{worst.name} ({worst.bound(hw)})"
+    return pl
 
 
-def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, gpu_mem_gb: float,
-           seq_len: int | None, gpu_tflops: float, net_gbps: float, trainable: int | None = None) -> None:
-    """recipes.planning.validate's part: GPU memory beyond model states (`est`, DeepSpeed's model-state estimate),
-    host RAM, disk and communication, added to the report `rep` (recipes.planning.validate.Report), with an
-    error naming the part that does not fit (exit status 1). `trainable`: LoRA's adapter parameters."""
-    from recipes.engines.deepspeed.config import zero_comm_settings
+def fits(pl: DSPlan, hw: Hardware) -> bool:
+    return pl.total <= hw.mem_gib * GiB
 
-    m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
-    try:
-        shape = Shape.of(cfg)
-    except AttributeError as err:
-        rep.warnings.append(f"memory: no layer shapes in the model config ({err}); activations not estimated")
-        return
-    seq = seq_len or recipe.data.seq_len or 1024
-    seq_note = "" if (seq_len or recipe.data.seq_len) else " (data.seq_len unset: 1024 assumed, --seq-len)"
-    tokens = tr.micro_batch_size * seq
-    e = 2 if m.dtype == "bfloat16" else 4
-    tp = ds.tp_size
-    eager = m.attn_implementation == "eager"
-    chunked = recipe.loss.head == "chunked"
-    act = activation_bytes(shape, tokens, tp, seq, e, m.gradient_checkpointing, eager)
-    other = activation_bytes(shape, tokens, tp, seq, e, not m.gradient_checkpointing, eager)
-    head = head_bytes(shape, tokens, tp, e, chunked, recipe.loss.chunk_size)
-    parts = {"model states": est["gpu_bytes"],
-             f"activations (gradient checkpointing {'on' if m.gradient_checkpointing else 'off'})": act,
-             f"head ({'chunked' if chunked else 'logits'})": head}
-    gpu_total = sum(parts.values())
-    rep.numbers.update(activation_bytes=int(act), head_bytes=int(head), gpu_total_bytes=int(gpu_total))
-    rep.add("memory / GPU (all)", f"{_gib(gpu_total)} = " + " + ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-            + f"; {tr.micro_batch_size} x {seq} tokens per micro-batch{seq_note}; checkpointing "
-            f"{'off' if m.gradient_checkpointing else 'on'} would make activations {_gib(other)}")
-    if gpu_total > gpu_mem_gb * 2**30:
-        big = max(parts, key=parts.get)
-        rep.errors.append(f"memory: {_gib(gpu_total)} per GPU does not fit {gpu_mem_gb:g} GiB (--gpu-mem-gb): "
-                          + ", ".join(f"{k} {_gib(v)}" for k, v in parts.items())
-                          + f"; the largest part is {big}" + (
-                              "; turn on model.gradient_checkpointing" if "off" in big else
-                              "; use loss.head: chunked" if big.startswith("head (logits") and tp == 1 else
-                              "; offload, more GPUs or a smaller micro-batch"))
-    # host RAM per node, disk
-    ranks = cl.ranks_per_node()
-    world = cl.nodes * ranks
-    model_bytes = total * e
-    # ZeRO 0-2 under AutoTP: the whole model per rank (recipes.engines.deepspeed.model.load_placement); otherwise a
-    # checkpoint shard (~5 GB) at a time per rank
-    whole = ds.zero_stage < 3 and tp > 1
-    load = ranks * model_bytes if whole else ranks * min(model_bytes, 5 * 2**30)
-    merged = trainable is None or m.lora.export_merged  # a LoRA run without it exports the adapter alone
-    export = ranks * (model_bytes / world + largest * e) if merged else trainable * e
-    # DeepSpeed's CPU estimate is host memory the run keeps only under offload (optimizer/parameters on
-    # the CPU); without it, it is printed, not added
-    offload = ds.offload_optimizer or ds.offload_params
-    host = max(load, export) + (est["cpu_bytes"] if offload else 0)
-    rep.numbers.update(host_load_bytes=int(load), host_export_bytes=int(export))
-    rep.add("host RAM / node", f"load {_gib(load)} ({'whole model per rank' if whole else 'a shard at a time'}),"
-                               f" export {_gib(export)} (rank 0 alone {_gib(model_bytes / world + largest * e)}), "
-                               f"DeepSpeed CPU estimate {_gib(est['cpu_bytes'])}"
-                               f"{'' if offload else ' (counted under offload only)'}")
-    if cl.host_mem_gb and host > cl.host_mem_gb * 2**30:
-        rep.errors.append(f"cluster.host_mem_gb: {cl.host_mem_gb:g} GiB per node is less than the "
-                          f"{_gib(host)} the run needs at {'load' if load >= export else 'export'}"
-                          + (" (ZeRO 0-2 with AutoTP load the whole model on every rank: use ZeRO-3)" if whole
-                             else ""))
-    ckpt = checkpoint_bytes(total if trainable is None else trainable, e)
-    exported = model_bytes if trainable is None else trainable * e + (model_bytes if m.lora.export_merged else 0)
-    disk = ckpt * tr.keep_last + exported
-    rep.numbers["disk_bytes"] = int(disk)
-    rep.add("disk", f"{ckpt / 1e9:,.1f} GB per checkpoint x keep_last {tr.keep_last} + export "
-                    f"{exported / 1e9:,.1f} GB = {disk / 1e9:,.1f} GB in train.out_dir")
-    # communication vs compute
-    dp = max(1, world // tp)
-    hpz = zero_comm_settings(recipe, world).get("zero_hpz_partition_size", 1) if ds.zero_stage else 1
-    comm = step_communication(total, shape, zero_stage=ds.zero_stage, tp=tp, dp=dp, nodes=cl.nodes, hpz=hpz,
-                              grad_accum=tr.grad_accum, tokens=tokens, act_bytes=e,
-                              checkpointing=m.gradient_checkpointing, trainable=trainable)
-    t_comm = comm.inter_node_bytes / (net_gbps / 8 * 1e9)
-    t_compute = comm.flops / (gpu_tflops * 1e12)
-    ratio = t_comm / t_compute if t_compute else float("inf")
-    rep.numbers.update(comm_inter_node_bytes=int(comm.inter_node_bytes), comm_intra_node_bytes=int(comm.intra_node_bytes),
-                       step_flops=comm.flops, comm_compute_ratio=ratio)
-    rep.add("comm / GPU / step", f"{comm.inter_node_bytes / 1e9:,.1f} GB over the network + "
-                                 f"{comm.intra_node_bytes / 1e9:,.1f} GB inside the node"
-                                 f"{f' (hpZ {hpz})' if hpz > 1 else ''}; compute {comm.flops / 1e12:,.0f} TFLOP; "
-                                 f"at {net_gbps:g} Gb/s and {gpu_tflops:g} TFLOP/s: {t_comm:.1f} s network vs "
-                                 f"{t_compute:.1f} s compute (ratio {ratio:.2f})")
-    if ratio > 1:
-        rep.warnings.append(f"communication: the network time per step ({t_comm:.1f} s) exceeds the compute "
-                            f"({t_compute:.1f} s): larger micro-batches or grad_accum, TP inside the node, or hpZ")
+
+def advice(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.Rows, hw: Hardware, *,
+           allow_bf16: bool = True) -> list[tuple[str, DSPlan]]:
+    """Changes of the layout that the model says shorten the step (or cost fewer GPU-seconds) and fit,
+    each with its plan, fastest first."""
+    base = deepspeed_plan(s, params, largest, lay, rows, hw)
+    tries: list[tuple[str, DSLayout, Hardware]] = []
+    G = lay.grad_accum
+    if G > 1:
+        tries.append((f"one micro-batch per step: train.micro_batch_size={lay.micro_batch_size * G} "
+                      "train.grad_accum=1 (ZeRO reduce-scatters every micro-batch's gradients)",
+                      replace(lay, micro_batch_size=lay.micro_batch_size * G, grad_accum=1), hw))
+        if lay.checkpointing:
+            tries.append((f"one micro-batch per step without recompute: train.micro_batch_size="
+                          f"{lay.micro_batch_size * G} train.grad_accum=1 model.gradient_checkpointing=false",
+                          replace(lay, micro_batch_size=lay.micro_batch_size * G, grad_accum=1, checkpointing=False), hw))
+    if allow_bf16 and lay.reduce_bytes == 4 and lay.e == 2:
+        tries.append(("deepspeed.reduce_dtype=bf16 (half the gradient bytes; the loss then depends on the "
+                      "data-parallel size through bf16 rounding: keep fp32 for loss comparisons)",
+                      replace(lay, reduce_bytes=2), hw))
+    if lay.checkpointing:
+        tries.append(("model.gradient_checkpointing=false (no second forward)", replace(lay, checkpointing=False), hw))
+    per_node_dp = lay.ranks_per_node // lay.tp
+    if lay.zero_stage == 3 and lay.nodes > 1 and lay.hpz <= 1 and 1 < per_node_dp < lay.dp:
+        tries.append((f"hpZ: zero_hpz_partition_size={per_node_dp}", replace(lay, hpz=per_node_dp), hw))
+    if lay.tp > 1 and lay.nodes > 1:
+        gb = lay.micro_batch_size * G * lay.dp
+        dp1 = lay.world
+        if gb % dp1 == 0:
+            tries.append((f"deepspeed.tp_size=1 with hpZ (TP {lay.tp} leaves one rank per node in each data-parallel"
+                          f" ring: every hop crosses the network): {gb // dp1} row(s) per rank",
+                          replace(lay, tp=1, hpz=lay.ranks_per_node, micro_batch_size=gb // dp1, grad_accum=1), hw))
+    if lay.nodes > 1 and lay.nodes % 2 == 0:
+        big = replace(hw, mem_gib=max(hw.mem_gib, 141.0))
+        gb = lay.micro_batch_size * G * lay.dp
+        half = replace(lay, nodes=lay.nodes // 2)
+        if gb % half.dp == 0:
+            half = replace(half, micro_batch_size=gb // half.dp, grad_accum=1)
+            tries.append((f"fewer, larger GPUs: cluster.nodes={half.nodes} of 141 GiB GPUs (H200), "
+                          f"{half.micro_batch_size} row(s) per rank in one micro-batch", half, big))
+    out = []
+    for text, variant, vhw in tries:
+        pl = deepspeed_plan(s, params, largest, variant, rows, vhw)
+        if not fits(pl, vhw):  # checkpointing may make a variant fit
+            if variant.checkpointing or "checkpointing" in text:
+                continue
+            pl = deepspeed_plan(s, params, largest, replace(variant, checkpointing=True), rows, vhw)
+            if not fits(pl, vhw):
+                continue
+            text += " with model.gradient_checkpointing=true"
+        gpu_s, base_gpu_s = pl.step_s * pl.layout.world, base.step_s * lay.world
+        if pl.step_s < 0.97 * base.step_s or gpu_s < 0.97 * base_gpu_s:
+            out.append((text, pl))
+    return sorted(out, key=lambda x: x[1].step_s * x[1].layout.world)
+
+
+def layer_largest_matrix(s: Shape) -> int:
+    return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim)
+
+
+__all__ = ["Shape", "DSLayout", "DSPlan", "deepspeed_plan", "advice", "zero_collectives", "zero_model_states",
+           "activation_bytes", "layer_activation_bytes", "head_bytes", "checkpoint_bytes", "fits", "GiB",
+           "layer_matmul_params", "layer_largest_matrix"]

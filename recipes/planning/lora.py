@@ -47,7 +47,7 @@ def lora_memory_estimate(base_params: int, largest_params: int, adapter: int, *,
                          dp: int, ranks_per_node: int, weight_bytes: int, offload_optimizer: bool = False,
                          offload_params: bool = False) -> dict:
     """Model-state bytes per GPU and offloaded bytes per node (the module docstring's formulas), in
-    the form of `recipes.planning.model_size.zero_memory_estimate`."""
+    the form of `recipes.planning.backbones.zero_memory_estimate`."""
     dp = max(dp, 1)
     base = base_params * weight_bytes / (dp if zero_stage == 3 else 1)
     gathered = largest_params * weight_bytes if zero_stage == 3 else 0

@@ -79,9 +79,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape, head_bytes
-
-FIXED_BUFFER_GIB = 2.0  # CUDA context, NCCL communicators, cuBLAS / TE workspaces (a guess, not measured)
+from recipes.planning.step_model import (  # noqa: F401  (model_flops_per_token: re-exported)
+    FIXED_BUFFER_GIB, Hardware, layer_matmul_params, model_flops_per_token)
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by (the engine's padding)
 GRAD_BYTES = 4  # fp32 main grads, reduced in fp32 (the engine's grad_reduce_in_fp32=True)
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
@@ -131,11 +132,8 @@ def span(lay: Layout, group: list[int]) -> tuple[int, int]:
 
 
 def split_ring(lay: Layout, group: list[int], ring_bytes: float) -> tuple[float, float]:
-    """(network, NVLink) bytes of one GPU's `ring_bytes` in a collective over `group` (module docstring)."""
-    nodes, g = span(lay, group)
-    if nodes == 1:
-        return 0.0, ring_bytes
-    return ring_bytes / g, ring_bytes * (g - 1) / g
+    """(network, NVLink) bytes of one GPU's `ring_bytes` in a collective over `group` (step_model)."""
+    return sm.split_ring(ring_bytes, *span(lay, group))
 
 
 def layout_problems(shape: Shape, lay: Layout, grad_accum: int) -> list[str]:
@@ -160,12 +158,6 @@ def layout_problems(shape: Shape, lay: Layout, grad_accum: int) -> list[str]:
 
 def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
-
-
-def layer_matmul_params(s: Shape) -> int:
-    """One decoder layer's weight-matrix parameters (q, k, v, o, gate, up, down), all TP ranks."""
-    attn = s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim * s.hidden
-    return attn + 3 * s.hidden * s.intermediate
 
 
 def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False) -> float:
@@ -258,11 +250,6 @@ class Plan:
         return max(self.stages, key=lambda st: st.total)
 
 
-def model_flops_per_token(s: Shape, seq: int) -> float:
-    """6 N + 6 s a d L: N the layers' and the output layer's matmul parameters; causal attention."""
-    return 6 * (s.layers * layer_matmul_params(s) + s.vocab * s.hidden) + 6 * seq * s.heads * s.head_dim * s.layers
-
-
 def _where(lay: Layout, kind: str) -> str:
     size = {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp}[kind]
     if size == 1:
@@ -279,7 +266,10 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, seq: int, grad_accum: 
     """Memory, traffic and time of every pipeline stage of `lay` (module docstring)."""
     t, p, v, m = lay.tp, lay.pp, lay.vpp, grad_accum
     T = micro_batch_size * seq
-    net, nvl = net_gbps / 8 * 1e9, nvlink_gbps / 8 * 1e9
+    # net_gbps: each GPU's share of its node's NICs
+    hw = Hardware(gpu_tflops=gpu_tflops, peak_tflops=gpu_peak_tflops, nic_gbps=net_gbps, nvlink_gbps=nvlink_gbps,
+                  nics_per_node=lay.gpus_per_node, gpus_per_node=lay.gpus_per_node)
+    net, nvl = hw.net_gbps_per_gpu / 8 * 1e9, hw.nvlink_Bps
     seq_split = t if lay.sp else 1
     U = T * s.hidden * e
     ring_t = (t - 1) / t
@@ -341,7 +331,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, seq: int, grad_accum: 
         else:
             layers = layer_flops + attn_mb
         st.flops_mb = s.layers / p * layers + (6 * vp * T if r == p - 1 else 0)
-        st.t_compute = t_compute = st.flops_mb / (gpu_tflops * 1e12)
+        st.t_compute = t_compute = hw.compute_s(st.flops_mb)
         st.t_tp, st.t_p2p = per_mb / nvl, max(st.pp_inter / net, st.pp_intra / nvl) / m
         times = [max(a / net, b / nvl) for a, b in splits]
         rs, ag, rest = times[0], times[1], sum(times[2:])
@@ -355,7 +345,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, seq: int, grad_accum: 
     step = (m + (p - 1) / v) * slowest + max(st.t_dp_exposed for st in stages)
     tokens = T * m * lay.dp
     flops = model_flops_per_token(s, seq) * tokens
-    return Plan(lay, stages, bubble(p, m, v), step, flops, flops / (step * lay.world * gpu_peak_tflops * 1e12),
+    return Plan(lay, stages, bubble(p, m, v), step, flops, sm.mfu(flops, step, lay.world, hw),
                 tokens, _where(lay, "dp"), _where(lay, "pp"))
 
 
@@ -405,10 +395,10 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len: int | None, gpu_tflops: float,
-                    net_gbps: float, nvlink_gbps: float, gpu_peak_tflops: float) -> Plan | None:
+def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows) -> Plan | None:
     """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
-    the peak stage does not fit `gpu_mem_gb` or the layout does not divide the model."""
+    the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
+    longest rows, time at the mean (recipes.planning.step_model.row_tokens)."""
     mg, tr, m = recipe.megatron, recipe.train, recipe.model
     lay, _ = layout_of(recipe)  # its own errors are megatron_layout's (section 5)
     try:
@@ -420,7 +410,9 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
     rep.errors.extend(problems)
     if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
         return None
-    seq = seq_len or recipe.data.seq_len or 1024
+    seq = rows.peak
+    gpu_mem_gb, gpu_tflops, gpu_peak_tflops = hw.mem_gib, hw.gpu_tflops, hw.peak_tflops
+    net_gbps, nvlink_gbps = hw.net_gbps_per_gpu, hw.nvlink_gbps
     text = getattr(cfg, "text_config", None) or cfg
     tied = bool(getattr(text, "tie_word_embeddings", False))
     qkv_bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
@@ -430,22 +422,29 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
               chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
               gpu_tflops=gpu_tflops, net_gbps=net_gbps, nvlink_gbps=nvlink_gbps, gpu_peak_tflops=gpu_peak_tflops, e=e)
+    mean_seq = max(1, round(rows.mean))
+    tpl = pl if mean_seq == seq else plan(
+        shape, lay, micro_batch_size=tr.micro_batch_size, seq=mean_seq, grad_accum=tr.grad_accum, tied=tied,
+        recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
+        overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
+        chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
+        gpu_tflops=gpu_tflops, net_gbps=net_gbps, nvlink_gbps=nvlink_gbps, gpu_peak_tflops=gpu_peak_tflops, e=e)
     peak = pl.peak
     first, last = pl.stages[0], pl.stages[-1]
-    busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)
+    busiest = max(tpl.stages, key=lambda st: st.pp_inter + st.dp_inter)
     per_param = f"{2 + GRAD_BYTES} + 12/{lay.dp}" if mg.distributed_optimizer else "18"
     rep.numbers.update(gpu_mem_bytes=int(peak.memory["model states"]), gpu_total_bytes=int(peak.total),
                        activation_bytes=int(peak.memory["activations"]), head_bytes=int(last.memory["head"]),
                        first_stage_activation_bytes=int(first.memory["activations"]),
-                       peak_stage=peak.index, bubble=pl.bubble, step_time_s=pl.step_s, mfu=pl.mfu,
-                       step_flops=first.flops_mb * tr.grad_accum, model_flops=pl.model_flops,
+                       peak_stage=peak.index, bubble=tpl.bubble, step_time_s=tpl.step_s, mfu=tpl.mfu,
+                       step_flops=tpl.stages[0].flops_mb * tr.grad_accum, model_flops=tpl.model_flops,
                        comm_inter_node_bytes=int(busiest.pp_inter + busiest.dp_inter),
                        comm_intra_node_bytes=int(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra))
     rep.add("memory / GPU (all)", f"peak stage {peak.index} of {lay.pp}: {_gib(peak.total)} = "
             + " + ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
             + f"; model states {_gib(peak.memory['model states'])} = {peak.params / 1e9:.2f}B parameters x "
-            f"({per_param}) bytes; {tr.micro_batch_size} x {seq} tokens per micro-batch"
-            + ("" if seq_len or recipe.data.seq_len else " (data.seq_len unset: 1024 assumed, --seq-len)"))
+            f"({per_param}) bytes; {tr.micro_batch_size} x {seq} tokens per micro-batch at the longest rows")
+    rep.add("tokens per row", rows.note)
     if lay.pp > 1:
         rep.add("memory by stage", ", ".join(f"{st.index}: {_gib(st.total)}" for st in pl.stages)
                 + f" (first stage holds {layers_in_flight(lay, shape.layers, tr.grad_accum, 0):g} layer-micro-batches"
@@ -463,8 +462,9 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
             f"the network (PP {busiest.pp_inter / 1e9:,.2f} + DP {busiest.dp_inter / 1e9:,.2f}) + "
             f"{(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra) / 1e9:,.1f} GB over NVLink (TP"
             f"{' with SP' if lay.sp else ''} {busiest.tp_bytes / 1e9:,.1f} + PP {busiest.pp_intra / 1e9:,.2f} + DP "
-            f"{busiest.dp_intra / 1e9:,.2f}); DP group {pl.dp_ring}, PP group {pl.pp_ring}; rank order tp-dp-pp "
+            f"{busiest.dp_intra / 1e9:,.2f}); DP group {tpl.dp_ring}, PP group {tpl.pp_ring}; rank order tp-dp-pp "
             f"(megatron-core's default); grads reduced in fp32")
+    pl = tpl  # time at the mean rows
     slow = max(pl.stages, key=lambda st: st.t_mb)
     rep.add("step time", f"{pl.step_s:.2f} s = ({tr.grad_accum} + {(lay.pp - 1) / lay.vpp:g}) x "
             f"{slow.t_mb * 1e3:.1f} ms per micro-batch on stage {slow.index} (compute {slow.t_compute * 1e3:.1f} ms"
@@ -472,7 +472,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
             f"{max(st.t_dp_exposed for st in pl.stages) * 1e3:.1f} ms; {pl.tokens:,} tokens per step, "
             f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU; MFU {pl.mfu:.1%}")
     rep.add("assumptions", f"{gpu_tflops:g} TFLOP/s achieved per GPU (--gpu-tflops), {gpu_peak_tflops:g} peak "
-            f"(--gpu-peak-tflops), network {net_gbps:g} Gb/s per GPU (--net-gbps, one NIC each), NVLink "
+            f"(--gpu-peak-tflops), network {net_gbps:g} Gb/s per GPU ({hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs "
+            f"per node: --nics-per-node, --net-gbps), NVLink "
             f"{nvlink_gbps:g} Gb/s per GPU (--nvlink-gbps); TP not overlapped, p2p on the critical path, DP "
             f"overlapped with the last micro-batch's backward / the next first forward "
             f"(overlap_grad_reduce {mg.overlap_grad_reduce}, overlap_param_gather {mg.overlap_param_gather}); "
@@ -493,25 +494,3 @@ def report_megatron(rep, recipe, cfg, total: int, *, gpu_mem_gb: float, seq_len:
                               "; set megatron.recompute (selective, full) or megatron.sequence_parallel" if big ==
                               "activations" else "; more TP / PP, or megatron.distributed_optimizer"))
     return pl
-
-
-def deepspeed_step_time(rep, recipe, cfg, *, gpu_tflops: float, net_gbps: float, gpu_peak_tflops: float,
-                        seq_len: int | None) -> None:
-    """A step time and MFU for a DeepSpeed recipe from recipes.planning.budget's own numbers (compute and
-    network time per step), overlapped as ZeRO's overlap_comm intends: step = max(compute, network); MFU
-    with the model FLOPs of `model_flops_per_token`, as for Megatron recipes (side-by-side comparisons)."""
-    n = rep.numbers
-    if "step_flops" not in n:
-        return
-    shape = Shape.of(cfg)
-    seq = seq_len or recipe.data.seq_len or 1024
-    cl, tr = recipe.cluster, recipe.train
-    world = cl.nodes * cl.gpus_per_node
-    tokens = tr.micro_batch_size * seq * tr.grad_accum * world // recipe.deepspeed.tp_size
-    t_compute, t_net = n["step_flops"] / (gpu_tflops * 1e12), n["comm_inter_node_bytes"] / (net_gbps / 8 * 1e9)
-    step = max(t_compute, t_net)
-    mfu = model_flops_per_token(shape, seq) * tokens / (step * world * gpu_peak_tflops * 1e12)
-    n.update(step_time_s=step, mfu=mfu)
-    rep.add("step time", f"{step:.2f} s = max(compute {t_compute:.2f} s, network {t_net:.2f} s) (budget.py's numbers, "
-                         f"overlapped); {tokens:,} tokens per step, {tokens / step / world:,.0f} tokens/s/GPU; "
-                         f"MFU {mfu:.1%} at {gpu_peak_tflops:g} TFLOP/s peak (--gpu-peak-tflops)")

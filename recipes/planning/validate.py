@@ -11,21 +11,22 @@ What is checked, in order:
 1. Loading: `recipes.config.load_recipe` (strict types, choices, the objective's terms and options).
 2. The model config: `model.config` (random init) is built with AutoConfig.for_model; a local directory
    is read; a hub name is looked up in the local HF cache, then on the hub (unless --offline), then in
-   `KNOWN_BACKBONES` in `recipes.planning.model_size`, shipped offline fallback metadata for the papers' backbones.
+   `KNOWN_BACKBONES` in `recipes.planning.backbones`, shipped offline fallback metadata for the papers' backbones.
 3. Parameter count and the largest single module's parameters, from an empty-weight model
    (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
 4. DeepSpeed's estimate of model-state memory per GPU (params, grads, optimizer states; activations
    are extra; with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
    `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
    offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
-   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Added to it (recipes.planning.budget):
-   activations (with or without gradient checkpointing), the head (logits or chunked, with its
-   buffers); a total above `--gpu-mem-gb` (80) is an error naming the largest part. Also reported:
-   host RAM per node at load and at export (an error above `cluster.host_mem_gb` when given), the
-   checkpoints' size on disk x keep_last, and the communication per GPU per step against its compute
-   (`--net-gbps`, `--gpu-tflops`; a warning when the network takes longer), and a step time and MFU.
-   `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead: memory by pipeline
-   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU (`--nvlink-gbps`).
+   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Then the plan
+   (recipes.planning.budget, printed by recipes.planning.deepspeed_report; shared arithmetic in
+   recipes.planning.step_model): memory by part (model states, hpZ copy, buffers, activations, head; a
+   total above `--gpu-mem-gb` / cluster.gpu_mem_gb (80) is an error naming the part), host RAM per node at
+   load and at export (an error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the
+   bytes each GPU moves per step by collective over the network and NVLink, step time, MFU, the limiting
+   part and the changes that shorten it. Rows: --seq-len, data.seq_len, the data's manifest, or 1024
+   assumed (stated). `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead:
+   memory by pipeline stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU.
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model_size import KNOWN_BACKBONES, count_parameters, resolve_model_config, zero_memory_estimate
+from recipes.planning.backbones import KNOWN_BACKBONES, count_parameters, resolve_model_config, zero_memory_estimate
 
 # ---- report -------------------------------------------------------------------------------------------
 
@@ -144,10 +145,11 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
 
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
-                    offline: bool = False, gpu_mem_gb: float = 80.0, size: bool = True, seq_len: int | None = None,
-                    gpu_tflops: float = 400.0, net_gbps: float = 400.0, nvlink_gbps: float = 2880.0,
-                    gpu_peak_tflops: float = 989.0) -> Report:
-    """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`)."""
+                    offline: bool = False, gpu_mem_gb: float | None = None, size: bool = True,
+                    seq_len: int | None = None, mean_row_tokens: float | None = None, **hardware) -> Report:
+    """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`). `hardware`:
+    gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
+    cluster.* values, else recipes.planning.step_model.Hardware's defaults)."""
     from recipes.config import load_recipe
 
     rep = Report(str(path))
@@ -182,7 +184,12 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         except Exception as err:  # noqa: BLE001  (a config transformers cannot build)
             rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
             total = None
-        knobs = dict(gpu_tflops=gpu_tflops, net_gbps=net_gbps, gpu_peak_tflops=gpu_peak_tflops, seq_len=seq_len)
+        from recipes.planning.step_model import hardware as _hardware, row_tokens
+
+        hw = _hardware(recipe, gpu_tflops=hardware.get("gpu_tflops"), peak_tflops=hardware.get("gpu_peak_tflops"),
+                       nic_gbps=hardware.get("net_gbps"), nics_per_node=hardware.get("nics_per_node"),
+                       nvlink_gbps=hardware.get("nvlink_gbps"), mem_gib=gpu_mem_gb)
+        rows = row_tokens(recipe, seq_len, mean_row_tokens)
         adapter = None
         if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
             from recipes.planning.lora import report_lora
@@ -191,7 +198,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
             from recipes.planning.megatron_budget import report_megatron
 
-            report_megatron(rep, recipe, cfg, total, gpu_mem_gb=gpu_mem_gb, nvlink_gbps=nvlink_gbps, **knobs)
+            report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows)
         elif total is not None and cl.gpus_per_node > 0:
             from recipes.planning.lora import lora_memory_estimate
 
@@ -206,13 +213,9 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                     f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
                                     f"[{'deepspeed ' * (adapter is None)}{est['function']}, ZeRO-{ds.zero_stage}, offload "
                                     f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
-            from recipes.planning.budget import report_budget
+            from recipes.planning.deepspeed_report import report_budget
 
-            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, gpu_mem_gb=gpu_mem_gb, seq_len=seq_len,
-                          gpu_tflops=gpu_tflops, net_gbps=net_gbps)
-            from recipes.planning.megatron_budget import deepspeed_step_time
-
-            deepspeed_step_time(rep, recipe, cfg, **knobs)
+            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, hw=hw, rows=rows)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
@@ -320,19 +323,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value (YAML value)")
     p.add_argument("--strict", action="store_true", help="missing data is an error, not a warning")
     p.add_argument("--offline", action="store_true", help="never contact the hub (cache, then the fallback table)")
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="GPU memory to compare the estimate with")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per row for the activation estimate "
-                                                                  "(default: data.seq_len, else 1024)")
-    p.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved TFLOP/s per GPU (400: ~40%% of an H100)")
-    p.add_argument("--net-gbps", type=float, default=400.0, help="inter-node Gb/s per GPU (400: one NDR port each)")
-    p.add_argument("--nvlink-gbps", type=float, default=2880.0, help="NVLink Gb/s per GPU (2880 = 360 GB/s, NCCL's "
-                   "bus bandwidth on 8 x H100 SXM; Megatron recipes)")
-    p.add_argument("--gpu-peak-tflops", type=float, default=989.0, help="peak TFLOP/s per GPU for MFU (989: H100 bf16)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in GiB (cluster.gpu_mem_gb, else 80)")
+    p.add_argument("--seq-len", type=int, default=None, help="rows of this many tokens (default: data.seq_len, else "
+                   "the data's manifest, else 1024 assumed)")
+    p.add_argument("--mean-row-tokens", type=float, default=None, help="mean tokens per row for compute and traffic")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="achieved TFLOP/s per GPU (cluster.gpu_tflops, "
+                   "else 400: ~40%% of an H100)")
+    p.add_argument("--net-gbps", type=float, default=None, help="Gb/s of one NIC (cluster.nic_gbps, else 400: NDR)")
+    p.add_argument("--nics-per-node", type=int, default=None, help="NICs per node (cluster.nics_per_node, else one "
+                   "per GPU)")
+    p.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink Gb/s per GPU (cluster.nvlink_gbps, else "
+                   "2880 = 360 GB/s, NCCL's bus bandwidth on 8 x H100 SXM)")
+    p.add_argument("--gpu-peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU for MFU "
+                   "(cluster.gpu_peak_tflops, else 989: H100 bf16 dense)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
-                          seq_len=a.seq_len, gpu_tflops=a.gpu_tflops, net_gbps=a.net_gbps,
-                          nvlink_gbps=a.nvlink_gbps, gpu_peak_tflops=a.gpu_peak_tflops)
+                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, gpu_tflops=a.gpu_tflops,
+                          net_gbps=a.net_gbps, nics_per_node=a.nics_per_node, nvlink_gbps=a.nvlink_gbps,
+                          gpu_peak_tflops=a.gpu_peak_tflops)
     if a.json:
         print(json.dumps({"recipe": rep.recipe, "ok": rep.ok, "errors": rep.errors, "warnings": rep.warnings,
                           "info": dict(rep.info), "numbers": rep.numbers}, indent=1))

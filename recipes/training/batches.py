@@ -8,7 +8,8 @@
   - eager: the same as an additive mask in the model's dtype (0 or the dtype's minimum);
   - flash-attention: no mask can be passed, so the batch is flattened to one row [1, B*T] with the
     position ids alone; transformers then runs variable-length attention, one sequence per restart
-    of the positions (its DataCollatorWithFlattening convention). Exact: every row starts at
+    of the positions (its DataCollatorWithFlattening convention), with the sequences' boundaries
+    precomputed (`cu_seq_lens_q/k`, `max_length_q/k`: `flash_varlen_kwargs`). Exact: every row starts at
     position 0, and data_prep gives the first token of each example label -100, so no loss crosses
     an example or a row.
   Padding (segment 0) attends to itself only, so its softmax row stays finite; its labels are -100.
@@ -49,6 +50,18 @@ def packed_attention_mask(segment_ids: torch.Tensor, dtype: torch.dtype | None =
         ~allowed, torch.finfo(dtype).min)
 
 
+def flash_varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """transformers' flash-attention keyword arguments for the flattened packed row, computed here (on the
+    host, before the batch moves to the GPU) as transformers would from the positions
+    (`prepare_fa_kwargs_from_position_ids`: a sequence starts at every position 0), so it does not derive
+    them again in every layer, each time with a device synchronisation (`max_length` as a Python int)."""
+    flat = position_ids.reshape(-1)
+    cu = torch.cat([(flat == flat.min()).nonzero().view(-1), torch.tensor([flat.numel()], device=flat.device)])
+    cu = cu.to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def model_inputs(batch: dict[str, Any], *, processor=None, attn_implementation: str = "sdpa",
                  dtype: torch.dtype = torch.float32, pad_to_multiple_of: int = 1,
                  max_length: int | None = None) -> tuple[dict[str, Any], int]:
@@ -70,7 +83,8 @@ def model_inputs(batch: dict[str, Any], *, processor=None, attn_implementation: 
         rows = torch.arange(segments.shape[0], device=segments.device)[:, None] * (int(segments.max()) + 1)
         return {"input_ids": batch["input_ids"].reshape(1, -1), "labels": batch["labels"].reshape(1, -1),
                 "position_ids": batch["position_ids"].reshape(1, -1), "attention_mask": None,
-                "sequence_ids": (segments + rows).reshape(1, -1)}, tokens
+                "sequence_ids": (segments + rows).reshape(1, -1),
+                **flash_varlen_kwargs(batch["position_ids"])}, tokens
     if attn_implementation not in ("sdpa", "eager"):
         raise ValueError(f"packed shards need attention that takes a 4-D mask (sdpa, eager) or "
                          f"flash-attention; the model uses {attn_implementation!r}")

@@ -69,6 +69,8 @@ exit 2
 HOSTNAME = r'''#!/bin/sh
 if [ "$1" = --ip-address ] || [ "$1" = -i ]; then
   echo "${FAKE_HEAD_IP:-127.0.0.1}"
+elif [ "$1" = -I ] || [ "$1" = --all-ip-addresses ]; then
+  echo "${FAKE_HEAD_IPS:-${FAKE_HEAD_IP:-127.0.0.1}} "
 else
   echo fake-node
 fi
@@ -85,7 +87,8 @@ def private_tmp_available() -> bool:
 
 
 def install(bin_dir: Path) -> Path:
-    """Write `srun`, `scontrol` and `hostname` (prints $FAKE_HEAD_IP for --ip-address) into bin_dir (put it
+    """Write `srun`, `scontrol` and `hostname` (prints $FAKE_HEAD_IP for --ip-address, $FAKE_HEAD_IPS or else
+    $FAKE_HEAD_IP for -I, as `hostname -I` does: space-separated, a trailing space) into bin_dir (put it
     first on PATH). With FAKE_SRUN_DRY=1, srun only logs its steps (and runs `hostname`)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL),

@@ -137,6 +137,33 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+@pytest.mark.parametrize("mode", ["ray", "torchrun"])
+@pytest.mark.parametrize("ips, nodes, expected", [
+    ("127.0.1.1 fe80::1c 10.1.2.3 fd00::7", 2, "10.1.2.3"),   # Debian's 127.0.1.1 first, link-local, IPv6
+    ("127.0.1.1 fd00::7", 2, "fd00::7"),                        # no IPv4 but loopback: the IPv6 address
+    ("127.0.1.1", 2, None),                                     # nothing the other nodes could reach: refused
+    ("127.0.0.1", 1, "127.0.0.1"),                              # one node: loopback is fine
+])
+def test_the_head_address_is_the_first_routable_one(recipe, tmp_path, mode, ips, nodes, expected):
+    """The rendezvous / Ray head address from `hostname -I` on the head node, under the fake srun."""
+    from . import fake_slurm
+
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(recipe, mode, [f"train.out_dir={tmp_path / 'out'}", f"cluster.nodes={nodes}"],
+                             workdir=str(tmp_path)))
+    names = [f"gpu-a{i}" for i in range(1, nodes + 1)]
+    env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), tmp_path / "srun.jsonl", names, FAKE_SRUN_DRY="1",
+                         FAKE_HEAD_IPS=ips)
+    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    if expected is None:
+        assert result.returncode == 1 and "no non-loopback address on gpu-a1" in result.stderr, result.stderr
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = [json.loads(line) for line in (tmp_path / "srun.jsonl").read_text().splitlines()]
+    command = " ".join(" ".join(s["command"]) for s in steps)
+    assert (f"--rdzv_endpoint={expected}:29500" if mode == "torchrun" else f"--start-head {expected}:6379") in command
+
+
 def test_cluster_values_are_validated(recipe):
     for override, key in (("cluster.mem=lots", "cluster.mem"), ("cluster.nccl_debug=INFO;id", "cluster.nccl_debug"),
                           ("cluster.nccl_socket_ifname=ib0$(id)", "cluster.nccl_socket_ifname"),

@@ -133,3 +133,18 @@ def test_ntil_on_packed_data_is_accepted(packed_and_unpacked):
     rep = validate_recipe(demo, [f"data.train={packed_dir}", "loss.objective={terms: {ntil: 0.3}}"], offline=True,
                           size=False)
     assert not any("is packed" in e for e in rep.errors), rep.errors
+
+
+def test_flash_rows_carry_the_sequence_boundaries_transformers_would_derive(packed_and_unpacked):
+    """Packed rows for flash-attention pass cu_seq_lens / max_length precomputed on the host (transformers
+    would otherwise derive them from the positions in every layer, with a device sync each time)."""
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    from recipes.training.batches import model_inputs
+
+    _, _, packed, _ = packed_and_unpacked
+    inputs, _ = model_inputs(packed, attn_implementation="flash_attention_2")
+    (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(inputs["position_ids"])
+    assert torch.equal(inputs["cu_seq_lens_q"], cu_q) and torch.equal(inputs["cu_seq_lens_k"], cu_k)
+    assert inputs["cu_seq_lens_q"].dtype == torch.int32
+    assert inputs["max_length_q"] == int(max_q) == inputs["max_length_k"] and isinstance(inputs["max_length_q"], int)

@@ -173,7 +173,7 @@ def test_validate_counts_lora_memory_for_70b_on_one_node():
     from recipes.planning import validate as V
 
     r70 = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
-    one_node = ["cluster.nodes=1", "train.grad_accum=8"]
+    one_node = ["cluster.nodes=1", "train.micro_batch_size=1", "train.grad_accum=8"]
     full = V.validate_recipe(r70, one_node, offline=True, seq_len=1024)
     lora = V.validate_recipe(r70, [*one_node, "model.lora={r: 16}"], offline=True, seq_len=1024)
     assert not full.ok and any("does not fit" in e for e in full.errors), full.render()
@@ -183,4 +183,4 @@ def test_validate_counts_lora_memory_for_70b_on_one_node():
     adapter = layers * 16 * ((h + h) + 2 * (h + kv) + (h + h))  # q, k, v, o
     assert lora.numbers["lora_params"] == adapter == 65_536_000
     assert lora.numbers["gpu_mem_bytes"] == int(p * 2 / 8 + largest * 2 + adapter * (2 + 4 + 12) / 8)
-    assert lora.numbers["disk_bytes"] == int(adapter * (2 + 4 + 8) * 2 + adapter * 2)  # keep_last 2 + adapter
+    assert lora.numbers["disk_bytes"] == int(adapter * 12 * 2 + adapter * 2)  # ZeRO-3: 12 B/param x keep_last 2 + adapter

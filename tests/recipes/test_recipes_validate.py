@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from recipes.planning import validate as V
-from recipes.planning.model_size import count_parameters
+from recipes.planning.backbones import count_parameters
 from recipes.config import load_recipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"

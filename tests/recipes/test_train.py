@@ -10,6 +10,8 @@ generated arithmetic built through data_prep.
 
 from __future__ import annotations
 
+import json
+
 import math
 import random
 
@@ -62,6 +64,14 @@ def test_training_lowers_the_loss_and_exports_the_trained_weights(reference_run)
     first, last = sum(r["loss"] for r in rows[:2]) / 2, sum(r["loss"] for r in rows[-2:]) / 2
     assert last < first - 0.1, (first, last)
     assert rows[0]["lr"] == pytest.approx(1.5e-3)  # warmup: half the peak at the first step
+    # what the hardware did (recipes.training.throughput): TFLOP/s per rank, no MFU on CPU, the time split
+    # (DeepSpeed exposes forward+backward and the optimizer), the peak resident memory over the 2 ranks
+    for r in rows:
+        assert r["tflops_per_rank"] > 0 and r["mfu"] is None and r["peak_mem_gib"] > 0.05
+        assert r["data_s"] + r["fwd_bwd_s"] + r["optimizer_s"] <= r["step_s"] * 1.01
+    summary = json.loads((reference_run / "throughput.json").read_text())
+    assert summary["device"] == "cpu" and len(summary["measured"]["peak_mem_gib_per_rank"]) == 2
+    assert summary["predicted"]["step_s"] > 0 and summary["predicted"]["memory_gib"] > 0
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM

@@ -5,14 +5,23 @@ DeepSpeed 0.19.8 loads ZeRO optimizer state only onto the data-parallel size tha
 size the checkpoint is converted once to DeepSpeed's universal format (`deepspeed.checkpoint.
 ds_to_universal`, into `<tag>_universal`) and loaded with `checkpoint.load_universal`. A changed
 tensor-parallel size or ZeRO stage is refused.
+
+The conversion (~850 GB at 70B) runs on rank 0 as a subprocess with several workers and a timeout of its
+own, `conversion_timeout_s` (10 minutes + the checkpoint's size at CONVERT_BYTES_PER_S, an assumption);
+it writes into `.<tag>_universal.partial`, renamed when complete and kept when it fails or times out (a
+rerun writes into it again: DeepSpeed 0.19.8 re-extracts every shard, it has no resume). The other ranks
+do not wait in a collective (which would time out after train.dist_timeout_minutes): they wait on the
+process group's store for rank 0's result, up to the same deadline, then fail with rank 0's message.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
-import shutil
-from argparse import Namespace
+import subprocess
+import sys
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -38,18 +47,65 @@ def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -
         raise ValueError(f"{dirs.root / tag} was saved with data_parallel={saved.get('data_parallel')}; a LoRA run"
                          f" resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')})")
     universal = f"{tag}_universal"
-    if dirs.runtime.is_main and not (dirs.root / universal).is_dir():
-        from deepspeed.checkpoint.ds_to_universal import main as to_universal
-
-        tmp = dirs.root / f".{universal}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        to_universal(Namespace(input_folder=str(dirs.root / tag), output_folder=str(tmp), num_extract_workers=1,
-                               num_merge_workers=1, keep_temp_folder=False, strict=True,
-                               inject_missing_state=False))
-        os.replace(tmp, dirs.root / universal)
-    dist.barrier()
+    convert_once(dirs.root / tag, dirs.root / universal, dirs.runtime.is_main)
     ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     return universal
+
+
+CONVERT_BYTES_PER_S = 100e6  # the slowest conversion rate assumed (one worker reads ~200-500 MB/s)
+
+
+def checkpoint_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def conversion_timeout_s(size_bytes: int) -> float:
+    return 600 + size_bytes / CONVERT_BYTES_PER_S
+
+
+def conversion_workers() -> int:
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def ds_to_universal_command(src: Path, out: Path, workers: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+            "--output_folder", str(out), "--num_extract_workers", str(workers),
+            "--num_merge_workers", str(max(1, workers // 2))]  # merging holds more memory per worker
+
+
+def convert_once(src: Path, dst: Path, is_main: bool, *, command: Callable[[Path, Path, int], list[str]] | None = None,
+                 timeout_s: float | None = None) -> None:
+    """Rank 0 converts `src` into `dst` (unless `dst` exists); every rank returns once it is there, or
+    raises with rank 0's error. Every rank calls it (module docstring)."""
+    timeout_s = timeout_s or conversion_timeout_s(checkpoint_size(src))
+    key = f"numloss/universal/{dst.name}"
+    store = dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    if is_main:
+        message = "ok"
+        if not dst.is_dir():
+            partial = dst.parent / f".{dst.name}.partial"  # kept on failure, for a rerun to write into
+            cmd = (command or ds_to_universal_command)(src, partial, conversion_workers())
+            try:
+                subprocess.run(cmd, check=True, timeout=timeout_s)
+                os.replace(partial, dst)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as err:
+                message = (f"the universal-checkpoint conversion of {src} failed ({type(err).__name__}: {err}); its "
+                           f"partial output is kept in {partial}")
+        if store is not None:
+            store.set(key, message)
+        if message != "ok":
+            raise RuntimeError(message)
+        return
+    if store is None:
+        return
+    store.set_timeout(datetime.timedelta(seconds=timeout_s + 60))
+    try:
+        store.wait([key])
+    except Exception as err:  # noqa: BLE001  (the store's timeout)
+        raise RuntimeError(f"rank 0 did not finish converting {src} within {timeout_s + 60:.0f} s") from err
+    message = store.get(key).decode()
+    if message != "ok":
+        raise RuntimeError(f"rank 0: {message}")
 
 
 def save_state(engine, directory: Path, step: int, trainable_only: bool = False) -> None:

@@ -42,9 +42,10 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if recipe.model.dtype == "bfloat16":
-        # gradients reduced and (ZeRO 1-3) accumulated in fp32: bf16 sums of many ranks' gradients lose
-        # the small ones (an 8-bit mantissa)
-        config["communication_data_type"] = "fp32"
+        # gradients accumulated in fp32 (ZeRO 1-3) and reduced in deepspeed.reduce_dtype: fp32 by default,
+        # as bf16 sums of many ranks' gradients lose the small ones (an 8-bit mantissa); bf16 halves the
+        # reduce-scatter's bytes (recipes.planning.budget counts both)
+        config["communication_data_type"] = ds.reduce_dtype
         if ds.zero_stage >= 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
     if ds.tp_size > 1:
@@ -57,8 +58,10 @@ def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
     references set), all overridable in `deepspeed.overrides.zero_optimization`:
 
     - overlap_comm, contiguous_gradients: reductions overlap the backward; gradients go into one buffer.
-    - bucket sizes scaled to the hidden size h (HF Trainer's "auto" values): reduce h^2, ZeRO-3 prefetch
-      0.9 h^2, parameters below 10 h elements stay gathered (norms, biases).
+    - bucket sizes scaled to the hidden size h (HF Trainer's "auto" values): reduce h^2, parameters
+      below 10 h elements stay gathered (norms, biases); the ZeRO-3 prefetch bucket 0.9 h^2 or, when
+      larger, a layer's largest matrix (h x I: Llama-3-70B's MLP matrices are 3.5 h^2), so the next
+      matrix's gather can be in flight while the current one computes.
     - ZeRO-3 across nodes: hierarchical partitioning (hpZ, `zero_hpz_partition_size`) at the node's
       data-parallel ranks (GPUs per node / TP): a second copy of the parameters sharded inside each node,
       so the backward's all-gather stays on NVLink and only the forward gather and the gradient
@@ -67,11 +70,11 @@ def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
     if recipe.deepspeed.zero_stage == 0:
         return {}
     out: dict = {"overlap_comm": True, "contiguous_gradients": True}
-    hidden = hidden_size(recipe)
+    hidden, intermediate = model_dims(recipe)
     if hidden:
         out["reduce_bucket_size"] = hidden * hidden
         if recipe.deepspeed.zero_stage == 3:
-            out["stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+            out["stage3_prefetch_bucket_size"] = max(int(0.9 * hidden * hidden), hidden * (intermediate or 0))
             out["stage3_param_persistence_threshold"] = 10 * hidden
     c = recipe.cluster
     per_node = c.ranks_per_node() // recipe.deepspeed.tp_size
@@ -83,20 +86,25 @@ def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
 
 
 def hidden_size(recipe: Recipe) -> int | None:
-    """The backbone's hidden size (language model's, for vision models), from `model.config` or the
-    model's config.json (local directory or HF cache; never the network); None when unknown."""
+    return model_dims(recipe)[0]
+
+
+def model_dims(recipe: Recipe) -> tuple[int | None, int | None]:
+    """The backbone's (hidden size, intermediate size) (language model's, for vision models), from
+    `model.config` or the model's config.json (local directory or HF cache; never the network); None
+    when unknown."""
     m = recipe.model
     if m.config is not None:
-        return m.config.get("hidden_size")
+        return m.config.get("hidden_size"), m.config.get("intermediate_size")
     try:
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code,
                                          local_files_only=True)
     except Exception:  # noqa: BLE001  (not local or cached: DeepSpeed's default bucket sizes apply)
-        return None
+        return None, None
     cfg = getattr(cfg, "text_config", None) or cfg
-    return getattr(cfg, "hidden_size", None)
+    return getattr(cfg, "hidden_size", None), getattr(cfg, "intermediate_size", None)
 
 
 def _merge(base: dict, extra: dict) -> dict:

@@ -17,6 +17,7 @@ merged model in `final/`.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,8 @@ class DeepSpeedEngine:
                                             space_variants=recipe.loss.space_variants, vocab_size=logits_width)
         objective = Objective(vocab, recipe.objective_config())
         self.model = model
+        self.hf_config = model.config  # recipes.training.throughput: FLOPs per token
+        self.timings: dict[str, float] = {}
         self.wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
         self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
         optimizer = build_optimizer(recipe, trainable_parameters(self.wrapper))
@@ -82,12 +85,18 @@ class DeepSpeedEngine:
         counts = step_counts(self.wrapper.counts, window, self.dp)
         scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
         sums: dict[str, float] = {}
-        for inputs in window:
+        started = time.perf_counter()
+        for i, inputs in enumerate(window):
             result = self.engine(**inputs, loss_counts=counts)
             self.engine.backward(result.loss * scale)
-            self.engine.step()
+            if i == len(window) - 1:  # the step's time split (recipes.training.throughput): 2 syncs per step
+                _synchronize(self.runtime.device)
+                backward_done = time.perf_counter()
+            self.engine.step()  # the optimizer runs at the last micro-batch (the accumulation boundary)
             for key, value in result.log_dict().items():
                 sums[key] = sums.get(key, 0.0) + value
+        _synchronize(self.runtime.device)
+        self.timings = {"fwd_bwd_s": backward_done - started, "optimizer_s": time.perf_counter() - backward_done}
         return sums
 
     def lr(self) -> float:
@@ -119,3 +128,8 @@ class DeepSpeedEngine:
 
     def close(self) -> None:
         self.engine.destroy()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -74,6 +74,7 @@ class MegatronEngine:
         # The HF model's logits width: Megatron's padding past it stays out of the loss, so both engines
         # and every TP size (which pad differently) train on the same softmax.
         self.real_vocab_size = chunks[0].hf_config.vocab_size
+        self.hf_config = chunks[0].hf_config  # recipes.training.throughput: FLOPs per token
         if len(self.tokenizer) > padded:
             raise ValueError(f"tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {padded}")
         vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,

@@ -1,6 +1,6 @@
-"""The model a recipe names, without loading its weights: its config (the local directory, the HF cache or
-the hub; offline, a table of the papers' backbones) and its parameter counts, and DeepSpeed's estimate of
-its model states. Used by `recipes.planning.validate` and the budgets."""
+"""The backbones recipes.planning.validate knows: the model config a recipe resolves to (local, cached,
+hub, or the offline fallback table of the papers' backbones), its parameter count from an empty-weight
+model, and DeepSpeed's own estimate of model-state memory per GPU."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
                               num_hidden_layers=24, num_attention_heads=16, patch_size=14, image_size=1540),
     },
 }
+
 
 
 # ---- model config and size ----------------------------------------------------------------------------
@@ -185,5 +186,3 @@ def _has_cuda() -> bool:
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001
         return False
-
-

@@ -1,0 +1,65 @@
+"""recipes.engines.deepspeed.checkpoints.convert_once: rank 0 converts a checkpoint to DeepSpeed's universal
+format in a subprocess with its own timeout, keeps a failed attempt's partial output, and the other ranks
+wait on the process group's store (not in a collective that times out after train.dist_timeout_minutes)
+and fail with rank 0's message. 2 gloo ranks; the converter is a stand-in command (the real
+ds_to_universal conversion is tested by tests/recipes/test_layouts.py's DP-change resume)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from recipes.engines.deepspeed import checkpoints as C  # noqa: E402
+from tests.distributed import run_ranks  # noqa: E402
+
+FAKE = ("import os, sys, time; out, mode = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True); "
+        "open(os.path.join(out, 'part'), 'w').write('x'); time.sleep(30 if mode == 'slow' else 0); "
+        "sys.exit(3 if mode == 'fail' else 0)")
+
+
+def _fake(mode: str):
+    return lambda src, out, workers: [sys.executable, "-c", FAKE, str(out), mode]
+
+
+def _rank(rank: int, world: int, root: str, mode: str) -> None:
+    src, dst = Path(root, "step_00000004"), Path(root, "step_00000004_universal")
+    try:
+        C.convert_once(src, dst, rank == 0, command=_fake(mode), timeout_s=3)
+        result = "ok"
+    except RuntimeError as err:
+        result = str(err)
+    Path(root, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _results(tmp_path, mode):
+    (tmp_path / "step_00000004").mkdir()
+    run_ranks(2, _rank, str(tmp_path), mode)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_converted_once_and_every_rank_proceeds(tmp_path):
+    assert _results(tmp_path, "ok") == ["ok", "ok"]
+    assert (tmp_path / "step_00000004_universal" / "part").is_file()
+    assert not (tmp_path / ".step_00000004_universal.partial").exists()
+
+
+def test_a_failed_conversion_keeps_its_partial_output_and_fails_every_rank(tmp_path):
+    r0, r1 = _results(tmp_path, "fail")
+    assert "CalledProcessError" in r0 and r1 == f"rank 0: {r0}"
+    assert (tmp_path / ".step_00000004_universal.partial" / "part").is_file()  # kept for a rerun
+    assert not (tmp_path / "step_00000004_universal").exists()
+
+
+def test_a_conversion_past_its_own_timeout_fails_every_rank(tmp_path):
+    r0, r1 = _results(tmp_path, "slow")
+    assert "TimeoutExpired" in r0 and r1.startswith("rank 0: ")
+    assert (tmp_path / ".step_00000004_universal.partial" / "part").is_file()
+
+
+def test_the_deadline_scales_with_the_checkpoint_and_several_workers_convert(tmp_path):
+    assert C.conversion_timeout_s(850e9) > 2 * C.conversion_timeout_s(100e9) > 600
+    cmd = C.ds_to_universal_command(tmp_path / "a", tmp_path / "b", 8)
+    assert cmd[cmd.index("--num_extract_workers") + 1] == "8" and cmd[cmd.index("--num_merge_workers") + 1] == "4"
