@@ -67,7 +67,7 @@ def backbone_setup(args):
 
     from data_prep.reader import ShardDataset
     from recipes.experiments.backbone import get_backbone
-    from recipes.training.batches import model_inputs
+    from recipes.inputs.batches import model_inputs
     from recipes.experiments.study import LOSSES, MIX
     from recipes.experiments.tiny import build_jsonl_shards, write_arithmetic_split
 

@@ -12,9 +12,9 @@ The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.
 optimizer step), `tb/` (TensorBoard), `checkpoints/` (the engine's checkpoints + `latest`), `final/` (a
 Hugging Face safetensors model, sharded, with its index, and its tokenizer or processor).
 
-Batches become model inputs in `recipes.training.batches`: packed shards get block-diagonal attention and
+Batches become model inputs in `recipes.inputs.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
-and its AutoProcessor; each batch's images are expanded into the prompt by `recipes.training.vision`, as in
+and its AutoProcessor; each batch's images are expanded into the prompt by `recipes.inputs.vision`, as in
 evaluation, and the whole model (tower, projector, language model) trains (DeepSpeed engine only).
 
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
@@ -48,8 +48,8 @@ from data_prep.reader import ShardDataset
 
 from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
+from .inputs.batches import model_inputs
 from .planning.checks import RecipeCheckError, preflight
-from .training.batches import model_inputs
 from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, step_tag
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite

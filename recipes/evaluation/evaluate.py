@@ -29,7 +29,7 @@ What it does, and the decisions behind it:
   within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
   AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
-  `recipes.training.vision.vision_inputs`, the same function training uses (so the prompt is token for token
+  `recipes.inputs.vision.vision_inputs`, the same function training uses (so the prompt is token for token
   the trained one): the image placeholder goes in front of the user turn and the processor expands it.
 - The results file holds the metrics, the settings, and one record per example (id, prompt length,
   generated text, parsed value, target, whether it matched).
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from . import metrics as M
-from recipes.training.vision import load_processor, vision_inputs
+from recipes.inputs.vision import load_processor, vision_inputs
 
 IGNORE_INDEX = -100
 ANSWER_FORMATS = ("number", "time")

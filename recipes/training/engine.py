@@ -25,7 +25,7 @@ class Engine(Protocol):
     dp: DataParallel  # this rank's data-parallel replica: the reader shards rows by it
     tokenizer: Any
     processor: Any  # vision recipes: the processor (else None)
-    batch_options: dict  # keyword arguments of `recipes.training.batches.model_inputs` for this model
+    batch_options: dict  # keyword arguments of `recipes.inputs.batches.model_inputs` for this model
     layout: dict  # written to each checkpoint's layout.json; compared at resume
     optimizer_name: str  # which optimizer implementation runs the step (for the run log)
 

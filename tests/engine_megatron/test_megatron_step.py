@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from numloss.adapters.megatron import shift_labels
-from recipes.training.batches import packed_attention_mask
+from recipes.inputs.batches import packed_attention_mask
 from recipes.engines.megatron.step import prepare_window
 
 

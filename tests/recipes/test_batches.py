@@ -1,4 +1,4 @@
-"""recipes.training.batches: packed rows train exactly what unpacked rows do.
+"""recipes.inputs.batches: packed rows train exactly what unpacked rows do.
 
 The same examples, built once unpacked and once packed by data_prep, read whole, go through a tiny
 random Llama and the numeric objective: the loss (CE + token-level numeric terms + NTIL, which averages
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data_prep.reader import ShardDataset
-from recipes.training.batches import model_inputs, packed_attention_mask
+from recipes.inputs.batches import model_inputs, packed_attention_mask
 
 TERMS = {"smmd": {}, "ntl_was": {}, "dist2": {}, "ntil": {"noise_scale": 0.0}}
 
@@ -140,7 +140,7 @@ def test_flash_rows_carry_the_sequence_boundaries_transformers_would_derive(pack
     would otherwise derive them from the positions in every layer, with a device sync each time)."""
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-    from recipes.training.batches import model_inputs
+    from recipes.inputs.batches import model_inputs
 
     _, _, packed, _ = packed_and_unpacked
     inputs, _ = model_inputs(packed, attn_implementation="flash_attention_2")

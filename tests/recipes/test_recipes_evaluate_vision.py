@@ -3,7 +3,7 @@
 from types import SimpleNamespace
 
 from recipes.evaluation import evaluate as E
-from recipes.training.vision import vision_prompt
+from recipes.inputs.vision import vision_prompt
 
 
 def test_vision_shards_load_the_image_text_model_and_score_times(tiny_vl, tmp_path):

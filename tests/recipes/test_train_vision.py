@@ -1,6 +1,6 @@
 """Vision-language training: clock-time shards -> a tiny random LLaVA (CLIP tower + projector + Llama).
 
-- `recipes.training.vision.training_inputs` keeps the shards' target tokens and labels exactly, expands each image
+- `recipes.inputs.vision.training_inputs` keeps the shards' target tokens and labels exactly, expands each image
   to its patch tokens, keeps images in row order, and builds the same prompt evaluation generates from;
 - the numeric objective on those inputs equals Hugging Face's own loss (CE only), and the chunked head
   equals the logits path with the image gradients included;
@@ -23,7 +23,7 @@ from torchrun_helpers import read_metrics, run_to_end  # noqa: E402
 
 from data_prep.reader import ShardDataset  # noqa: E402
 from recipes.engines.deepspeed.export import read_export  # noqa: E402
-from recipes.training.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
+from recipes.inputs.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
 
 IGNORE = -100
 PATCHES = 4  # (28 / 14)^2 image tokens per image for the tiny processor
@@ -256,7 +256,7 @@ def test_vision_inputs_reassemble_rows_by_hand(monkeypatch):
     images = [b"png-0", b"png-1"]
     prompts, targets = [[5, 6], [7]], [([10, 11], [10, 11]), ([12], [12])]
     decoded = []
-    monkeypatch.setattr("recipes.training.vision.decode_image", lambda data, where: decoded.append((data, where)) or data)
+    monkeypatch.setattr("recipes.inputs.vision.decode_image", lambda data, where: decoded.append((data, where)) or data)
     train = vision_inputs(processor, prompts, images, targets, pad_to_multiple_of=4, where=["r0", "r1"])
     gen = vision_inputs(processor, prompts, images)
     assert decoded[:2] == [(b"png-0", "r0"), (b"png-1", "r1")]

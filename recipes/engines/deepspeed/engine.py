@@ -28,7 +28,7 @@ from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime
 from recipes.training.schedule import lr_lambda
-from recipes.training.tokenizer import load_tokenizer
+from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
 from .config import build_optimizer, deepspeed_config, optimizer_kind

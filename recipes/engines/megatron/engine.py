@@ -25,7 +25,7 @@ from recipes.config import Recipe
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime
-from recipes.training.tokenizer import load_tokenizer
+from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints, step
 from .model import build_model_chunks, initialize_model_parallel

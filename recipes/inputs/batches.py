@@ -13,7 +13,7 @@
     position 0, and data_prep gives the first token of each example label -100, so no loss crosses
     an example or a row.
   Padding (segment 0) attends to itself only, so its softmax row stays finite; its labels are -100.
-- Image rows: `recipes.training.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
+- Image rows: `recipes.inputs.vision.training_inputs` (image tokens expanded by the processor, pixel tensors).
 - `attn_implementation="segments"`: a model that builds its own attention mask from `[B, T]` tensors
   (the Megatron engine) gets the rows as the reader made them, packed rows with their `position_ids`
   and `sequence_ids` (the segment ids) and no 4-D mask.

@@ -1,0 +1,2 @@
+"""What a model reads: the recipe's tokenizer or processor, a reader batch made into model inputs (packed
+rows, images in the prompt). Shared by the engines, the loop and evaluation; may import data_prep and recipes.config."""
