@@ -127,6 +127,9 @@ class TrainSection:
     global_batch_size: int | None = None  # if given: must equal micro * accum * data-parallel size
     seed: int = 0
     log_every: int = 1
+    # per-term gradient diagnostics (numloss.diagnostics) on logged steps that are multiples of this
+    # (and the last): None: every logged step; 0: off
+    grad_diagnostics_every: int | None = None
     save_every: int = 0  # 0: only at the end
     keep_last: int = 2
     out_dir: str = ""  # "" -> runs/<name>
@@ -221,6 +224,8 @@ class Recipe:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.train.grad_diagnostics_every is not None and self.train.grad_diagnostics_every < 0:
+            raise ValueError(f"train.grad_diagnostics_every: must be >= 0 (0: off), got {self.train.grad_diagnostics_every}")
         if self.train.dist_timeout_minutes <= 0:
             raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
         for key, value in {"optim.lr": self.optim.lr, "optim.grad_clip": self.optim.grad_clip,

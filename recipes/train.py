@@ -44,6 +44,7 @@ from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
 from .training.batches import model_inputs
 from .training.checkpoints import CheckpointDirs, step_tag
+from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.parallel import reduce_sum
 from .training.run_log import MetricsLog, progress_bar
@@ -112,14 +113,15 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 inputs, batch_tokens = model_inputs(next(stream), **engine.batch_options)
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
-            sums = engine.train_step(window)
+            sums = engine.train_step(window, diagnostics=diagnosed(recipe, step + 1))
             step += 1
             sums["tokens"] = tokens
             row = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
             row = {"step": step, **{k: v for k, v in row.items() if k != "tokens"},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": row["tokens"] / elapsed}
-            if step % recipe.train.log_every == 0 or step == recipe.train.steps:
+            row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values
+            if logged(recipe, step):
                 metrics.log(row)
             if hooks.on_log is not None:
                 hooks.on_log(row)

@@ -78,12 +78,12 @@ class DeepSpeedEngine:
                               "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
                               "max_length": recipe.data.seq_len}
 
-    def train_step(self, window: list[dict]) -> dict[str, float]:
+    def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         counts = step_counts(self.wrapper.counts, window, self.dp)
         scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
         sums: dict[str, float] = {}
         for inputs in window:
-            result = self.engine(**inputs, loss_counts=counts)
+            result = self.engine(**inputs, loss_counts=counts, diagnostics=diagnostics)
             self.engine.backward(result.loss * scale)
             self.engine.step()
             for key, value in result.log_dict().items():
