@@ -223,3 +223,30 @@ def _data_parallel(rank, world):
 
 def test_data_parallel_micro_batches_match_the_global_batch():
     run_ranks(2, _data_parallel)
+
+
+# ---- the loop's side ---------------------------------------------------------------------------------------
+
+
+def test_which_steps_are_diagnosed_and_how_a_row_is_finished():
+    from recipes.config import Recipe
+    from recipes.training.diagnostics import diagnosed
+
+    recipe = Recipe()
+    recipe.train.steps, recipe.train.log_every = 9, 2
+    steps = lambda: [s for s in range(1, 10) if diagnosed(recipe, s)]  # noqa: E731
+    assert steps() == [2, 4, 6, 8, 9]  # default: every logged step, the last included
+    recipe.train.grad_diagnostics_every = 4
+    assert steps() == [4, 8, 9]
+    recipe.train.grad_diagnostics_every = 3  # only logged steps: 6, and the last
+    assert steps() == [6, 9]
+    recipe.train.grad_diagnostics_every = 0
+    assert steps() == []
+    plain = {"step": 1, "loss": 2.0, "grad_norm": 3.0}
+    assert finish_row(dict(plain), grad_clip=1.0) == plain  # no sums: no diagnostics keys, no `clipped`
+    sums = {"grad_sums/ce/sq": 9.0, "grad_sums/ce/ref_sq": 9.0, "grad_sums/smmd/sq": 16.0, "grad_sums/smmd/dot_ce": -6.0}
+    row = finish_row({**plain, **sums, "grad_norm": None}, grad_clip=1.0)
+    assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "clipped": None, "grad/ce/norm": 3.0,
+                   "grad/ce/share": 3 / 7, "grad/smmd/norm": 4.0, "grad/smmd/share": 4 / 7, "grad/smmd/cos_ce": -0.5}
+    assert finish_row({**plain, **sums, "grad_norm": 0.5}, grad_clip=1.0)["clipped"] == 0
+    assert finish_row({**plain, **sums}, grad_clip=0.0)["clipped"] == 0  # no clipping configured
