@@ -11,6 +11,10 @@ Normalisation: each term divides its sum by a count of its kind (valid tokens, n
 sequences, ...). By default these are the batch's own counts; with `counts=` (the whole optimizer step's,
 from `Objective.counts` and `numloss.normalization.reduce_counts`) each micro-batch's output is its
 share of the step's loss, and the shares add up to the loss of the whole global batch at any layout.
+
+Diagnostics: with `diagnostics=True` (the constructor's default for every call, or per call) the output
+also carries `grad_sums`, each part's gradient on the numeric block as additive sums
+(`numloss.diagnostics`); loss and gradients are the same to the bit with or without.
 """
 
 from __future__ import annotations
