@@ -111,14 +111,20 @@ def gradient_sums(objective, stats: LogitStats, counts=None, sequence_ids: torch
             out = torch.zeros_like(probabilities) if d_logits is None else d_logits
             return out if d_lse is None else out + d_lse[:, None] * probabilities
 
-        blocks = {name: block(value).double() for name, value in parts.items()}
-        reference = block(ce).double() if "gce" in parts else blocks[REFERENCE]
-    sums = {f"{PREFIX}{REFERENCE}/ref_sq": reference.square().sum()}
+        blocks = {name: block(value) for name, value in parts.items()}
+        reference = block(ce) if "gce" in parts else blocks[REFERENCE]
+    sums = {f"{PREFIX}{REFERENCE}/ref_sq": _dot(reference, reference)}
     for name, grad in blocks.items():
-        sums[f"{PREFIX}{name}/sq"] = grad.square().sum()
+        sums[f"{PREFIX}{name}/sq"] = _dot(grad, grad)
         if name != REFERENCE:
-            sums[f"{PREFIX}{name}/dot_ce"] = (grad * reference).sum()
+            sums[f"{PREFIX}{name}/dot_ce"] = _dot(grad, reference)
     return sums
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ a·b of two [M, N] fp32 blocks as a 0-d float64: each row's N products summed in fp32, the M rows
+    in float64 (no float64 copy of the blocks; the rows add up to a step's millions of entries)."""
+    return (a * b).sum(dim=-1).double().sum()
 
 
 def finalize(sums: Mapping[str, float]) -> dict[str, float | None]:
