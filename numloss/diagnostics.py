@@ -65,10 +65,8 @@ REFERENCE = "ce"  # the part whose direction the cosines are taken against
 
 
 def part_names(objective) -> list[str]:
-    """The parts of `objective`'s total, in its order of summation (see `Objective.parts`)."""
-    terms = objective.config.terms
-    names = ["ce", *(["gce"] if "gce" in terms else []), *(n for n in terms if n != "gce")]
-    return names + (["z_loss"] if objective.config.z_loss else [])
+    """The names of `objective`'s parts (`Objective.parts`): ce, every term, z_loss when configured."""
+    return ["ce", *objective.config.terms, *(["z_loss"] if objective.config.z_loss else [])]
 
 
 def sum_keys(objective) -> list[str]:
