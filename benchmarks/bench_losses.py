@@ -13,6 +13,9 @@ divided by the median for CE alone, the two timed alternately:
   (GCE, DIST2 paper mode, NTL reweigh) need the full-vocabulary normaliser and are shown without target.
 Targets (issues 2 and 14): at most 1.10 at N = 10 and 1.25 at N = 1000 for every term (standalone: every
 term that needs no full pass).
+`--table diagnostics` (not part of "both"): the same objective with and without the per-term gradient
+diagnostics (`numloss.diagnostics`), for CE, CE + SMMD and CE + SMMD + NTL-WAS + DIST2 + GCE: what a
+logged step's diagnostics add to the loss's forward + backward (issue 24; no target).
 """
 
 from __future__ import annotations
@@ -120,6 +123,21 @@ def standalone_table(args) -> bool:
     return all_ok
 
 
+DIAGNOSED = {"ce": {"terms": {}}, "smmd": {"terms": {"smmd": {}}},
+             "all": {"terms": {"smmd": {}, "ntl_was": {}, "dist2": {}, "gce": {"weight": 0.5}}}}
+
+
+def diagnostics_table(args) -> bool:
+    print(f"{'N':>5} {'objective':>9} {'off s':>8} {'on s':>8} {'ratio':>6}")
+    for n in (10, 1000):
+        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share)
+        for name, spec in DIAGNOSED.items():
+            off, on = paired_medians(Objective(vocab, spec), Objective(vocab, spec, diagnostics=True), logits, labels,
+                                     args.repeats)
+            print(f"{n:>5} {name:>9} {off:8.3f} {on:8.3f} {on / off:6.3f}")
+    return True
+
+
 def _defaults(term, name: str) -> dict:
     import inspect
 
@@ -133,7 +151,7 @@ def main():
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--numeric-share", type=float, default=0.25)
-    parser.add_argument("--table", choices=["both", "objective", "standalone"], default="both")
+    parser.add_argument("--table", choices=["both", "objective", "standalone", "diagnostics"], default="both")
     args = parser.parse_args()
     print(f"logits [{args.tokens}, {args.vocab}] fp32, numeric share {args.numeric_share}, "
           f"threads {torch.get_num_threads()}, median of {args.repeats}")
@@ -144,6 +162,9 @@ def main():
     if args.table in ("both", "standalone"):
         print("\n[standalone] torch cross_entropy + numloss.functional.<term> vs torch cross_entropy")
         all_ok &= standalone_table(args)
+    if args.table == "diagnostics":
+        print("\n[diagnostics] numloss.Objective with the per-term gradient diagnostics vs without")
+        all_ok &= diagnostics_table(args)
     print("all within target" if all_ok else "SOME ABOVE TARGET")
 
 

@@ -2,11 +2,15 @@
 
     python benchmarks/bench_train_step.py [--steps 30] [--batch 64] [--seq 24] [--threads 2]
     python benchmarks/bench_train_step.py --backbone smollm2 [--steps 6] [--losses all]
+    python benchmarks/bench_train_step.py --diagnostics [--numeric 1000]   # a step with the gradient diagnostics
 
 Two models:
 - default: the model of `recipes/configs/demo.yaml` (a tiny Llama, vocab 64, N = 10 digit tokens) on
   random batches whose labels are 25% digits and 25% ignored prompt; CE against CE + SMMD.
-  Target (issue 6): at most 1.05 at N = 10.
+  Target (issue 6): at most 1.05 at N = 10. `--numeric N`: N numeric tokens (the vocabulary grows to N + 64).
+- `--diagnostics`: each objective (CE, CE + SMMD, CE + SMMD + NTL-WAS + DIST2 + GCE) also runs with the
+  per-term gradient diagnostics on (`numloss.diagnostics`, "+diag"); the ratio is the cost of a step
+  that computes them (`recipes.train` does so on logged steps only: every `train.grad_diagnostics_every`).
 - `--backbone smollm2`: SmolLM2-135M-Instruct (V = 49,152, N = 10; made by `python -m recipes.experiments.backbone
   smollm2`), on batches of the SmolLM2 study's arithmetic problems (data_prep's generator and build,
   the study's mix and plain template: `<|im_start|>What is 12 + 7?\\n19<|im_end|>`, labels on the answer
@@ -37,6 +41,7 @@ from numloss import NumericVocab, Objective
 from numloss.adapters.hf import NumericCausalLM
 
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo.yaml"
+DIAG = "+diag"  # an objective's name with the gradient diagnostics on
 
 
 def tiny_setup(args):
@@ -44,21 +49,27 @@ def tiny_setup(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = dict(yaml.safe_load(DEMO.read_text())["model"]["config"])
+    n = args.numeric
+    if n != 10:
+        config["vocab_size"] = n + 64
     hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config)
-    vocab = NumericVocab(list(range(10, 20)), list(range(10)), vocab_size=hf_config.vocab_size)
+    vocab = NumericVocab(list(range(10, 10 + n)), list(range(n)), vocab_size=hf_config.vocab_size)
     g = torch.Generator().manual_seed(1)
 
     def batch():
-        ids = torch.randint(20, hf_config.vocab_size, (args.batch, args.seq), generator=g)
-        ids[:, args.seq // 2:: 2] = torch.randint(10, 20, (args.batch, len(range(args.seq // 2, args.seq, 2))), generator=g)
+        ids = torch.randint(10 + n, hf_config.vocab_size, (args.batch, args.seq), generator=g)
+        ids[:, args.seq // 2:: 2] = torch.randint(10, 10 + n, (args.batch, len(range(args.seq // 2, args.seq, 2))), generator=g)
         labels = ids.clone()
         labels[:, : args.seq // 4] = -100
         return ids, labels, None
 
     objectives = {"ce": {"terms": {}}, "smmd": {"terms": {"smmd": {}}}}
-    return model, vocab, objectives, batch, f"tiny Llama, V={hf_config.vocab_size}, N=10"
+    if args.diagnostics:
+        objectives["all"] = {"terms": {"smmd": {}, "ntl_was": {}, "dist2": {}, "gce": {"weight": 0.5}}}
+        objectives = {name + suffix: spec for name, spec in objectives.items() for suffix in ("", DIAG)}
+    return model, vocab, objectives, batch, f"tiny Llama, V={hf_config.vocab_size}, N={n}"
 
 
 def backbone_setup(args):
@@ -103,6 +114,9 @@ def main():
     parser.add_argument("--batch", type=int, default=None, help="rows per step (64 tiny, 16 backbone)")
     parser.add_argument("--seq", type=int, default=24, help="tiny model: tokens per row")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--numeric", type=int, default=10, help="tiny model: N numeric tokens (V = N + 64 past 10)")
+    parser.add_argument("--diagnostics", action="store_true",
+                        help="tiny model: each objective also with the per-term gradient diagnostics on")
     args = parser.parse_args()
     tiny = args.backbone is None
     args.steps = args.steps or (30 if tiny else 6)
@@ -111,7 +125,8 @@ def main():
     torch.set_num_threads(args.threads)
     model, vocab, objectives, next_batch, what = (tiny_setup if tiny else backbone_setup)(args)
 
-    wrapped = {name: NumericCausalLM(model, Objective(vocab, spec), chunked=False) for name, spec in objectives.items()}
+    wrapped = {name: NumericCausalLM(model, Objective(vocab, spec, diagnostics=name.endswith(DIAG)), chunked=False)
+               for name, spec in objectives.items()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     names = list(wrapped)
     times = {name: [] for name in names}
@@ -142,6 +157,9 @@ def main():
     if tiny:
         ratio = statistics.median(times["smmd"]) / ce
         print(f"ratio CE+SMMD / CE = {ratio:.3f} (target <= 1.05): {'ok' if ratio <= 1.05 else 'ABOVE TARGET'}")
+    for name in [n for n in names if n + DIAG in times]:
+        ratio = statistics.median(times[name + DIAG]) / statistics.median(times[name])
+        print(f"ratio {name} with / without diagnostics = {ratio:.3f}")
 
 
 if __name__ == "__main__":

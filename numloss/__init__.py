@@ -8,9 +8,14 @@ Over a step of several micro-batches and data-parallel ranks (`numloss.normaliza
 
     step = reduce_counts([objective.counts(labels) for labels in window], group=dp_group)
     out = objective(logits, labels, counts=step)               # this micro-batch's share of the step
+
+How much of the update each term drives (`numloss.diagnostics`):
+
+    out = objective(logits, labels, counts=step, diagnostics=True)  # out.grad_sums: add over the step
+    numloss.diagnostics.finalize(summed)                       # grad/<part>/norm, share, cos_ce
 """
 
-from . import functional
+from . import diagnostics, functional
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .objective import DEFAULT_WEIGHTS, Objective, ObjectiveConfig, ObjectiveOutput, TermConfig
 from .normalization import LossCounts, reduce_counts
@@ -18,6 +23,7 @@ from .parallel import count_comm
 from .vocab import NumericVocab
 
 __all__ = [
+    "diagnostics",
     "functional",
     "NumericVocab",
     "Objective",

@@ -11,6 +11,10 @@ Normalisation: each term divides its sum by a count of its kind (valid tokens, n
 sequences, ...). By default these are the batch's own counts; with `counts=` (the whole optimizer step's,
 from `Objective.counts` and `numloss.normalization.reduce_counts`) each micro-batch's output is its
 share of the step's loss, and the shares add up to the loss of the whole global batch at any layout.
+
+Diagnostics: with `diagnostics=True` (the constructor's default for every call, or per call) the output
+also carries `grad_sums`, each part's gradient on the numeric block as additive sums
+(`numloss.diagnostics`); loss and gradients are the same to the bit with or without.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from .chunked_head import DEFAULT_CHUNK_SIZE, chunked_logit_stats
+from .diagnostics import gradient_sums, with_numeric_block
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses import TERMS, cross_entropy_term
 from .losses.cross_entropy import z_loss_term
@@ -118,11 +123,15 @@ class ObjectiveOutput:
     ce: torch.Tensor  # CE (plus the z-loss if configured)
     terms: dict[str, torch.Tensor]  # each term's unweighted value
     numeric_positions: int
+    # with diagnostics: this batch's gradient sums (`numloss.diagnostics`), 0-d float64 tensors; else None
+    grad_sums: dict[str, torch.Tensor] | None = None
 
     def log_dict(self) -> dict[str, float]:
-        """Plain floats for logging: loss, ce, and each term as `term/<name>`."""
+        """Plain floats for logging: loss, ce, each term as `term/<name>`, and with diagnostics the
+        gradient sums `grad_sums/...` (they add over micro-batches and ranks; `numloss.diagnostics.finalize`)."""
         out = {"loss": float(self.loss.detach()), "ce": float(self.ce.detach()), "numeric_positions": self.numeric_positions}
         out.update({f"term/{k}": float(v.detach()) for k, v in self.terms.items()})
+        out.update({k: float(v) for k, v in (self.grad_sums or {}).items()})
         return out
 
 
@@ -146,7 +155,10 @@ class Objective:
     how the chunked head drives the same math.
     """
 
-    def __init__(self, vocab: NumericVocab, config: ObjectiveConfig | dict | None = None):
+    def __init__(self, vocab: NumericVocab, config: ObjectiveConfig | dict | None = None, *,
+                 diagnostics: bool = False):
+        """`diagnostics`: compute the per-part gradient sums (`numloss.diagnostics`) on every call unless
+        a call says otherwise (its `diagnostics=` argument)."""
         if config is None:
             config = ObjectiveConfig()
         elif isinstance(config, dict):
@@ -156,26 +168,41 @@ class Objective:
                              f"digits); {vocab!r} is not one")
         self.vocab = vocab
         self.config = config
+        self.diagnostics = diagnostics
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0, *,
-                 counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+                 counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
+                 diagnostics: bool | None = None) -> ObjectiveOutput:
         """`counts`: the step's denominators (see `numloss.normalization`); None: this batch's own.
         `sequence_ids` (labels-shaped): which example each position belongs to in packed rows (NTIL
-        averages over examples); None: each row is one sequence."""
+        averages over examples); None: each row is one sequence. `diagnostics`: also return the
+        gradient sums of `numloss.diagnostics` in `out.grad_sums` (None: the objective's default)."""
         stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
                                     numeric=bool(self.config.terms))
-        return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)
+        probe = None
+        if self._diagnosing(diagnostics):
+            probe = stats if self.config.terms else with_numeric_block(
+                stats, labels, self.vocab, logits.shape[-1], group, vocab_start, self.config.ignore_index,
+                lambda rows, cols: logits.detach().reshape(-1, logits.shape[-1])[rows[:, None], cols[None, :]])
+        return self._output(stats, counts, sequence_ids, probe)
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
                     vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                    counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+                    counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
+                    diagnostics: bool | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed one vocabulary chunk at a time and never for the whole vocabulary at once
         (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
         collectives as the logits path, plus d hidden's all-reduce in backward under TP."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
                                     self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size)
-        return self.from_stats(stats, counts=counts, sequence_ids=sequence_ids)
+        probe = None
+        if self._diagnosing(diagnostics):
+            flat = hidden.detach().reshape(-1, hidden.shape[-1])
+            probe = stats if self.config.terms else with_numeric_block(
+                stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index,
+                lambda rows, cols: flat[rows] @ weight.detach()[cols].t())
+        return self._output(stats, counts, sequence_ids, probe)
 
     def denominator_keys(self) -> dict[str, str]:
         """{"ce": key, term: key, ...}: which count (`numloss.normalization`) each part divides by."""
@@ -193,7 +220,35 @@ class Objective:
                             sequence_ids=sequence_ids, position_weights=weights)
 
     def from_stats(self, stats: LogitStats, counts: LossCounts | None = None,
-                   sequence_ids: torch.Tensor | None = None) -> ObjectiveOutput:
+                   sequence_ids: torch.Tensor | None = None, *, diagnostics: bool | None = None) -> ObjectiveOutput:
+        """The objective from precomputed stats. Its diagnostics see the numeric rows `stats` holds (none
+        for stats computed with `numeric=False`: then CE's norm is 0)."""
+        return self._output(stats, counts, sequence_ids, stats if self._diagnosing(diagnostics) else None)
+
+    def _diagnosing(self, diagnostics: bool | None) -> bool:
+        return self.diagnostics if diagnostics is None else bool(diagnostics)
+
+    def _output(self, stats: LogitStats, counts: LossCounts | None, sequence_ids: torch.Tensor | None,
+                probe: LogitStats | None) -> ObjectiveOutput:
+        # The diagnostics run first, and leave every random generator as they found it: NTIL's Gumbel
+        # noise is then drawn by the training terms below exactly as without them, and is the same noise
+        # the diagnostics saw (`numloss.diagnostics`).
+        sums = None if probe is None else gradient_sums(self, probe, counts, sequence_ids)
+        ce, values, parts = self.parts(stats, counts, sequence_ids)
+        pieces = iter(parts.values())
+        total = next(pieces)
+        for piece in pieces:
+            total = total + piece
+        if "z_loss" in parts:
+            ce = ce + parts["z_loss"]
+        return ObjectiveOutput(loss=total, ce=ce, terms=values, numeric_positions=stats.numeric.count, grad_sums=sums)
+
+    def parts(self, stats: LogitStats, counts: LossCounts | None = None,
+              sequence_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(CE, each term's unweighted value, the parts of the total): the parts are what the total adds
+        up, in its order of summation: "ce" (CE, or (1 - w)·CE beside GCE), "gce" (w·GCE), every other
+        term's w·term (`stopgrad(CE / term)·w·term` with `rescale_to_ce`), and "z_loss" when configured.
+        `numloss.diagnostics` takes the gradient of each part."""
         keys = self.denominator_keys()
 
         def per_batch(name: str) -> dict:
@@ -212,11 +267,10 @@ class Objective:
                   for name, term in terms.items()}
         # GCE replaces CE: (1 - w)·CE + w·GCE, exactly CE at w = 0 and exactly GCE at w = 1.
         gce = terms.get("gce")
-        total = ce if gce is None else (1 - gce.weight) * ce + gce.weight * scaled["gce"]
+        parts = {"ce": ce} if gce is None else {"ce": (1 - gce.weight) * ce, "gce": gce.weight * scaled["gce"]}
         for name, term in terms.items():
             if name != "gce":
-                total = total + term.weight * scaled[name]
+                parts[name] = term.weight * scaled[name]
         if self.config.z_loss:  # a penalty on the normaliser, kept whether CE or GCE scores the tokens
-            z = z_loss_term(stats, self.config.z_loss, ce_denominator)
-            ce, total = ce + z, total + z
-        return ObjectiveOutput(loss=total, ce=ce, terms=values, numeric_positions=stats.numeric.count)
+            parts["z_loss"] = z_loss_term(stats, self.config.z_loss, ce_denominator)
+        return ce, values, parts

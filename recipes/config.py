@@ -139,6 +139,9 @@ class TrainSection:
     global_batch_size: int | None = None  # if given: must equal micro * accum * data-parallel size
     seed: int = 0
     log_every: int = 1
+    # per-term gradient diagnostics (numloss.diagnostics) on logged steps that are multiples of this
+    # (and the last): None: every logged step; 0: off
+    grad_diagnostics_every: int | None = None
     save_every: int = 0  # 0: only at the end
     # the most passes over data.train the steps may take (None: no limit; the count is reported, and a
     # warning when the data repeats); fewer rows than one global batch are always refused
@@ -252,6 +255,8 @@ class Recipe:
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        if self.train.grad_diagnostics_every is not None and self.train.grad_diagnostics_every < 0:
+            raise ValueError(f"train.grad_diagnostics_every: must be >= 0 (0: off), got {self.train.grad_diagnostics_every}")
         if self.train.dist_timeout_minutes <= 0:
             raise ValueError(f"train.dist_timeout_minutes: must be > 0, got {self.train.dist_timeout_minutes}")
         o = self.optim

@@ -51,6 +51,7 @@ from .engines import build_engine
 from .inputs.batches import model_inputs
 from .planning.checks import RecipeCheckError, preflight
 from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, step_tag
+from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
@@ -155,7 +156,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
             meter.data_read(started)
-            sums = engine.train_step(window)
+            sums = engine.train_step(window, diagnostics=diagnosed(recipe, step + 1))
             step += 1
             sums["tokens"], sums["model_flops"] = tokens, meter.flops(tokens, window)
             reduced = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
@@ -163,10 +164,11 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             row = {"step": step, **{k: v for k, v in reduced.items() if k not in ("tokens", "model_flops")},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
                    **meter.row(reduced, elapsed)}
+            row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.training.health, recipes.training.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
-            if step % recipe.train.log_every == 0 or step == recipe.train.steps or nonfinite:
+            if logged(recipe, step) or nonfinite:
                 metrics.log({**row, **meter.peak_memory()})
             if nonfinite:
                 raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())

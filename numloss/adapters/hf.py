@@ -42,10 +42,13 @@ class NumericLMOutput(dict):
 
     @classmethod
     def of(cls, out: ObjectiveOutput) -> "NumericLMOutput":
-        return cls(loss=out.loss, ce=out.ce, terms=dict(out.terms), numeric_positions=out.numeric_positions)
+        # grad_sums: detached tensors (or None), which ZeRO-3's output hooks pass through untouched
+        return cls(loss=out.loss, ce=out.ce, terms=dict(out.terms), numeric_positions=out.numeric_positions,
+                   grad_sums=out.grad_sums)
 
     def log_dict(self) -> dict[str, float]:
-        return ObjectiveOutput(self.loss, self.ce, self.terms, self.numeric_positions).log_dict()
+        return ObjectiveOutput(self.loss, self.ce, self.terms, self.numeric_positions,
+                               self.get("grad_sums")).log_dict()
 
 
 class NumericCausalLM(nn.Module):
@@ -85,13 +88,14 @@ class NumericCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 *, loss_counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                **model_kwargs) -> NumericLMOutput:
+                diagnostics: bool | None = None, **model_kwargs) -> NumericLMOutput:
         """`loss_counts`: the step's denominators (the output is then this batch's share of the step's
         loss); None: this batch's own. `sequence_ids` ([B, T], packed rows' segment ids): NTIL averages
-        over the examples of packed rows."""
+        over the examples of packed rows. `diagnostics`: the gradient sums of `numloss.diagnostics` in
+        `out.grad_sums` (None: the objective's default)."""
         return numeric_lm_forward(self.model, self.model.forward, self.objective, input_ids, labels, attention_mask,
                                   chunked=self.chunked, chunk_size=self.chunk_size, loss_counts=loss_counts,
-                                  sequence_ids=sequence_ids, **model_kwargs)
+                                  sequence_ids=sequence_ids, diagnostics=diagnostics, **model_kwargs)
 
 
 def batch_counts(objective: Objective, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
@@ -102,7 +106,8 @@ def batch_counts(objective: Objective, labels: torch.Tensor, sequence_ids: torch
 def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, input_ids: torch.Tensor,
                        labels: torch.Tensor, attention_mask: torch.Tensor | None = None, *, chunked: bool,
                        chunk_size: int = DEFAULT_CHUNK_SIZE, loss_counts: LossCounts | None = None,
-                       sequence_ids: torch.Tensor | None = None, **model_kwargs) -> NumericLMOutput:
+                       sequence_ids: torch.Tensor | None = None, diagnostics: bool | None = None,
+                       **model_kwargs) -> NumericLMOutput:
     """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM`, and
     of a model that computes the objective itself (the AutoTP training module in `recipes.engines.deepspeed.model`).
 
@@ -110,7 +115,7 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
     Chunked: only the backbone (`model.<base_model_prefix>`) runs, and its last hidden states meet the
     lm_head weight (this rank's vocab shard under AutoTP) one vocabulary chunk at a time."""
     shard = find_vocab_shard(model)
-    per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids}
+    per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids, "diagnostics": diagnostics}
     if not chunked:
         logits = full_forward(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
         return NumericLMOutput.of(causal_lm_objective(objective, logits, labels, shard, **per_batch))

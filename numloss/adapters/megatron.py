@@ -131,6 +131,7 @@ def numeric_loss_func(
     sequence_ids: torch.Tensor | None = None,
     group="megatron",
     real_vocab_size: int | None = None,
+    diagnostics: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """The last pipeline stage's `loss_func` with step-global counts (see the module docstring).
 
@@ -153,7 +154,8 @@ def numeric_loss_func(
     Returns `(share x T, n, report)`: `T` the step's global token count, `n` this micro-batch's valid
     tokens (int tensor; Megatron sums them over micro-batches and the DP group into `T` and divides
     the gradients by it), and `report` this micro-batch's share of the logged values (the keys of
-    `ObjectiveOutput.log_dict()`; summed over micro-batches and DP ranks they are the global batch's).
+    `ObjectiveOutput.log_dict()`; summed over micro-batches and DP ranks they are the global batch's;
+    with `diagnostics` also the gradient sums `grad_sums/*` of `numloss.diagnostics`, which add the same way).
     Collectives: the objective's two over the TP group (every TP rank gets the same value); nothing
     over DP or PP. Requires `calculate_per_token_loss=True`, context parallel size 1, and DDP without
     `average_in_collective` (megatron-core asserts the latter itself).
@@ -166,7 +168,8 @@ def numeric_loss_func(
         # The dtype's lowest value, not -inf: a shard of padding only would have a row max of -inf and
         # its local sum of exponentials would turn NaN (exp(-inf - -inf)).
         logits[..., max(real_vocab_size - vocab_start, 0):] = torch.finfo(logits.dtype).min
-    out = objective(logits, labels, group, vocab_start, counts=counts, sequence_ids=sequence_ids)
+    out = objective(logits, labels, group, vocab_start, counts=counts, sequence_ids=sequence_ids,
+                    diagnostics=diagnostics)
     tokens = counts.denominator(objective.denominator_keys()["ce"])
     n_local = (labels != objective.config.ignore_index).sum().to(device=logits.device, dtype=torch.int)
     return out.loss * tokens, n_local, out.log_dict()

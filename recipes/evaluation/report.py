@@ -11,7 +11,9 @@
 - intervals: `recipes.evaluation.stats`.
 - curves: `metrics.jsonl` (one JSON object per optimizer step, as recipes/train.py writes it:
   "step", "loss", "ce", "term/<name>", "lr", ...); one panel per quantity (loss, ce, then each term),
-  one line per run. Quantities a run does not log are simply absent from its panels.
+  one line per run, and when the runs logged gradient diagnostics (`numloss.diagnostics`) one panel of
+  every part's gradient share `grad/<part>/share` (a line per run and part). Quantities a run does not
+  log are simply absent from its panels.
 - probe: `recipes.evaluation.probe` (the digit-distribution heatmaps).
 """
 
@@ -131,12 +133,43 @@ def _named(specs: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+SHARES = "grad/*/share"  # the panel of every part's gradient share (numloss.diagnostics)
+
+
+def _share_parts(runs: dict[str, list[dict]]) -> list[str]:
+    """The parts whose `grad/<part>/share` any run logs: ce first, then by name."""
+    parts = {k[len("grad/"):-len("/share")] for rows in runs.values() for r in rows for k in r
+             if k.startswith("grad/") and k.endswith("/share")}
+    return sorted(parts, key=lambda part: (part != "ce", part))
+
+
 def curve_keys(runs: dict[str, list[dict]]) -> list[str]:
-    """Quantities to draw: loss, ce, then every term/<name> any run logs."""
+    """Quantities to draw: loss, ce, then every term/<name> any run logs, then the gradient shares'
+    panel (`SHARES`) when any run logs them."""
     keys = ["loss", "ce"]
     terms = sorted({k for rows in runs.values() for r in rows for k in r if k.startswith("term/")})
     present = {k for rows in runs.values() for r in rows for k in r}
-    return [k for k in keys if k in present] + terms
+    return [k for k in keys if k in present] + terms + ([SHARES] if _share_parts(runs) else [])
+
+
+def _points(rows: list[dict], key: str) -> tuple[tuple, tuple]:
+    """(steps, values) of `key` in the rows that log it (a diagnostics key: only the diagnosed steps)."""
+    pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and "step" in r]
+    return tuple(zip(*pts)) if pts else ((), ())
+
+
+def _plot_shares(ax, runs: dict[str, list[dict]]) -> None:
+    """One line per run and part: one run, a colour per part; several, a colour per run and a line style
+    per part."""
+    styles = ["-", "--", ":", "-."]
+    for p, part in enumerate(_share_parts(runs)):
+        for i, (name, rows) in enumerate(runs.items()):
+            xs, ys = _points(rows, f"grad/{part}/share")
+            if xs:
+                single = len(runs) == 1
+                ax.plot(xs, ys, label=part if single else f"{name}: {part}", linewidth=1.2,
+                        color=f"C{(p if single else i) % 10}", linestyle="-" if single else styles[p % len(styles)])
+    ax.set_ylim(0, 1)
 
 
 def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | None = None) -> str:
@@ -153,12 +186,13 @@ def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | Non
     nrow = math.ceil(len(keys) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.2 * nrow), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for i, (name, rows) in enumerate(runs.items()):
-            pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None and "step" in r]
-            if pts:  # a run keeps its colour in every panel, also in those where the others have no line
-                xs, ys = zip(*pts)
+        if key == SHARES:
+            _plot_shares(ax, runs)
+        for i, (name, rows) in enumerate(runs.items() if key != SHARES else ()):
+            xs, ys = _points(rows, key)
+            if xs:  # a run keeps its colour in every panel, also in those where the others have no line
                 ax.plot(xs, ys, label=name, linewidth=1.2, color=f"C{i % 10}")
-        ax.set_title(key)
+        ax.set_title("gradient share on the numbers" if key == SHARES else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -183,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("curves", help="training curves from metrics.jsonl files")
     c.add_argument("runs", nargs="+", help="[NAME=]metrics.jsonl")
     c.add_argument("--out", required=True)
-    c.add_argument("--keys", nargs="*", default=None, help="quantities to draw (default: loss, ce, term/*)")
+    c.add_argument("--keys", nargs="*", default=None,
+                   help=f"quantities to draw (default: loss, ce, term/*, and {SHARES!r}: the gradient shares' panel)")
     q = sub.add_parser("probe", help="digit-distribution heatmaps, one panel per model")
     q.add_argument("models", nargs="+", help="[NAME=]model_dir")
     q.add_argument("--data", required=True)

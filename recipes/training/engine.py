@@ -29,10 +29,11 @@ class Engine(Protocol):
     layout: dict  # written to each checkpoint's layout.json; compared at resume
     optimizer_name: str  # which optimizer implementation runs the step (for the run log)
 
-    def train_step(self, window: list[dict]) -> dict[str, float]:
+    def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         """Forward, backward and optimizer step over this rank's micro-batches `window` (model inputs on
         the device); returns this rank's share of the logged values (loss, ce, term/*,
-        numeric_positions): their SUM over the data-parallel group is the global batch's value."""
+        numeric_positions, and with `diagnostics` the gradient sums `grad_sums/*` of
+        `numloss.diagnostics`): their SUM over the data-parallel group is the global batch's value."""
         ...
 
     def lr(self) -> float:

@@ -50,6 +50,20 @@ def test_curves_one_line_per_run_and_a_panel_per_term(tmp_path):
     assert _png_ok(out)
 
 
+def test_curves_draw_the_gradient_shares_in_one_panel(tmp_path, monkeypatch):
+    """Runs that logged gradient diagnostics (every other step) get one more panel: every part's share."""
+    rows = [{"step": s, "loss": 1.0 / s, "ce": 0.5 / s, "term/smmd": 0.1,
+             **({"grad/ce/share": 0.4, "grad/smmd/share": 0.6, "grad/smmd/cos_ce": 0.2} if s % 2 == 0 else {})}
+            for s in range(1, 11)]
+    runs = {"smmd": rows, "ce": [{"step": s, "loss": 1.0, "ce": 1.0, "grad/ce/share": 1.0} for s in (2, 4)]}
+    assert R.curve_keys(runs) == ["loss", "ce", "term/smmd", R.SHARES]
+    assert R.curve_keys({"old": [{"step": 1, "loss": 1.0}]}) == ["loss"]
+    drawn = []
+    monkeypatch.setattr(R, "_plot_shares", lambda ax, r: drawn.append(R._share_parts(r)) or ax.plot([1], [0.5]))
+    assert _png_ok(R.plot_curves(runs, str(tmp_path / "curves.png")))
+    assert drawn == [["ce", "smmd"]]
+
+
 def test_probe_rows_sum_to_one_on_a_real_model(rec_model_dir, rec_data_dir, tmp_path):
     probe = P.probe_model(rec_model_dir, rec_data_dir, limit=None)
     mat = np.array(probe["matrix"])

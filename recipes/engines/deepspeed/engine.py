@@ -81,13 +81,13 @@ class DeepSpeedEngine:
                               "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
                               "max_length": recipe.data.seq_len}
 
-    def train_step(self, window: list[dict]) -> dict[str, float]:
+    def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         counts = step_counts(self.wrapper.counts, window, self.dp)
         scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
         sums: dict[str, float] = {}
         started = time.perf_counter()
         for i, inputs in enumerate(window):
-            result = self.engine(**inputs, loss_counts=counts)
+            result = self.engine(**inputs, loss_counts=counts, diagnostics=diagnostics)
             self.engine.backward(result.loss * scale)
             if i == len(window) - 1:  # the step's time split (recipes.training.throughput): 2 syncs per step
                 _synchronize(self.runtime.device)

@@ -117,11 +117,12 @@ def numeric_autotp_model(model, objective, chunked: bool = False, chunk_size: in
             return batch_counts(self.__dict__["_numloss_objective"], labels, sequence_ids)
 
         def forward(self, input_ids=None, labels=None, attention_mask=None, *, loss_counts=None,
-                    sequence_ids=None, **kwargs):
+                    sequence_ids=None, diagnostics=None, **kwargs):
             full_forward = functools.partial(base.forward, self)
             return numeric_lm_forward(self, full_forward, self.__dict__["_numloss_objective"], input_ids, labels,
                                       attention_mask, chunked=chunked, chunk_size=chunk_size,
-                                      loss_counts=loss_counts, sequence_ids=sequence_ids, **kwargs)
+                                      loss_counts=loss_counts, sequence_ids=sequence_ids, diagnostics=diagnostics,
+                                      **kwargs)
 
     NumericObjectiveModel.__name__ = NumericObjectiveModel.__qualname__ = f"Numeric{base.__name__}"
     model.__class__ = NumericObjectiveModel
@@ -138,7 +139,7 @@ def training_module(model, objective, recipe: Recipe):
     """What `deepspeed.initialize` receives: the HF model wrapped with the numeric objective
     (NumericCausalLM), or under AutoTP (`deepspeed.tp_size` > 1) the HF model itself computing it
     (`numeric_autotp_model`). Either way its forward takes (input_ids, labels, attention_mask, ...,
-    loss_counts=, sequence_ids=), returns a NumericLMOutput, and `counts(labels, sequence_ids)` gives a
+    loss_counts=, sequence_ids=, diagnostics=), returns a NumericLMOutput, and `counts(labels, sequence_ids)` gives a
     batch's loss denominators."""
     chunked = recipe.loss.head == "chunked"
     if recipe.deepspeed.tp_size > 1:

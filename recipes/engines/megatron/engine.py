@@ -94,16 +94,17 @@ class MegatronEngine:
         self.optimizer = step.MegatronAdam(recipe, self.model) if cuda else step.TorchAdamW(recipe, self.model)
         self.optimizer_name = self.optimizer.name
 
-    def train_step(self, window: list[dict]) -> dict[str, float]:
+    def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         """One optimizer step over this replica's micro-batches (dicts of `[b, s]` tensors: input_ids,
         labels unshifted with -100, attention_mask, optional position_ids / sequence_ids). Returns
-        this rank's share of loss, ce, term/*, numeric_positions (sum them over `dp.group`) and the
-        global grad_norm before clipping. Collective over the world."""
+        this rank's share of loss, ce, term/*, numeric_positions (and with `diagnostics` the gradient
+        sums grad_sums/*; sum them over `dp.group`) and the global grad_norm before clipping.
+        Collective over the world."""
         for chunk in self.model:
             chunk.train()
         sums = step.train_step(self.model, self.optimizer, self.objective, window,
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
-                               real_vocab_size=self.real_vocab_size)
+                               real_vocab_size=self.real_vocab_size, diagnostics=diagnostics)
         self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
         return sums
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from numloss import Objective
 from numloss.adapters.megatron import numeric_loss_func, shift_labels
+from numloss.diagnostics import sum_keys
 
 from recipes.config import Recipe
 from recipes.training.parallel import DataParallel, step_counts
@@ -210,16 +211,20 @@ class MegatronAdam:
         return self.schedulers[0].get_last_lr()[0]
 
 
-def log_keys(objective: Objective) -> list[str]:
-    """The logged values' keys, as `ObjectiveOutput.log_dict()` names them (known on every stage)."""
-    return sorted(["loss", "ce", "numeric_positions", *(f"term/{k}" for k in objective.config.terms)])
+def log_keys(objective: Objective, diagnostics: bool = False) -> list[str]:
+    """The logged values' keys, as `ObjectiveOutput.log_dict()` names them (known on every stage), with
+    the gradient sums of `numloss.diagnostics` when `diagnostics`."""
+    keys = ["loss", "ce", "numeric_positions", *(f"term/{k}" for k in objective.config.terms)]
+    return sorted(keys + (sum_keys(objective) if diagnostics else []))
 
 
 def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
-               sequence_parallel: bool = False, real_vocab_size: int | None = None) -> dict[str, float]:
+               sequence_parallel: bool = False, real_vocab_size: int | None = None,
+               diagnostics: bool = False) -> dict[str, float]:
     """Forward, backward and update for this replica's micro-batches `window` (see `prepare_window`).
     `real_vocab_size`: the vocabulary before Megatron's padding, whose padded columns the objective
-    leaves out (`numeric_loss_func`).
+    leaves out (`numeric_loss_func`). `diagnostics`: the last stage also computes the gradient sums
+    (`numloss.diagnostics`), logged and broadcast with the other values.
 
     Returns this rank's share of the logged values (`log_keys`, summed over the window; a SUM over the
     data-parallel group gives the global batch's) and "grad_norm" (the global norm before clipping,
@@ -242,7 +247,8 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         m = next(data_iterator)
         output = model(m["input_ids"], m["position_ids"], m["attention_mask"])  # last stage: [b, s, V/tp]
         return output, partial(numeric_loss_func, objective, counts, m["labels"],
-                               sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size)
+                               sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size,
+                               diagnostics=diagnostics)
 
     b, s = batches[0]["input_ids"].shape
     if any(m["input_ids"].shape[0] != b for m in batches):
@@ -255,7 +261,7 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     grad_norm = optimizer.step()
     optimizer.zero_grad()
 
-    keys = log_keys(objective)
+    keys = log_keys(objective, diagnostics)
     values = torch.zeros(len(keys), dtype=torch.float64)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         for report in reports:

@@ -1,0 +1,252 @@
+"""Per-term gradient diagnostics (`numloss.diagnostics`) against a dense float64 autograd reference.
+
+The reference is written from the logits with the independent loss implementations of
+`numeric_reference`: each weighted part of the total (CE, or (1 - w)·CE beside GCE; w·term; the
+z-loss) is differentiated with respect to the whole [B, S, V] logits, and the gradient is cut to the
+numeric positions x numeric columns. Its norms, shares and cosines with CE's gradient must equal what
+the objective reports, at TP 1 and TP 2 (gloo, 2 processes), from logits and from hidden states (the
+chunked head), for CE + SMMD + NTL-WAS + DIST2 + GCE (+ z-loss), for the full-vocabulary options, and
+for plain CE (whose pass reads the numeric block only for the diagnostics). Also: a weight-0 term's norm
+is 0; the sums of 2 data-parallel ranks x 2 micro-batches, added and finalised as the loop does, equal
+the global batch's reference; turning diagnostics on changes neither the loss nor any gradient (to the
+bit, NTIL's random noise included); the Megatron loss_func reports exactly the keys its step broadcasts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numeric_reference as R  # noqa: E402
+
+from numloss import NumericVocab, Objective, ObjectiveConfig, reduce_counts
+from numloss.diagnostics import finalize, sum_keys
+from recipes.training.diagnostics import finish_row
+from recipes.training.parallel import reduce_sum
+from tests.distributed import run_ranks
+from tests.test_vocab_parallel import V, VOCABS, make_labels, shard_bounds
+
+H = 16
+REFERENCE_TERMS = {"smmd": R.smmd, "ntl_was": R.ntl_was, "dist2": R.dist2, "gce": R.gce}
+CONFIGS = {
+    "mixed": {"terms": {"smmd": {}, "ntl_was": {}, "dist2": {}, "gce": {"weight": 0.5}}, "z_loss": 1e-3},
+    "full_vocab": {"terms": {"gce": {"sigma": 2.0}, "ntl_was": {"reweigh": True, "squash_factor": 3.0},
+                             "dist2": {"normalize": "numeric", "tau": 2.0}, "smmd": {"weight": 1.0}}},
+    "ce": {"terms": {}},
+}
+
+
+def inputs(vocab_name: str, rows: int = 3, seed: int = 7):
+    """(vocab, hidden [rows, 9, H], lm_head weight [V, H], labels [rows, 9]): logits = hidden @ weightᵀ."""
+    ids, values = VOCABS[vocab_name]
+    vocab = NumericVocab(ids, values, vocab_size=V)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 9, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.8
+    labels = torch.cat([make_labels(vocab, g) for _ in range(-(-rows // 3))])[:rows]
+    return vocab, hidden, weight, labels
+
+
+def reference(logits: torch.Tensor, labels: torch.Tensor, vocab_name: str, config: dict) -> dict:
+    """The logged diagnostics of `config` on `logits`, from float64 autograd through `numeric_reference`."""
+    ids, values = VOCABS[vocab_name]
+    terms = ObjectiveConfig.from_dict(dict(config)).terms  # resolves the default weights only
+    x = logits.double().detach().requires_grad_(True)
+    ce = R.ce(x, labels)
+    gce = terms.get("gce")
+    parts = {"ce": ce if gce is None else (1 - gce.weight) * ce}
+    for name, term in terms.items():
+        parts[name] = term.weight * REFERENCE_TERMS[name](x, labels, ids, values, **term.options)
+    if config.get("z_loss"):
+        parts["z_loss"] = R.ce(x, labels, z_loss=config["z_loss"]) - ce
+    rows = [i for i, y in enumerate(labels.reshape(-1).tolist()) if y in set(ids)]
+
+    def block(value):
+        grad = torch.autograd.grad(value, x, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros(len(rows), len(ids), dtype=torch.float64) if grad is None else grad.reshape(-1, V)[rows][:, ids]
+
+    direction = block(ce)
+    blocks = {name: block(value) for name, value in parts.items()}
+    norms = {name: float(b.norm()) for name, b in blocks.items()}
+    total = sum(norms.values())
+    out = {}
+    for name, b in blocks.items():
+        out[f"grad/{name}/norm"] = norms[name]
+        out[f"grad/{name}/share"] = norms[name] / total if total else None
+        if name != "ce":
+            scale = norms[name] * float(direction.norm())
+            out[f"grad/{name}/cos_ce"] = float((b * direction).sum()) / scale if scale else None
+    return out
+
+
+def assert_matches(got: dict, want: dict, where: str) -> None:
+    got = {k: v for k, v in got.items() if k.startswith("grad/")}
+    assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
+    for key, value in want.items():
+        if value is None:
+            assert got[key] is None, f"{where} {key}: {got[key]} is not None"
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-7), f"{where} {key}: {got[key]} != {value}"
+
+
+def diagnostics_of(out) -> dict:
+    return finalize(out.log_dict())
+
+
+# ---- TP 1 -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("vocab_name", ["spread", "first_half"])
+def test_dense_and_chunked_match_the_reference(vocab_name, config):
+    vocab, hidden, weight, labels = inputs(vocab_name)
+    logits = hidden @ weight.t()
+    want = reference(logits, labels, vocab_name, CONFIGS[config])
+    objective = Objective(vocab, CONFIGS[config], diagnostics=True)
+    assert_matches(diagnostics_of(objective(logits, labels)), want, f"{vocab_name}/{config} logits")
+    chunked = objective.from_hidden(hidden, weight, labels, chunk_size=4)
+    assert_matches(diagnostics_of(chunked), want, f"{vocab_name}/{config} chunked")
+
+
+def test_a_term_with_weight_zero_has_norm_zero():
+    vocab, hidden, weight, labels = inputs("spread")
+    out = Objective(vocab, {"terms": {"smmd": 0.0, "ntl_was": {}, "gce": 0.0}}, diagnostics=True)(hidden @ weight.t(), labels)
+    got = diagnostics_of(out)
+    for name in ("smmd", "gce"):
+        assert got[f"grad/{name}/norm"] == 0.0 and got[f"grad/{name}/share"] == 0.0
+        assert got[f"grad/{name}/cos_ce"] is None  # no direction: undefined, not 0
+    assert got["grad/ntl_was/norm"] > 0 and got["grad/ce/norm"] > 0
+    assert got["grad/ce/share"] + got["grad/ntl_was/share"] == pytest.approx(1.0)
+
+
+def test_switches_and_keys():
+    vocab, hidden, weight, labels = inputs("spread")
+    logits = hidden @ weight.t()
+    config = CONFIGS["mixed"]
+    assert Objective(vocab, config)(logits, labels).grad_sums is None
+    assert Objective(vocab, config, diagnostics=True)(logits, labels, diagnostics=False).grad_sums is None
+    out = Objective(vocab, config)(logits, labels, diagnostics=True)
+    objective = Objective(vocab, config)
+    assert sorted(out.grad_sums) == sum_keys(objective)
+    assert set(sum_keys(objective)) <= set(out.log_dict())
+
+
+@pytest.mark.parametrize("head", ["logits", "chunked"])
+@pytest.mark.parametrize("config", ["mixed", "ntil_noise", "ce"])
+def test_diagnostics_change_neither_loss_nor_gradients(head, config):
+    """Bit-identical with and without: loss, terms and every input's gradient; NTIL draws its Gumbel
+    noise from torch's generator, which the diagnostics leave as they found it."""
+    vocab, hidden, weight, labels = inputs("rank0")
+    spec = {"terms": {"ntil": {}, "smmd": {}}} if config == "ntil_noise" else CONFIGS[config]
+    results = []
+    for diagnostics in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        objective = Objective(vocab, spec, diagnostics=diagnostics)
+        out = objective(h @ w.t(), labels) if head == "logits" else objective.from_hidden(h, w, labels, chunk_size=4)
+        out.loss.backward()
+        results.append((out.loss, out.ce, out.terms, h.grad, w.grad, torch.rand(3)))
+    (loss0, ce0, terms0, dh0, dw0, after0), (loss1, ce1, terms1, dh1, dw1, after1) = results
+    assert torch.equal(loss0, loss1) and torch.equal(ce0, ce1)
+    assert all(torch.equal(terms0[k], terms1[k]) for k in terms0)
+    assert torch.equal(dh0, dh1) and torch.equal(dw0, dw1)
+    assert torch.equal(after0, after1)  # the run's random stream goes on as without diagnostics
+
+
+def test_megatron_loss_func_reports_the_broadcast_keys():
+    """The last stage's report holds exactly the keys `recipes.engines.megatron.step.log_keys` makes
+    every stage expect (a mismatch would break the pipeline broadcast)."""
+    from numloss.adapters.megatron import numeric_loss_func
+
+    vocab, hidden, weight, labels = inputs("spread")
+    objective = Objective(vocab, CONFIGS["mixed"])
+    counts = objective.counts(labels)
+    _, _, report = numeric_loss_func(objective, counts, labels, hidden @ weight.t(), group=None, diagnostics=True)
+    keys = ["loss", "ce", "numeric_positions", *(f"term/{k}" for k in objective.config.terms)]
+    assert sorted(report) == sorted(keys + sum_keys(objective))
+    assert_matches(finalize(report), reference(hidden @ weight.t(), labels, "spread", CONFIGS["mixed"]), "megatron")
+
+
+# ---- TP 2 and DP 2, real gloo processes --------------------------------------------------------------------
+
+
+def _tensor_parallel(rank, world):
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    for vocab_name in ("spread", "rank0", "first_half"):
+        vocab, hidden, weight, labels = inputs(vocab_name)
+        logits = hidden @ weight.t()
+        for name, config in CONFIGS.items():
+            want = reference(logits, labels, vocab_name, config)
+            where = f"{vocab_name}/{name} TP {world} rank {rank}"
+            objective = Objective(vocab, config, diagnostics=True)
+            local = logits[..., start:end].clone().requires_grad_(True)
+            out = objective(local, labels, group=group, vocab_start=start)
+            assert_matches(diagnostics_of(out), want, where + " logits")
+            out.loss.backward()
+            plain = logits[..., start:end].clone().requires_grad_(True)
+            off = Objective(vocab, config)(plain, labels, group=group, vocab_start=start)
+            off.loss.backward()
+            assert torch.equal(out.loss, off.loss) and torch.equal(local.grad, plain.grad), where
+            chunked = objective.from_hidden(hidden, weight[start:end], labels, group=group, vocab_start=start,
+                                            chunk_size=4)
+            assert_matches(diagnostics_of(chunked), want, where + " chunked")
+
+
+def test_tensor_parallel_matches_the_reference():
+    run_ranks(2, _tensor_parallel)
+
+
+def _data_parallel(rank, world):
+    """2 ranks x 2 micro-batches of 2 rows: the loop's sums (micro-batches, then the SUM over ranks,
+    then `finish_row`) against the reference on the whole global batch of 8 rows."""
+    config = CONFIGS["mixed"]
+    vocab, hidden, weight, labels = inputs("spread", rows=8)
+    logits = hidden @ weight.t()
+    want = reference(logits, labels, "spread", config)
+    objective = Objective(vocab, config, diagnostics=True)
+    window = [(logits[r:r + 2], labels[r:r + 2]) for r in (4 * rank, 4 * rank + 2)]
+    step = reduce_counts([objective.counts(lab) for _, lab in window], group=dist.group.WORLD)
+    sums: dict[str, float] = {}
+    for mb_logits, mb_labels in window:
+        for key, value in objective(mb_logits, mb_labels, counts=step).log_dict().items():
+            sums[key] = sums.get(key, 0.0) + value
+    row = finish_row({**reduce_sum(sums, torch.device("cpu"), dist.group.WORLD), "grad_norm": 2.5}, grad_clip=1.0)
+    assert_matches(row, want, f"DP 2 rank {rank}")
+    assert row["clipped"] == 1 and not any(k.startswith("grad_sums/") for k in row)
+
+
+def test_data_parallel_micro_batches_match_the_global_batch():
+    run_ranks(2, _data_parallel)
+
+
+# ---- the loop's side ---------------------------------------------------------------------------------------
+
+
+def test_which_steps_are_diagnosed_and_how_a_row_is_finished():
+    from recipes.config import Recipe
+    from recipes.training.diagnostics import diagnosed
+
+    recipe = Recipe()
+    recipe.train.steps, recipe.train.log_every = 9, 2
+    steps = lambda: [s for s in range(1, 10) if diagnosed(recipe, s)]  # noqa: E731
+    assert steps() == [2, 4, 6, 8, 9]  # default: every logged step, the last included
+    recipe.train.grad_diagnostics_every = 4
+    assert steps() == [4, 8, 9]
+    recipe.train.grad_diagnostics_every = 3  # only logged steps: 6, and the last
+    assert steps() == [6, 9]
+    recipe.train.grad_diagnostics_every = 0
+    assert steps() == []
+    plain = {"step": 1, "loss": 2.0, "grad_norm": 3.0}
+    assert finish_row(dict(plain), grad_clip=1.0) == plain  # no sums: no diagnostics keys, no `clipped`
+    sums = {"grad_sums/ce/sq": 9.0, "grad_sums/ce/ref_sq": 9.0, "grad_sums/smmd/sq": 16.0, "grad_sums/smmd/dot_ce": -6.0}
+    row = finish_row({**plain, **sums, "grad_norm": None}, grad_clip=1.0)
+    assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "clipped": None, "grad/ce/norm": 3.0,
+                   "grad/ce/share": 3 / 7, "grad/smmd/norm": 4.0, "grad/smmd/share": 4 / 7, "grad/smmd/cos_ce": -0.5}
+    assert finish_row({**plain, **sums, "grad_norm": 0.5}, grad_clip=1.0)["clipped"] == 0
+    assert finish_row({**plain, **sums}, grad_clip=0.0)["clipped"] == 0  # no clipping configured
