@@ -169,7 +169,8 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             # (recipes.training.health, recipes.training.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
             if logged(recipe, step) or nonfinite:
-                metrics.log({**row, **meter.peak_memory()})
+                row = {**row, **meter.peak_memory()}  # a collective: on logged steps, on every rank
+                metrics.log(row)
             if nonfinite:
                 raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())
             warning = zero_grad.update(step, row["grad_norm"])

@@ -96,9 +96,9 @@ class CheckpointDirs:
         if self.runtime.is_main:
             _atomic_write(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
             for sub in sorted({directory / Path(f).parent for f in files} | {directory}):
-                _fsync(sub)
+                fsync_path(sub)
             _atomic_write(self.root / LATEST, tag)
-            _fsync(self.root)
+            fsync_path(self.root)
             tags = sorted(p.name for p in self.root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
             for old in tags[:-self.keep_last]:
                 shutil.rmtree(self.root / old, ignore_errors=True)
@@ -143,7 +143,7 @@ class CheckpointDirs:
             try:
                 mine[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
                 if fsync:
-                    _fsync(path)
+                    fsync_path(path)
             except OSError as err:
                 mine[name] = {"error": f"{type(err).__name__}: {err.strerror or err}"}
         everyone: list = [None] * world
@@ -202,7 +202,7 @@ class CheckpointDirs:
                 os.replace(self.root / tag, self.root / f"corrupt_{tag}")
                 shutil.rmtree(self.root / f"{tag}_universal", ignore_errors=True)
                 _atomic_write(self.root / LATEST, candidate)
-                _fsync(self.root)
+                fsync_path(self.root)
                 print(f"[numloss] warning: {report}. Resuming from {candidate}, the newest intact checkpoint; "
                       f"the corrupt one is kept as {self.root / f'corrupt_{tag}'}", file=sys.stderr, flush=True)
             dist.barrier()
@@ -218,7 +218,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

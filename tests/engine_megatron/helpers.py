@@ -3,14 +3,11 @@ weights), recipes that point at them, and a process spawner with a timeout."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.engine_megatron.ranks import run_ranks  # noqa: F401  (the tests import it from here)
 
 VOCAB = 300  # padded to 384 at TP 1 and to 512 at TP 2 (Megatron's multiple of 128 x tp)
 LLAMA = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -49,30 +46,3 @@ def recipe_for(model_dir: str | Path, tp: int = 1, pp: int = 1, vp: int | None =
                   megatron=MegatronSection(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp))
 
 
-def _entry(rank: int, world: int, init_file: str, fn, args):
-    torch.set_num_threads(1)  # 2-core machines: several ranks must not oversubscribe
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(world: int, fn, *args, timeout: float = 300.0) -> None:
-    """`fn(rank, world, *args)` in `world` spawned processes joined in a gloo group; a rank's exception
-    fails the caller with its traceback, and past `timeout` seconds every rank is killed and the caller
-    fails (a deadlocked collective cannot hang the test run)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_entry, args=(world, os.path.join(tmp, "init"), fn, args), nprocs=world,
-                                     join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world} ranks ran past {timeout} s")
-        finally:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from recipes.training.checkpoints import fsync_path
 from recipes.training.runtime import Runtime
 
 from .lora import is_lora_layer, merged_weight
@@ -172,7 +173,7 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
     try:
         if file is not None:
             save_file(state, str(staging / file), metadata={"format": "pt"})
-            _fsync(staging / file)
+            fsync_path(staging / file)
         elif state:
             raise RuntimeError(f"rank {runtime.rank} holds {len(state)} tensors but no shard file in the plan")
     except Exception as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
@@ -222,8 +223,8 @@ def _finish(everyone: list, count: int, model, tokenizer, staging: Path, path: P
     tokenizer.save_pretrained(str(staging))
     for f in staging.iterdir():
         if f.is_file():
-            _fsync(f)
-    _fsync(staging)
+            fsync_path(f)
+    fsync_path(staging)
     if path.exists() and _exchange(staging, path):  # `path` is the new export, `staging` the old one
         shutil.rmtree(staging, ignore_errors=True)
     else:
@@ -233,15 +234,7 @@ def _finish(everyone: list, count: int, model, tokenizer, staging: Path, path: P
             os.replace(path, old)  # a crash between these two renames leaves the previous export in `old`
         os.replace(staging, path)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync(path.parent)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
