@@ -23,7 +23,6 @@ not depend on the layout; ranks without a file of their own (more ranks than sav
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from data_prep.reader import ShardDataset
+from data_prep.shards import sha256_file
 
 from .runtime import Runtime
 
@@ -141,7 +141,7 @@ class CheckpointDirs:
         for name in names[rank::world]:
             path = directory / name
             try:
-                mine[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+                mine[name] = {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
                 if fsync:
                     fsync_path(path)
             except OSError as err:
@@ -208,14 +208,6 @@ class CheckpointDirs:
             dist.barrier()
             return
         raise CheckpointCorrupt(f"{report}; no older checkpoint is intact either. Remove {self.root} to start over")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_path(path: Path) -> None:

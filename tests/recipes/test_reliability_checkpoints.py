@@ -93,8 +93,8 @@ def _rank(rank, world, root: str):
         state.write_bytes(pickle.dumps({"step": 2, "data": Planted(marker)}))
         manifest_path = root / "step_00000002" / MANIFEST
         manifest = json.loads(manifest_path.read_text())
-        from recipes.training.checkpoints import _sha256
-        manifest["files"]["rank_00000.pt"] = {"bytes": state.stat().st_size, "sha256": _sha256(state)}
+        from data_prep.shards import sha256_file
+        manifest["files"]["rank_00000.pt"] = {"bytes": state.stat().st_size, "sha256": sha256_file(state)}
         manifest_path.write_text(json.dumps(manifest))
     dist.barrier()
     dirs = CheckpointDirs(root, 3, runtime)
