@@ -37,6 +37,11 @@ def main(tok_dir: str, out: str) -> None:
     trainer = namespace["trainer"]
     if args.process_index == 0:
         (out_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    # end the process group before exit: left to interpreter shutdown, gloo's threads sometimes abort the
+    # process ("terminate called without an active exception", exit -6) after a run that succeeded
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
