@@ -93,9 +93,9 @@ def log(message: str) -> None:
     print(f"[study {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def write_problems(out: Path, n_train: int, n_eval: int, seed: int = 0) -> tuple[Path, Path]:
-    """Disjoint train / held-out JSONL: two add/sub problems for each multiplication."""
-    return write_arithmetic_split(out, n_train, n_eval, list(MIX), seed)
+def write_problems(out: Path, n_train: int, n_eval: int, seed: int = 0, mix=MIX) -> tuple[Path, Path]:
+    """Disjoint train / held-out JSONL from `mix` (default: two add/sub problems for each multiplication)."""
+    return write_arithmetic_split(out, n_train, n_eval, list(mix), seed)
 
 
 def backbone_dir(setup: Setup) -> Path | None:
@@ -112,8 +112,8 @@ def tokenizer_dir(setup: Setup, work: Path, tokenizer: str) -> Path:
     return backbone_dir(setup) if style == BACKBONE else work / tokenizer / "tokenizer"
 
 
-def build_data(setup: Setup, work: Path, n_train: int, n_eval: int) -> None:
-    train_jsonl, eval_jsonl = write_problems(work / "problems", n_train, n_eval)
+def build_data(setup: Setup, work: Path, n_train: int, n_eval: int, mix=MIX) -> None:
+    train_jsonl, eval_jsonl = write_problems(work / "problems", n_train, n_eval, mix=mix)
     texts = [p.read_text() for p in (train_jsonl, eval_jsonl)]
     for name, (style, policy) in setup.tokenizers.items():
         root = work / name
@@ -143,7 +143,19 @@ def speed(curve: list[dict]) -> float | None:
     return statistics.median(rates) if rates else None
 
 
-def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed: int, steps: int | None) -> dict:
+def curve_row(row: dict) -> dict:
+    """What a record keeps of one metrics.jsonl row: the losses, speed, the pre-clip gradient norm and,
+    on diagnosed steps, each part's gradient share and cosine with CE and whether the step was clipped."""
+    keep = {"step", "ce", "loss", "tokens_per_s", "grad_norm", "clipped"}
+    return {k: v for k, v in row.items()
+            if k in keep or k.startswith("term/") or (k.startswith("grad/") and not k.endswith("/norm"))}
+
+
+def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed: int, steps: int | None,
+            objective: dict | None = None, overrides: tuple[str, ...] = (), keep_model: bool | None = None) -> dict:
+    """Train, evaluate and record one run; `objective` (default `LOSSES[loss]`) and `overrides` (recipe
+    overrides after the study's own) let a regime of `recipes.experiments.regimes` vary the setting;
+    `keep_model` (default: the setup's rule) whether the exported model stays."""
     from recipes.evaluation.evaluate import evaluate
     from recipes.evaluation.report import read_metrics_jsonl
 
@@ -152,25 +164,28 @@ def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed
     policy = setup.tokenizers[tokenizer][1]
     model = (f"model.name_or_path={backbone_dir(setup)}" if setup.tokenizers[tokenizer][0] == BACKBONE
              else f"model.tokenizer={tokenizer_dir(setup, work, tokenizer)}")
-    overrides = [f"name={name}", f"train.out_dir={run_dir}", f"train.seed={seed}",
-                 f"loss.objective={json.dumps(LOSSES[loss])}", f"loss.numeric_policy={policy}",
-                 f"data.train={work / tokenizer / 'data' / 'train'}", model]
+    objective = LOSSES[loss] if objective is None else objective
+    settings = [f"name={name}", f"train.out_dir={run_dir}", f"train.seed={seed}",
+                f"loss.objective={json.dumps(objective)}", f"loss.numeric_policy={policy}",
+                f"data.train={work / tokenizer / 'data' / 'train'}", model, *overrides]
     if steps is not None:
-        overrides.append(f"train.steps={steps}")
-    seconds = run_recipe(setup.recipe, overrides, nproc=2, quiet=True)
+        settings.append(f"train.steps={steps}")
+    seconds = run_recipe(setup.recipe, settings, nproc=2, quiet=True)
     results = evaluate(str(run_dir / "final"), str(work / tokenizer / "data" / "eval"), batch_size=100,
                        max_new_tokens=setup.max_new_tokens, name=name)
     curve = read_metrics_jsonl(str(run_dir / "metrics.jsonl"))
     record = {"name": name, "tokenizer": tokenizer, "loss": loss, "seed": seed, "train_seconds": round(seconds, 1),
+              "objective": objective, "overrides": list(overrides),
               **eval_record(results), "tokens_per_s": speed(curve), "final": curve[-1],
-              "curve": [{"step": r["step"], "ce": r["ce"], "loss": r["loss"], "tokens_per_s": r.get("tokens_per_s")}
-                        for r in curve]}
+              "curve": [curve_row(r) for r in curve]}
     path = out / "runs" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1))
     # A 135M model's DeepSpeed checkpoint (weights + Adam state) is ~1.6 GB: the record is what stays.
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    if not setup.keep_models and any(s != seed for s in models_by_seed(work, tokenizer)):
+    if keep_model is None:
+        keep_model = setup.keep_models or not any(s != seed for s in models_by_seed(work, tokenizer))
+    if not keep_model:
         shutil.rmtree(run_dir / "final", ignore_errors=True)
     return record
 
@@ -211,13 +226,14 @@ def versus_ce(group: list[dict], ce: list[dict]) -> dict | None:
                                [[c == "1" for c in r["correct"]] for r in theirs])
 
 
-def aggregate(records: list[dict]) -> list[dict]:
-    """Mean and standard deviation over seeds, per (tokenizer, loss), in the study's order (tokenizers
-    as they first appear), with the difference against CE (`versus_ce`) and the mean training speed."""
+def aggregate(records: list[dict], order=LOSSES) -> list[dict]:
+    """Mean and standard deviation over seeds, per (tokenizer, loss), in `order`'s order of losses
+    (tokenizers as they first appear), with the difference against CE (`versus_ce`) and the mean
+    training speed."""
     rows = []
     for tokenizer in dict.fromkeys(r["tokenizer"] for r in records):
         ce = [r for r in records if r["tokenizer"] == tokenizer and r["loss"] == "ce"]
-        for loss in LOSSES:
+        for loss in order:
             group = [r for r in records if r["tokenizer"] == tokenizer and r["loss"] == loss]
             if not group:
                 continue

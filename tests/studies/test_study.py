@@ -86,6 +86,9 @@ def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     record = json.loads((out / "runs" / "digits-smmd-s0.json").read_text())
     assert [r["step"] for r in record["curve"]] == [1, 2] and record["metrics"]["n"] == 16
     assert "term/smmd" in record["final"]
+    # the record keeps each step's gradient diagnostics (on by default at every logged step), not the norms
+    assert all(0 <= r["grad/smmd/share"] <= 1 and r["clipped"] in (0, 1) for r in record["curve"])
+    assert record["objective"] == study.LOSSES["smmd"] and not any(k.endswith("/norm") for k in record["curve"][0])
     results = (out / "results.md").read_text()
     assert results.count("| digits |") == 2
     assert "Runs done: 2 of 2 planned." in results and "Missing" not in results

@@ -1,0 +1,269 @@
+"""The regime study: in which setting does a numeric term pay off on SmolLM2-135M-Instruct, and at what
+weight? Four questions, each a small grid of runs on the SmolLM2 study's setup (`recipes.experiments.study`,
+docs/study-smollm2/), run in this order and published one by one:
+
+    python -m recipes.regimes --regime weight [--seeds 3] [--budget-min M] [--report-only]
+
+1. weight: SMMD at 0.3 / 1 / 3 and DIST2 at 0.1 / 0.3 / 1 (each spanning 10x around its default), CE
+   alongside, everything else the base study's. CE, SMMD 3 and DIST2 0.1 ARE the base study's runs
+   (same recipe, data, seeds): their records are read from docs/study-smollm2/runs/, not rerun.
+2. length: 4x the steps (240, 3,840 problems, none seen twice) at half the peak LR (1e-4): does a gap
+   open once the answer format is learnt?
+3. data: 320 training problems seen 3 times (60 steps), the setting where the DIST2 paper reports its
+   largest gains.
+4. task: signed arithmetic (data_prep's DeepMind-Math-style generator: "add_or_sub" with negatives and
+   one decimal, "mul" of signed integers): answers like "-12.7" or "-918" whose digits are all numeric
+   labels, the sign and point plain CE.
+
+Questions 2-4 compare CE with the best-weighted SMMD and DIST2 of question 1 (highest mean exact match
+over its seeds); the choice is made when such a regime first starts, from question 1's records, and
+written to `<out>/choice.json`, so that a later invocation continues the same grid. A regime whose
+choice question 1 cannot yet make (fewer than 3 seeds for a weight) is refused.
+
+Each run is a record in `docs/study-smollm2/regimes/<regime>/runs/` (skipped when present: the study
+resumes by run); each invocation rewrites that regime's `results.md` (the base study's exact-match table,
+with two-level intervals against CE, and the gradient table of `gradient_rows`), `results.csv` and
+`curves.png` from whatever records exist, and lists the runs still missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipes.experiments.study import (
+    ADD_SUB,
+    MIX,
+    MUL,
+    SETUPS,
+    aggregate,
+    build_data,
+    log,
+    markdown,
+    progress_lines,
+    run_one,
+    zero_shot,
+    zero_shot_lines,
+)
+
+BASE = SETUPS["smollm2"]
+OUT = BASE.out / "regimes"
+FAMILIES = {"smmd": (0.3, 1.0, 3.0), "dist2": (0.1, 0.3, 1.0)}  # the middle of each is not its default:
+# SMMD's default (3) is the top of its span and DIST2's (0.1) the bottom, so each span is 10x with the
+# default at one end, toward the side the base study did not try.
+DEFAULT_WEIGHT = {"smmd": 3.0, "dist2": 0.1}
+
+
+def label(family: str, weight: float) -> str:
+    return f"{family}_w{weight:g}"
+
+
+def objective(family: str, weight: float) -> dict:
+    return {"terms": {family: {"weight": weight}}}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One question: its runs' settings beyond the base study's, and which losses it compares."""
+
+    name: str
+    question: str
+    overrides: tuple[str, ...] = ()
+    train_examples: int = BASE.train_examples
+    mix: tuple = MIX
+    weights: bool = False  # True: every weight of FAMILIES; False: CE and question 1's best weights
+    shares_base: bool = False  # the base study's runs at this exact setting are this regime's too
+    work: Path = field(default=BASE.work)
+
+    @property
+    def out(self) -> Path:
+        return OUT / self.name
+
+
+SIGNED_DECIMAL = {**ADD_SUB, "negatives": True, "decimals": 1}
+REGIMES = {r.name: r for r in (
+    Regime("weight", "At which weight does SMMD or DIST2 help, against CE?", weights=True, shares_base=True),
+    Regime("length", "Does a gap open past the format-learning phase (4x steps, half the LR, no repeats)?",
+           overrides=("train.steps=240", "optim.lr=1.0e-4", "optim.warmup_steps=10", "train.save_every=40"),
+           work=BASE.work.with_name("study-smollm2-length")),
+    Regime("data", "With 320 training problems seen 3 times, does a term help?", train_examples=320,
+           work=BASE.work.with_name("study-smollm2-data")),
+    Regime("task", "On signed one-decimal arithmetic, does a term help?",
+           mix=(("add_or_sub", SIGNED_DECIMAL), ("add_or_sub", SIGNED_DECIMAL), ("mul", {**MUL, "negatives": True})),
+           work=BASE.work.with_name("study-smollm2-task")),
+)}
+
+
+def read_records(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.exists() else []
+
+
+def base_records() -> list[dict]:
+    """The base study's CE and default-weight SMMD / DIST2 runs, relabelled as the weight regime's."""
+    names = {"ce": "ce", **{family: label(family, w) for family, w in DEFAULT_WEIGHT.items()}}
+    return [{**r, "loss": names[r["loss"]], "name": f"{r['tokenizer']}-{names[r['loss']]}-s{r['seed']}", "objective": {"terms": {} if r["loss"] == "ce" else
+                                                           {r["loss"]: {"weight": DEFAULT_WEIGHT[r["loss"]]}}},
+             "shared_from": f"docs/study-smollm2/runs/{r['name']}.json"}
+            for r in read_records(BASE.out / "runs") if r["loss"] in names]
+
+
+def records(regime: Regime) -> list[dict]:
+    return read_records(regime.out / "runs") + (base_records() if regime.shares_base else [])
+
+
+def best_weights(min_seeds: int = 3) -> dict[str, float]:
+    """{family: the weight with the highest mean exact match} over the weight regime's records; each
+    weight needs `min_seeds` seeds, else ValueError (no best can be read from fewer)."""
+    found = records(REGIMES["weight"])
+    best = {}
+    for family, weights in FAMILIES.items():
+        means = {}
+        for w in weights:
+            scores = [r["metrics"]["exact_match"] for r in found if r["loss"] == label(family, w)]
+            if len(scores) < min_seeds:
+                raise ValueError(f"the weight regime has {len(scores)} seed(s) of {label(family, w)}; "
+                                 f"run `python -m recipes.regimes --regime weight` to {min_seeds} seeds first")
+            means[w] = statistics.mean(scores)
+        best[family] = max(means, key=means.get)
+    return best
+
+
+def losses(regime: Regime) -> dict[str, dict]:
+    """{label: objective} of the regime, CE first; a regime after the first reads (once) or makes its
+    `choice.json`."""
+    grid = {"ce": {"terms": {}}}
+    if regime.weights:
+        for family, weights in FAMILIES.items():
+            grid.update({label(family, w): objective(family, w) for w in weights})
+        return grid
+    path = regime.out / "choice.json"
+    if path.exists():
+        choice = json.loads(path.read_text())["best_weights"]
+    else:
+        choice = best_weights()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"best_weights": choice, "chosen": time.strftime("%Y-%m-%d %H:%M"),
+                                    "from": "the weight regime's highest mean exact match"}, indent=1) + "\n")
+    grid.update({label(family, w): objective(family, w) for family, w in choice.items()})
+    return grid
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
+    """Per loss, over its runs (mean of each run's mean over its diagnosed steps): the term's share of
+    the gradient on the numeric logits, its cosine with CE's, the share of steps clipped, and the median
+    pre-clip gradient norm. Records made before the diagnostics existed have none (None)."""
+    rows = []
+    for loss in order:
+        group = [r for r in found if r["loss"] == loss]
+        if not group:
+            continue
+        terms = list(next(r for r in group)["objective"]["terms"])
+        per_run = []
+        for r in group:
+            steps = [s for s in r["curve"] if "clipped" in s]
+            per_run.append({"share": mean_of([{"v": sum(s.get(f"grad/{t}/share") or 0 for t in terms)} for s in steps], "v")
+                            if steps and terms else None,
+                            "cos_ce": mean_of([{"v": s.get(f"grad/{terms[0]}/cos_ce")} for s in steps], "v")
+                            if steps and terms else None,
+                            "clipped": mean_of(steps, "clipped") if steps else None,
+                            "grad_norm": statistics.median(s["grad_norm"] for s in r["curve"] if s.get("grad_norm"))
+                            if any(s.get("grad_norm") for s in r["curve"]) else None})
+        rows.append({"loss": loss, "runs": len(group), "diagnosed": sum(p["clipped"] is not None for p in per_run),
+                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "clipped", "grad_norm")}})
+    return rows
+
+
+def gradient_markdown(rows: list[dict]) -> str:
+    def cell(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    lines = [("Gradients (numloss.diagnostics, every step): the term's share of the gradient norm on the "
+              "numeric logits (CE's + the term's), its cosine with CE's gradient there, the fraction of steps "
+              "whose pre-clip norm exceeded optim.grad_clip, and the median pre-clip norm; each a mean over "
+              "the runs that recorded it (runs shared from the base study predate the diagnostics)."), "",
+             "| loss | runs | with diagnostics | term share | cos(term, CE) | steps clipped | median grad norm |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['loss']} | {r['runs']} | {r['diagnosed']} | {cell(r['share'], '.2f')} | "
+                     f"{cell(r['cos_ce'], '+.2f')} | {cell(r['clipped'], '.0%')} | {cell(r['grad_norm'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def report(regime: Regime, grid: list[str], order: list[str]) -> str:
+    """`results.md`, `results.csv` and `curves.png` of a regime from its records; returns the table."""
+    import csv
+
+    from recipes.evaluation.report import SHARES, plot_curves
+
+    found = records(regime)
+    if not found:
+        raise FileNotFoundError(f"{regime.out / 'runs'}: no finished runs to report")
+    rows = aggregate(found, order=order)
+    before = {p.stem.removeprefix("zero_shot-"): json.loads(p.read_text())
+              for p in sorted((BASE.out if regime.shares_base else regime.out).glob("zero_shot-*.json"))}
+    table = "\n".join([f"Regime `{regime.name}`: {regime.question}", "", markdown(rows), *zero_shot_lines(before), "",
+                       gradient_markdown(gradient_rows(found, order)), *progress_lines(found, grid)])
+    (regime.out / "results.md").write_text(table + "\n")
+    with open(regime.out / "results.csv", "w", newline="") as f:
+        flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()} for row in rows]
+        writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+    curves = {r["loss"]: r["curve"] for loss in order for r in found if r["loss"] == loss and r["seed"] == 0}
+    if curves:
+        plot_curves(curves, str(regime.out / "curves.png"), keys=["ce", "grad_norm", SHARES])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.regimes", description=__doc__.split("\n")[0])
+    parser.add_argument("--regime", choices=list(REGIMES), required=True)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="start no new run after this many minutes (the study resumes later)")
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    regime = REGIMES[args.regime]
+    try:
+        grid_losses = losses(regime)
+    except ValueError as e:
+        raise SystemExit(f"regime {regime.name!r}: {e}") from None
+    order = list(grid_losses)
+    tokenizer = next(iter(BASE.tokenizers))
+    plan = [(loss, s) for s in range(args.seeds) for loss in order]  # seed by seed: a partial study has whole seeds
+    grid = [f"{tokenizer}-{loss}-s{s}" for loss, s in plan]
+    (regime.out / "runs").mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        build_data(BASE, regime.work, regime.train_examples, BASE.eval_examples, mix=regime.mix)
+        if not regime.shares_base:  # its own test problems: the backbone's own score on them
+            zero_shot(BASE, regime.work, regime.out)
+        started = time.time()
+        for i, (loss, seed) in enumerate(plan, 1):
+            done = {r["name"] for r in records(regime)}
+            if f"{tokenizer}-{loss}-s{seed}" in done:
+                continue
+            if args.budget_min is not None and time.time() - started > 60 * args.budget_min:
+                log(f"{args.budget_min:g} min spent: stopping before {loss} seed {seed}")
+                break
+            record = run_one(BASE, regime.work, regime.out, tokenizer, loss, seed, None, objective=grid_losses[loss],
+                             overrides=regime.overrides, keep_model=False)
+            m = record["metrics"]
+            log(f"{regime.name} {i}/{len(plan)} {record['name']}: exact match {m['exact_match']}, parse rate "
+                f"{m['parse_rate']} ({record['train_seconds']:.0f} s; {(time.time() - started) / 60:.1f} min so far)")
+            report(regime, grid, order)  # publish each run as it lands
+    print(report(regime, grid, order))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

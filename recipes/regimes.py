@@ -1,0 +1,8 @@
+"""`python -m recipes.regimes --regime weight|length|data|task`: the regime study (`recipes.experiments.regimes`)."""
+
+import sys
+
+from recipes.experiments.regimes import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""recipes.experiments.regimes: which runs a regime plans, which it takes from the base study, how the best
+weights are chosen and kept, and the gradient table, on synthetic records computed by hand. The training
+path itself is `recipes.experiments.study.run_one`, run end to end in test_study.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from recipes.experiments import regimes, study
+
+
+@pytest.fixture()
+def folders(tmp_path, monkeypatch):
+    """The base study's records in tmp_path/base, the regimes' in tmp_path/regimes."""
+    base = replace(regimes.BASE, out=tmp_path / "base", work=tmp_path / "work")
+    (base.out / "runs").mkdir(parents=True)
+    monkeypatch.setattr(regimes, "BASE", base)
+    monkeypatch.setattr(regimes, "OUT", tmp_path / "regimes")
+    return base.out / "runs", tmp_path / "regimes"
+
+
+def _record(loss, seed, correct, objective=None, curve=None, name=None):
+    return {"name": name or f"smollm2-{loss}-s{seed}", "tokenizer": "smollm2", "loss": loss, "seed": seed,
+            "metrics": {"exact_match": correct.count("1") / len(correct), "mae": 1.0, "r2": 0.5, "parse_rate": 1.0},
+            "correct": correct, "eval_ids_sha256": "same", "final": {"ce": 1.0},
+            **({"objective": objective} if objective is not None else {}),
+            "curve": curve or [{"step": 1, "ce": 1.0, "loss": 1.0}]}
+
+
+def _write(folder, record):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{record['name']}.json").write_text(json.dumps(record))
+
+
+def test_weight_regime_takes_ce_and_the_default_weights_from_the_base_study(folders):
+    base_runs, _ = folders
+    for seed in range(3):
+        for loss in ("ce", "smmd", "dist2", "ntl_mse"):  # ntl_mse is not the weight regime's
+            _write(base_runs, _record(loss, seed, "1100"))
+    found = regimes.records(regimes.REGIMES["weight"])
+    assert sorted({r["loss"] for r in found}) == ["ce", "dist2_w0.1", "smmd_w3"]
+    smmd = next(r for r in found if r["loss"] == "smmd_w3" and r["seed"] == 1)
+    assert smmd["name"] == "smollm2-smmd_w3-s1" and smmd["objective"] == {"terms": {"smmd": {"weight": 3.0}}}
+    # the relabelled names are the grid's, so the plan counts them as done
+    grid = regimes.losses(regimes.REGIMES["weight"])
+    assert list(grid) == ["ce", "smmd_w0.3", "smmd_w1", "smmd_w3", "dist2_w0.1", "dist2_w0.3", "dist2_w1"]
+    assert grid["smmd_w0.3"] == {"terms": {"smmd": {"weight": 0.3}}}
+    assert {r["name"] for r in found} >= {f"smollm2-{loss}-s{s}" for loss in ("ce", "smmd_w3") for s in range(3)}
+    # other regimes change the setting, so nothing of the base study is theirs
+    assert regimes.records(regimes.REGIMES["data"]) == []
+
+
+def test_best_weights_need_three_seeds_of_every_weight_and_take_the_highest_mean(folders):
+    base_runs, out = folders
+    weight_runs = out / "weight" / "runs"
+    with pytest.raises(ValueError, match="0 seed"):
+        regimes.best_weights()
+    # exact match by weight over seeds 0, 1, 2 (4 problems each): smmd 0.3 -> 1/4 at every seed;
+    # smmd 1 -> 3/4, 1/4, 1/4 (mean 5/12); smmd 3 (base study) -> 2/4 at every seed (mean 6/12: the best);
+    # dist2 0.1 (base) -> 1/4; dist2 0.3 -> 1/4, 2/4, 4/4 (mean 7/12: the best); dist2 1 -> 0/4.
+    outcomes = {"smmd_w0.3": ["1000"] * 3, "smmd_w1": ["1110", "1000", "0100"], "dist2_w0.3": ["1000", "1100", "1111"],
+                "dist2_w1": ["0000"] * 3}
+    for seed in range(3):
+        for loss, base_loss, correct in (("ce", "ce", "1000"), ("smmd_w3", "smmd", "1100"), ("dist2_w0.1", "dist2", "0001")):
+            _write(base_runs, _record(base_loss, seed, correct))
+        for loss, by_seed in outcomes.items():
+            if not (loss == "dist2_w1" and seed == 2):
+                _write(weight_runs, _record(loss, seed, by_seed[seed]))
+    with pytest.raises(ValueError, match="2 seed.*dist2_w1"):
+        regimes.best_weights()
+    _write(weight_runs, _record("dist2_w1", 2, "0000"))
+    assert regimes.best_weights() == {"smmd": 3.0, "dist2": 0.3}
+
+    # a later regime fixes that choice once, in choice.json, and keeps it when the weight records change
+    data = regimes.REGIMES["data"]
+    assert regimes.losses(data) == {"ce": {"terms": {}}, "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}},
+                                    "dist2_w0.3": {"terms": {"dist2": {"weight": 0.3}}}}
+    assert json.loads((out / "data" / "choice.json").read_text())["best_weights"] == {"smmd": 3.0, "dist2": 0.3}
+    for seed in range(3):
+        _write(weight_runs, _record("dist2_w1", seed, "1111"))
+    assert regimes.best_weights()["dist2"] == 1.0
+    assert "dist2_w0.3" in regimes.losses(data)
+
+
+def test_the_gradient_table_averages_each_run_then_the_runs(folders):
+    # run 0: two diagnosed steps with shares 0.2, 0.4 (mean 0.3), cos 0.5, -0.1 (0.2), clipped 1, 0 (0.5),
+    # pre-clip norms 2, 4 and an undiagnosed step with norm 9 (median of 2, 4, 9 = 4);
+    # run 1: one diagnosed step: share 0.5, cos 0.0, clipped 1, norm 6. Means: 0.4, 0.1, 0.75, 5.
+    objective = {"terms": {"smmd": {"weight": 1.0}}}
+    curve0 = [{"step": 1, "grad_norm": 2.0, "clipped": 1, "grad/ce/share": 0.8, "grad/smmd/share": 0.2, "grad/smmd/cos_ce": 0.5},
+              {"step": 2, "grad_norm": 4.0, "clipped": 0, "grad/ce/share": 0.6, "grad/smmd/share": 0.4, "grad/smmd/cos_ce": -0.1},
+              {"step": 3, "grad_norm": 9.0}]
+    curve1 = [{"step": 1, "grad_norm": 6.0, "clipped": 1, "grad/ce/share": 0.5, "grad/smmd/share": 0.5, "grad/smmd/cos_ce": 0.0}]
+    found = [_record("smmd_w1", 0, "1", objective, curve0), _record("smmd_w1", 1, "1", objective, curve1),
+             _record("ce", 0, "1", {"terms": {}}, [{"step": 1, "ce": 1.0}])]  # a record from before the diagnostics
+    smmd, ce = regimes.gradient_rows(found, ["smmd_w1", "ce", "dist2_w1"])
+    assert (smmd["runs"], smmd["diagnosed"]) == (2, 2)
+    assert smmd["share"] == pytest.approx(0.4) and smmd["cos_ce"] == pytest.approx(0.1)
+    assert smmd["clipped"] == pytest.approx(0.75) and smmd["grad_norm"] == pytest.approx(5.0)
+    assert (ce["diagnosed"], ce["share"], ce["clipped"], ce["grad_norm"]) == (0, None, None, None)
+    table = regimes.gradient_markdown([smmd, ce])
+    assert "| smmd_w1 | 2 | 2 | 0.40 | +0.10 | 75% | 5.0 |" in table and "| ce | 1 | 0 | n/a | n/a | n/a | n/a |" in table
+
+
+def test_a_regime_resumes_by_run_and_publishes_after_each(folders, monkeypatch):
+    """main's plan over a fake run_one (writes the record training would): seed by seed, the base study's
+    runs skipped, a budget stops before the next run, and a second start runs only what is missing."""
+    base_runs, out = folders
+    for seed in range(2):
+        for loss in ("ce", "smmd", "dist2"):
+            _write(base_runs, _record(loss, seed, "10"))
+    ran = []
+
+    def fake_run(setup, work, out_dir, tokenizer, loss, seed, steps, objective=None, overrides=(), keep_model=None):
+        ran.append((loss, seed))
+        record = _record(loss, seed, "11", objective, [{"step": 1, "ce": 1.0, "grad_norm": 3.0, "clipped": 1,
+                                                        "grad/ce/share": 0.5, f"grad/{loss.split('_')[0]}/share": 0.5}])
+        _write(out_dir / "runs", record)
+        return {**record, "train_seconds": 1.0}
+
+    monkeypatch.setattr(regimes, "run_one", fake_run)
+    monkeypatch.setattr(regimes, "build_data", lambda *a, **k: None)
+    monkeypatch.setattr(regimes, "zero_shot", lambda *a, **k: pytest.fail("the weight regime shares the base's test set"))
+    monkeypatch.setattr(regimes.time, "time", lambda: 1e6 if len(ran) >= 3 else 0.0)  # the budget ends after 3 runs
+    assert regimes.main(["--regime", "weight", "--seeds", "2", "--budget-min", "1"]) == 0
+    assert ran == [("smmd_w0.3", 0), ("smmd_w1", 0), ("dist2_w0.3", 0)]
+    results = (out / "weight" / "results.md").read_text()
+    assert "Runs done: 9 of 14 planned." in results
+    assert "smollm2-dist2_w1-s0" in results.split("Missing")[1]
+    ran.clear()
+    assert regimes.main(["--regime", "weight", "--seeds", "2"]) == 0
+    assert ran == [("dist2_w1", 0), ("smmd_w0.3", 1), ("smmd_w1", 1), ("dist2_w0.3", 1), ("dist2_w1", 1)]
+    assert "Runs done: 14 of 14 planned." in (out / "weight" / "results.md").read_text()
+    # below 3 seeds the comparison shows no interval (study.markdown's rule)
+    assert "[" not in (out / "weight" / "results.md").read_text().split("| smmd_w1 |")[1].split("\n")[0]
+
+
+def test_later_regimes_refuse_to_start_before_the_weight_regime_has_three_seeds(folders):
+    with pytest.raises(SystemExit, match="regime 'length'.*weight regime"):
+        regimes.main(["--regime", "length", "--report-only"])
+
+
+def test_every_regime_setting_is_a_valid_recipe():
+    """The regimes' overrides and data mixes are ones the recipe and data_prep's generator accept."""
+    from data_prep.sources.arithmetic_gen import generate
+    from recipes.config import load_recipe
+
+    for regime in regimes.REGIMES.values():
+        recipe = load_recipe(str(study.SETUPS["smollm2"].recipe), list(regime.overrides))
+        assert recipe.train.steps * recipe.train.global_batch_size >= 960
+        for i, (module, options) in enumerate(regime.mix):
+            question, answer = generate(module, i, {"seed": 0, **options})
+            assert question and answer
+    length = load_recipe(str(study.SETUPS["smollm2"].recipe), list(regimes.REGIMES["length"].overrides))
+    assert (length.train.steps, length.optim.lr) == (240, 1.0e-4)
+    # 240 steps of 16 problems never repeat one of the 5,000
+    assert length.train.steps * length.train.global_batch_size < regimes.REGIMES["length"].train_examples
