@@ -33,7 +33,6 @@ Steps of `get_backbone` (each skipped when already done, so a second call costs 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -44,6 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_prep.shards import sha256_file
 from recipes.experiments.local import REPO_ROOT
 
 MARKER = "numloss_backbone.json"
@@ -84,14 +84,6 @@ def cache_root() -> Path:
     if os.environ.get("NUMLOSS_CACHE"):
         return Path(os.environ["NUMLOSS_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "numloss"
-
-
-def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(block):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _package_dir(spec: PackagedGGUF, cache: Path) -> Path | None:

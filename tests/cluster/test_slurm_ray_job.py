@@ -1,12 +1,12 @@
 """The rendered Ray batch script runs end to end under a fake SLURM whose container steps do not share
-/tmp (tests/launch/fake_slurm.py: each `srun --container-image` step gets its own mount namespace with
+/tmp (tests/cluster/fake_slurm.py: each `srun --container-image` step gets its own mount namespace with
 a private tmpfs on /tmp, as pyxis/enroot containers do).
 
 Before the fix the head, the wait-for-nodes step and the driver were three steps: the driver could not
 reach the head's raylet sockets under the head container's /tmp/ray, and the job never trained.
 
 Not simulated here (no CPU test reaches them): several real hosts (every "node" is this host, so the
-job runs on one Ray node; worker nodes joining over TCP are covered by tests/launch/test_ray.py's
+job runs on one Ray node; worker nodes joining over TCP are covered by tests/cluster/test_ray.py's
 simulated cluster), a real image, cgroup limits, NCCL.
 """
 
