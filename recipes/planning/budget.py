@@ -44,7 +44,7 @@ Bytes each GPU sends per optimizer step (step_model.ring_bytes; where they go: s
 - Left out: the step's small collectives (counts, logged sums, the gradient norm), parameters below the
   persistence threshold (10 h elements), and what `stage3_max_reuse_distance` (1e9 elements) keeps
   gathered between the end of the forward and the backward (about one layer). Counted against a real
-  gloo run without prefetching (tests/recipes/test_traffic_gloo.py: equal within 1 %); with prefetching
+  gloo run without prefetching (tests/recipes/planning/test_traffic_gloo.py: equal within 1 %); with prefetching
   DeepSpeed gathered fewer in-node bytes than counted here on a tiny model, so those are an upper bound.
 Time: compute (recompute included) and the collectives overlap (overlap_comm, prefetch): step =
 max(compute, sum of collective times); the optimizer step itself is left out.

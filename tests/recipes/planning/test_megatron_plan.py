@@ -14,7 +14,7 @@ from recipes.planning import megatron_budget as M
 from recipes.planning import validate as V
 from recipes.planning.budget import GiB, Shape
 
-CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 MEG70 = CONFIGS / "scale" / "llama3-70b-megatron-tp8pp4.yaml"
 MEG8 = CONFIGS / "llama3-8b-gsm8k" / "megatron.yaml"
 S70 = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)

@@ -22,7 +22,7 @@ from recipes.planning import budget as B
 from recipes.planning import step_model as sm
 from recipes.planning import validate as V
 
-CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 R70 = CONFIGS / "scale" / "llama3-70b-4x8.yaml"
 TP8 = CONFIGS / "scale" / "llama3-70b-8x8-tp8.yaml"
 R8 = CONFIGS / "llama3-8b-gsm8k" / "smmd.yaml"

@@ -20,7 +20,7 @@ import pytest
 from recipes.training.run_lock import LOCK, RunLock, RunLocked
 from recipes.training.run_log import append_row, truncate_rows
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HOLD = ("import sys, time; from recipes.training.run_lock import RunLock; "
         "RunLock(sys.argv[1], True).acquire(); print('held', flush=True); time.sleep(120)")
 

@@ -22,7 +22,7 @@ from recipes.config import load_recipe
 from recipes.planning import checks
 from recipes.planning import validate as V
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "recipes" / "configs" / "demo.yaml"
 
 

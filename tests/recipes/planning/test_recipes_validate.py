@@ -8,7 +8,7 @@ from recipes.planning import validate as V
 from recipes.planning.backbones import count_parameters
 from recipes.config import load_recipe
 
-CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
 DEMO = CONFIGS / "demo.yaml"
 QWEN = CONFIGS / "qwen2.5-1.5b-gsm8k" / "smmd.yaml"
