@@ -131,3 +131,56 @@ def test_export_tp2_pp2_loads_in_transformers(tmp_path):
     out = tmp_path / "exports"
     out.mkdir()
     run_ranks(4, _four_ranks, llama, qwen, out, timeout=420)
+
+
+def _failing_exports(rank, world, model_dir, out):
+    """PP 2 on 2 ranks (one writer per stage). Stage 1's disk fails mid-write, then rank 0's assembly:
+    both times every rank raises the same error naming the failed rank, in seconds (the deadline of
+    run_ranks is far below the process group's 60 min), and the older export at `path` is untouched.
+    Then a plain export succeeds in the same process group: nobody was left inside a collective."""
+    import pytest
+
+    from recipes.engines.megatron import export as export_module
+    from recipes.engines.megatron.export import export_hf
+    from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel
+
+    initialize_model_parallel(recipe_for(model_dir, pp=2))
+    chunks = build_model_chunks(recipe_for(model_dir, pp=2))
+    path = out / "export"
+    if rank == 0:
+        path.mkdir()
+        (path / "previous.safetensors").write_text("the previous export")
+    dist.barrier()
+
+    real_flush, real_assemble = export_module._ShardWriter.flush, export_module._assemble
+
+    def disk_full(self):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        export_module._ShardWriter.flush = disk_full
+    with pytest.raises(RuntimeError, match=r"writing the shards failed on 1 rank\(s\); rank 1: OSError: .*No space left"):
+        export_hf(chunks, path, max_shard_bytes=40_000)
+    export_module._ShardWriter.flush = real_flush
+    assert [p.name for p in path.iterdir()] == ["previous.safetensors"]
+
+    if rank == 0:
+        export_module._assemble = lambda *a: (_ for _ in ()).throw(PermissionError("read-only file system"))
+    with pytest.raises(RuntimeError, match=r"assembling the export failed on 1 rank\(s\); rank 0: PermissionError"):
+        export_hf(chunks, path, max_shard_bytes=40_000)
+    export_module._assemble = real_assemble
+    assert [p.name for p in path.iterdir()] == ["previous.safetensors"]
+
+    info = export_hf(chunks, path, max_shard_bytes=40_000)
+    assert info["keys"] and (path / "model.safetensors.index.json").exists()
+    assert not (path / "previous.safetensors").exists()
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+def test_a_failed_export_fails_every_rank_at_once(tmp_path):
+    llama = save_tiny("llama", tmp_path / "llama")
+    out = tmp_path / "exports"
+    out.mkdir()
+    run_ranks(2, _failing_exports, llama, out, timeout=180)

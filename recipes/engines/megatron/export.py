@@ -14,6 +14,11 @@ Contract (`export_hf`):
   original HF config, dtype set to the export's), all inside a temporary directory beside the target
   (`.<name>.tmp-export`), and renames it to `path` when complete (an existing `path` is replaced). A
   crash mid-export leaves the previous export, or nothing, at `path`, never a partial one.
+- A failure on one rank fails every rank, promptly: the steps that can fail locally (rank 0 preparing
+  the directory, a writer's disk, rank 0's assembly) end in an agreement (`_agree`, an all-gather of
+  each rank's error) instead of a barrier, and a writer whose disk failed keeps joining its TP group's
+  gathers without writing. Every rank then raises the same RuntimeError naming the failed ranks, where
+  it would otherwise wait in the next collective until the process group's timeout (60 min by default).
 - The tokenizer is the caller's to save into `path` afterwards. Returns the HF keys this rank wrote
   and their bytes: {"keys": [...], "bytes": n} (empty on ranks that write nothing).
 `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
@@ -51,6 +56,16 @@ def _chunk_tensors(chunk) -> dict[str, torch.Tensor]:
     state = {k: v for k, v in chunk.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     return global_layer_names(state, offset)
+
+
+def _agree(step: str, error: Exception | None) -> None:
+    """Collective: raise on every rank if `step` failed on any (each rank contributes its own error or
+    None); the message names each failed rank and its error."""
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f"export_hf: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from error
 
 
 class _ShardWriter:
@@ -104,13 +119,18 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
     writes = reads and tp_rank == 0
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
 
+    error = None
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # a crashed export's leftovers
-        tmp.mkdir(parents=True)
-    dist.barrier()  # the temporary directory exists (shared storage) before anyone writes into it
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a crashed export's leftovers
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    _agree("preparing the directory", error)  # it exists (shared storage) before anyone writes into it
 
     writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}", max_shard_bytes) if writes else None
+    error = None
     if reads:
         for chunk in chunks:
             for name, tensor in _chunk_tensors(chunk).items():
@@ -120,42 +140,58 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
                 else:
                     shards = [torch.empty_like(tensor) for _ in range(tp_size)] if writes else None
                     dist.gather(tensor.contiguous(), shards, dst=tp_src, group=tp_group)
-                if writes:
-                    for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
-                        writer.add(hf_name, hf_tensor.to(dtype))
+                if writes and error is None:  # after a failed write: keep gathering, stop writing
+                    try:
+                        for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
+                            writer.add(hf_name, hf_tensor.to(dtype))
+                    except Exception as e:  # noqa: BLE001  (any error: _agree re-raises it on every rank)
+                        error = e
                 del shards
-        if writes:
-            writer.flush()
+        if writes and error is None:
+            try:
+                writer.flush()
+            except Exception as e:  # noqa: BLE001
+                error = e
+    _agree("writing the shards", error)
     mine = {"stage": pp_rank, "parts": writer.files if writer else []}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)  # past this point every shard is on disk
 
+    error = None
     if rank == 0:
-        parts = sorted((info["stage"], file, keys, nbytes) for info in everyone for file, keys, nbytes in info["parts"])
-        count = len(parts)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i, (_, file, keys, nbytes) in enumerate(parts):
-            final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            os.replace(tmp / file, tmp / final)
-            for key in keys:
-                if key in weight_map:
-                    raise RuntimeError(f"export: {key} written twice ({weight_map[key]}, {final})")
-                weight_map[key] = final
-            total += nbytes
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        out_config = copy.deepcopy(hf_config)
-        out_config.dtype = dtype
-        out_config.save_pretrained(str(tmp))
-        if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
-            old = path.parent / f".{path.name}.old-export"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-    dist.barrier()  # the export is complete at `path` on every rank's return
+        try:
+            _assemble(everyone, tmp, path, hf_config, dtype)
+        except Exception as e:  # noqa: BLE001
+            error = e
+    _agree("assembling the export", error)  # on success the export is complete at `path` for every rank
     return {"keys": sorted(k for _, keys, _ in mine["parts"] for k in keys),
             "bytes": sum(n for _, _, n in mine["parts"])}
+
+
+def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: torch.dtype) -> None:
+    """Rank 0: number the shards, write the index and config into `tmp`, and switch it in at `path`."""
+    parts = sorted((info["stage"], file, keys, nbytes) for info in everyone for file, keys, nbytes in info["parts"])
+    count = len(parts)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, (_, file, keys, nbytes) in enumerate(parts):
+        final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        os.replace(tmp / file, tmp / final)
+        for key in keys:
+            if key in weight_map:
+                raise RuntimeError(f"export: {key} written twice ({weight_map[key]}, {final})")
+            weight_map[key] = final
+        total += nbytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    out_config = copy.deepcopy(hf_config)
+    out_config.dtype = dtype
+    out_config.save_pretrained(str(tmp))
+    if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
+        old = path.parent / f".{path.name}.old-export"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
