@@ -8,8 +8,9 @@ Per logged step (`StepMeter.row`):
 - `mfu`: tflops_per_rank / the GPU's dense peak for model.dtype (step_model.GPU_PEAKS_BF16 by
   torch.cuda.get_device_name(), or cluster.gpu_peak_tflops); null on CPU and on GPUs not in the table.
 - `data_s` (reading and preparing the step's micro-batches), `fwd_bwd_s` and `optimizer_s` where the
-  engine exposes them (`engine.timings`; DeepSpeed: the last backward and the optimizer step, each ended
-  by a device synchronisation), `step_s` (the whole step).
+  engine exposes them (`engine.timings`, each part ended by a device synchronisation; DeepSpeed: up to
+  the last backward, then the optimizer step; Megatron: the forward-backward schedule, then the
+  optimizer step), `step_s` (the whole step).
 - `peak_mem_gib`: the largest peak over the ranks since the run started: device memory allocated by
   tensors on GPUs (torch.cuda.max_memory_allocated: what recipes.planning's memory model counts; the
   caching allocator reserves more), the process's peak resident memory on CPU (ru_maxrss). One all-gather

@@ -22,10 +22,10 @@ import torch
 
 from numloss import NumericVocab, Objective
 from recipes.config import Recipe
+from recipes.inputs.tokenizer import load_tokenizer
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime
-from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints, step
 from .model import build_model_chunks, initialize_model_parallel
@@ -106,6 +106,7 @@ class MegatronEngine:
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
                                real_vocab_size=self.real_vocab_size, diagnostics=diagnostics)
         self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
+        self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums
 
     def grad_norm(self) -> float | None:

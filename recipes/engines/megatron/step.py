@@ -17,6 +17,7 @@ broadcast of the logged values from the last pipeline stage (PP group).
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -25,7 +26,6 @@ import torch.distributed as dist
 from numloss import Objective
 from numloss.adapters.megatron import numeric_loss_func, shift_labels
 from numloss.diagnostics import sum_keys
-
 from recipes.config import Recipe
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.schedule import lr_lambda
@@ -227,8 +227,10 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     (`numloss.diagnostics`), logged and broadcast with the other values.
 
     Returns this rank's share of the logged values (`log_keys`, summed over the window; a SUM over the
-    data-parallel group gives the global batch's) and "grad_norm" (the global norm before clipping,
-    the same on every rank). Every rank returns the same keys: the last pipeline stage computes the
+    data-parallel group gives the global batch's), "grad_norm" (the global norm before clipping,
+    the same on every rank) and this rank's time split, "fwd_bwd_s" (the schedule: every micro-batch's
+    forward and backward, with its p2p and gradient reduction) and "optimizer_s" (clip and update), each
+    ended by a device synchronisation. Every rank returns the same keys: the last pipeline stage computes the
     values and broadcasts them over the pipeline group."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -255,11 +257,16 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         raise ValueError("every micro-batch of a step must have the same number of rows")
     # Interleaved 1F1B: one iterator per model chunk, each walking the whole window.
     iterators = [iter(batches) for _ in model_chunks]
+    started = time.perf_counter()
     reports = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=False)
+    _synchronize()
+    schedule_done = time.perf_counter()
     grad_norm = optimizer.step()
     optimizer.zero_grad()
+    _synchronize()
+    timings = {"fwd_bwd_s": schedule_done - started, "optimizer_s": time.perf_counter() - schedule_done}
 
     keys = log_keys(objective, diagnostics)
     values = torch.zeros(len(keys), dtype=torch.float64)
@@ -271,4 +278,10 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         values = values.to(device)
         dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return {**dict(zip(keys, values.tolist())), "grad_norm": grad_norm}
+    return {**dict(zip(keys, values.tolist())), "grad_norm": grad_norm, **timings}
+
+
+def _synchronize() -> None:
+    """Wait for this rank's queued GPU work, so that a time split measures the work (no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
