@@ -1,2 +1,3 @@
-"""Experiments built on the recipes: `demo` (make demo), `study` (the loss studies), `backbone` (the packaged
-SmolLM2), `tiny` (tiny models, tokenizers and data), `local` (torchrun on this machine). May import everything in recipes."""
+"""Experiments built on the recipes: `demo` (make demo), `study` (the loss studies), `regimes` (the regime
+study on top of the SmolLM2 study), `backbone` (the packaged SmolLM2), `tiny` (tiny models, tokenizers and
+data), `local` (torchrun on this machine). May import everything in recipes."""
