@@ -195,7 +195,10 @@ def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | Non
         ax.set_title("gradient share on the numbers" if key == SHARES else key)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a panel no run logs (e.g. shares before diagnostics) stays empty
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()
