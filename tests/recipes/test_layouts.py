@@ -48,7 +48,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end  # noqa: E402
+from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, save_tiny_llama  # noqa: E402
 
 STEPS = 4
 TERMS = {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0}, "dist2": {"weighting": "place_value"}}
@@ -83,10 +83,9 @@ EXPORTS = {"dp2", "megatron-tp2pp2"}  # the layout whose final model the TP-2 ex
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
-    from recipes.experiments.tiny import tiny_llama_config, train_tokenizer
+    from recipes.experiments.tiny import train_tokenizer
 
     root = tmp_path_factory.mktemp("layouts")
     train_tokenizer(["Calculate 0123456789 + - * / = . ( ) What is"], root / "tok", "digits")
@@ -95,12 +94,7 @@ def workspace(tmp_path_factory):
     build(BuildConfig(sources=[source], tokenize=tokenize), str(root / "plain"), workers=0, progress=False)
     build(BuildConfig(sources=[source], tokenize=tokenize, shards=ShardConfig(pack_length=96)), str(root / "packed"),
           workers=0, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
-    cfg = dict(tiny_llama_config(len(tok), hidden=32))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(
-        str(root / "model"))
-    tok.save_pretrained(str(root / "model"))
+    save_tiny_llama(root / "tok", root / "model")
     recipe = {
         "name": "layouts", "model": {"name_or_path": str(root / "model"), "dtype": "float32"},
         "data": {"train": str(root / "plain"), "shuffle_window": 64},

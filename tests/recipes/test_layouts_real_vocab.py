@@ -14,14 +14,13 @@ data_prep tokenized with the 151k tokenizer.
 from __future__ import annotations
 
 import pytest
-import torch
 import yaml
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
 from helpers import assemble_tokenizer  # noqa: E402  (tests/data_prep, on sys.path through conftest)
-from torchrun_helpers import launch, read_metrics  # noqa: E402
+from torchrun_helpers import launch, read_metrics, save_tiny_llama  # noqa: E402
 
 STEPS = 3
 KEYS = ("loss", "ce", "grad_norm", "term/smmd", "term/ntil", "term/ntl_was", "numeric_positions", "lr",
@@ -30,23 +29,16 @@ KEYS = ("loss", "ce", "grad_norm", "term/smmd", "term/ntil", "term/ntl_was", "nu
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from data_prep import BuildConfig, SourceConfig, TokenizeConfig, build
-    from recipes.experiments.tiny import tiny_llama_config
 
     root = tmp_path_factory.mktemp("real_vocab")
     assemble_tokenizer(str(root / "tok"), "qwen")
     source = SourceConfig("arithmetic", options={"n": 48, "max_digits": 3, "negatives": False})
     build(BuildConfig(sources=[source], tokenize=TokenizeConfig(str(root / "tok"), template="plain", max_length=48)),
           str(root / "data"), workers=0, progress=False)
-    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    tok = save_tiny_llama(root / "tok", root / "model")
     assert len(tok) == 151_665 and tok.convert_tokens_to_ids("<|im_end|>") == 151_645
-    cfg = dict(tiny_llama_config(len(tok), hidden=32))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(
-        str(root / "model"))
-    tok.save_pretrained(str(root / "model"))
     recipe = {
         "name": "real-vocab", "model": {"name_or_path": str(root / "model"), "dtype": "float32"},
         "data": {"train": str(root / "data"), "shuffle_window": 48},
