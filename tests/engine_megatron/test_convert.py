@@ -1,9 +1,12 @@
 """HF <-> Megatron conversion (recipes/engines/megatron/convert.py), in one process: the QKV interleave on
 hand-made tensors, the bit-exact round trip at TP 1 and 2 (x PP 1, 2 and 2 x VP 2) for a tied Llama and
 an untied Qwen2 with QKV bias, shapes and padding, TE names, the TransformerConfig, RoPE, refusals, and
-that a pipeline stage reads only the shards it needs. Logits are checked in test_parallel.py."""
+that a pipeline stage reads only the shards it needs and a TP rank only its slices (at a 128k vocabulary
+too, with its peak memory). Logits are checked in test_parallel.py."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,3 +170,81 @@ def test_rope_matches_hf_and_unknown_kinds_are_refused(checkpoints):
     assert transformer_config_from_hf(mistral).num_query_groups == 2
     with pytest.raises(NotImplementedError, match="model_type"):
         transformer_config_from_hf(AutoConfig.for_model("gpt2"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_rank_reads_only_its_tp_slices_and_gets_the_whole_tensor_conversion(checkpoints, kind):
+    """From a reader, each (TP, PP) rank converts bit for bit what cutting the whole tensors gives, and
+    reads exactly the bytes of what it holds: no row of another rank, no padding row."""
+    path = checkpoints[kind]
+    hf_config = _hf_config(path)
+    config = transformer_config_from_hf(hf_config, tp_size=2, pp_size=2)
+    everything = SafetensorsReader(path)
+    hf = {k: everything(k) for k in everything}
+    step = padded_vocab_size(VOCAB, 2) // 2
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            where = {"tp_rank": tp_rank, "tp_size": 2, "pp_rank": pp_rank, "pp_size": 2}
+            reader = SafetensorsReader(path)
+            sliced = hf_to_megatron(reader, config, hf_config, **where)
+            whole = hf_to_megatron(hf.__getitem__, config, hf_config, **where)
+            assert sorted(sliced) == sorted(whole)
+            assert all(torch.equal(sliced[k], whole[k]) for k in whole), (pp_rank, tp_rank)
+            padding_rows = step - max(0, min(step, VOCAB - tp_rank * step))
+            vocab = [k for k in sliced if k.endswith(("word_embeddings.weight", "output_layer.weight"))]
+            held = sum(t.numel() * t.element_size() for t in sliced.values())
+            pad = sum(padding_rows * sliced[k].shape[1] * sliced[k].element_size() for k in vocab)
+            assert reader.bytes_read == held - pad, (pp_rank, tp_rank)
+
+
+REAL_SIZE = """
+import json, resource, sys, torch
+from transformers import AutoConfig
+from recipes.engines.megatron.convert import SafetensorsReader, hf_to_megatron, transformer_config_from_hf
+path = sys.argv[1]
+hf_config = AutoConfig.from_pretrained(path)
+config = transformer_config_from_hf(hf_config, tp_size=8, dtype=torch.bfloat16)
+reader = SafetensorsReader(path)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+state = hf_to_megatron(reader, config, hf_config, tp_rank=7, tp_size=8, pp_rank=0, pp_size=1)
+added = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"rss_added": added * 1024, "bytes_read": reader.bytes_read,
+                  "vocab_shape": list(state["embedding.word_embeddings.weight"].shape)}))
+"""
+
+
+def test_a_tp8_rank_of_a_128k_vocabulary_never_holds_the_whole_embedding(tmp_path):
+    """At a Llama-3 vocabulary (128,256 rows, H 1024, bf16: 263 MB per vocab matrix, untied) TP rank 7 of
+    8 reads its 1/8 of the embedding and of lm_head, and its peak memory grows by less than one whole
+    matrix (reading the whole and padding it, as a rank once did, adds at least two)."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    vocab, hidden = 128_256, 1024
+    hf_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+                            num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+    hf_config.save_pretrained(str(tmp_path))
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+              "model.norm.weight": (hidden,), "model.layers.0.input_layernorm.weight": (hidden,),
+              "model.layers.0.post_attention_layernorm.weight": (hidden,),
+              **{f"model.layers.0.self_attn.{p}_proj.weight": (hidden, hidden) for p in "qkvo"},
+              "model.layers.0.mlp.gate_proj.weight": (256, hidden), "model.layers.0.mlp.up_proj.weight": (256, hidden),
+              "model.layers.0.mlp.down_proj.weight": (hidden, 256)}
+    save_file({k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()},
+              str(tmp_path / "model.safetensors"))
+    matrix = vocab * hidden * 2
+    done = subprocess.run([sys.executable, "-c", REAL_SIZE, str(tmp_path)], capture_output=True, text=True, check=False,
+                          timeout=300, cwd=str(Path(__file__).resolve().parents[2]))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    padded = padded_vocab_size(vocab, 8)
+    assert got["vocab_shape"] == [padded // 8, hidden]
+    real_rows = vocab - 7 * (padded // 8)  # the last rank holds the padding rows
+    layer = (4 * hidden * hidden + 3 * 256 * hidden) // 8 * 2 + 2 * hidden * 2  # its eighth of each matrix, both norms
+    assert got["bytes_read"] == 2 * real_rows * hidden * 2 + layer + hidden * 2
+    assert got["rss_added"] < matrix, f"{got['rss_added'] / 2**20:.0f} MiB added, one matrix is {matrix / 2**20:.0f}"

@@ -174,7 +174,9 @@ class SafetensorsReader:
     """`reader(name) -> Tensor` over an HF safetensors directory (sharded with its index, or a single
     `model.safetensors`). Opens a shard only when a tensor in it is asked for (the index's `weight_map`
     says which), reads that tensor alone (safetensors memory-maps), so a rank reads only its stage's
-    share. `files_opened` records what was opened."""
+    share; `read_range` reads one TP rank's slice of a tensor and nothing else (at 70B, TP 8, a full
+    bf16 embedding is 2.1 GB per rank where the slice is 0.26 GB). `files_opened` and `bytes_read`
+    record what was read."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -190,6 +192,7 @@ class SafetensorsReader:
             with safe_open(str(single), framework="pt") as f:
                 self.weight_map = {k: single.name for k in f.keys()}  # safe_open is not iterable
         self.files_opened: set[str] = set()
+        self.bytes_read = 0  # of the tensors returned: what a rank pulled from disk (page cache aside)
         self._open: dict = {}
 
     def keys(self) -> list[str]:
@@ -201,7 +204,7 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _file(self, name: str):
         from safetensors import safe_open
 
         if name not in self.weight_map:
@@ -210,7 +213,39 @@ class SafetensorsReader:
         if file not in self._open:
             self._open[file] = safe_open(str(self.path / file), framework="pt")
             self.files_opened.add(file)
-        return self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def _counted(self, t: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self._counted(self._file(name).get_tensor(name))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """`tensor.narrow(dim, start, stop - start)` reading only those elements from the file."""
+        index = (slice(None),) * dim + (slice(start, stop),)
+        return self._counted(self._file(name).get_slice(name)[index])
+
+
+class WholeTensors:
+    """The `SafetensorsReader` interface over any `name -> Tensor` callable (a dict's `__getitem__`, a
+    test's gradients): each range is cut from the whole tensor, which is what a reader avoids."""
+
+    def __init__(self, get_tensor: Callable[[str], torch.Tensor]):
+        self.get_tensor = get_tensor
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get_tensor(name).shape)
+
+    def read_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        return self.get_tensor(name).narrow(dim, start, stop - start).clone()  # a copy: the whole can go
 
 
 # ---- HF -> Megatron -------------------------------------------------------------------------------------
@@ -249,14 +284,24 @@ def split_qkv(qkv: torch.Tensor, groups: int, heads: int, d: int) -> tuple[torch
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def _rows(t: torch.Tensor, rank: int, size: int, dim: int = 0) -> torch.Tensor:
-    return t.chunk(size, dim=dim)[rank].clone()  # a copy: the full tensor can be freed
+def _tp_slice(source, name: str, rank: int, size: int, dim: int = 0) -> torch.Tensor:
+    """TP rank `rank`'s equal share of `name` along `dim`, read alone."""
+    n = source.shape(name)[dim]
+    if n % size:
+        raise ValueError(f"{name}: dimension {dim} of size {n} does not split over {size} tensor-parallel ranks")
+    step = n // size
+    return source.read_range(name, dim, rank * step, (rank + 1) * step)
 
 
-def _pad_vocab(weight: torch.Tensor, padded: int) -> torch.Tensor:
-    if weight.shape[0] > padded:
-        raise ValueError(f"vocabulary of {weight.shape[0]} rows is larger than the padded size {padded}")
-    return torch.cat([weight, weight.new_zeros(padded - weight.shape[0], *weight.shape[1:])])
+def _vocab_slice(source, name: str, rank: int, size: int, padded: int) -> torch.Tensor:
+    """TP rank `rank`'s rows of `name` zero-padded to `padded` rows; only the real rows it holds are read."""
+    rows = source.shape(name)[0]
+    if rows > padded:
+        raise ValueError(f"vocabulary of {rows} rows is larger than the padded size {padded}")
+    step = padded // size
+    start, stop = min(rank * step, rows), min((rank + 1) * step, rows)
+    real = source.read_range(name, 0, start, stop)
+    return torch.cat([real, real.new_zeros(step - real.shape[0], *real.shape[1:])])
 
 
 def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config, *, tp_rank: int, tp_size: int,
@@ -264,9 +309,10 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
                    divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state dict (one model chunk: `vp_stage`) from an HF checkpoint.
 
-    Parallel contract: no communication; each rank calls it for itself and reads (through `get_tensor`,
-    e.g. a `SafetensorsReader`) only the HF tensors of its own layers, plus the embedding (first stage)
-    and the final norm and lm_head (last stage). Returns tensors in `config.params_dtype`, local layer
+    Parallel contract: no communication; each rank calls it for itself and reads (through `get_tensor`:
+    a `SafetensorsReader`, or any `name -> Tensor` callable) only the HF tensors of its own layers, plus
+    the embedding (first stage) and the final norm and lm_head (last stage); from a reader, only its
+    TP slice of each split tensor (`read_range`), so a rank's reads are its share of the stage. Returns tensors in `config.params_dtype`, local layer
     names (`decoder.layers.0` is the chunk's first layer), `te_names` for the Transformer Engine spec.
     Tied embeddings: the last stage's `output_layer.weight` is the (padded) embedding shard too."""
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp_size, pp_size):
@@ -274,6 +320,9 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
                          f" asked for TP {tp_size} x PP {pp_size}")
     dtype = config.params_dtype
     groups = config.num_query_groups
+    if groups % tp_size:
+        raise ValueError(f"{groups} query groups do not split over {tp_size} tensor-parallel ranks")
+    source = get_tensor if hasattr(get_tensor, "read_range") else WholeTensors(get_tensor)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     padded = padded_vocab_size(hf_config.vocab_size, tp_size, divisible_by)
     pre, post = stage_ends(config, pp_rank, vp_stage)
@@ -283,32 +332,31 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
         out[name] = tensor.to(dtype).contiguous()
 
     if pre:
-        put("embedding.word_embeddings.weight", _rows(_pad_vocab(get_tensor("model.embed_tokens.weight"), padded),
-                                                      tp_rank, tp_size))
+        put("embedding.word_embeddings.weight", _vocab_slice(source, "model.embed_tokens.weight", tp_rank, tp_size,
+                                                             padded))
     for local, layer in enumerate(layer_range(config, pp_rank, vp_stage)):
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
         norm_in, norm_mlp = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
         if te_names:
             norm_in, norm_mlp = _TE_NORMS[norm_in], _TE_NORMS[norm_mlp]
-        put(mg + norm_in, get_tensor(hf + "input_layernorm.weight"))
-        put(mg + norm_mlp, get_tensor(hf + "post_attention_layernorm.weight"))
-        qkv = [get_tensor(hf + f"self_attn.{p}_proj.weight") for p in "qkv"]
-        put(mg + "self_attention.linear_qkv.weight", _rows(interleave_qkv(*qkv, groups), tp_rank, tp_size))
-        if config.add_qkv_bias:
-            bias = [get_tensor(hf + f"self_attn.{p}_proj.bias") for p in "qkv"]
-            put(mg + "self_attention.linear_qkv.bias", _rows(interleave_qkv(*bias, groups), tp_rank, tp_size))
-        put(mg + "self_attention.linear_proj.weight", _rows(get_tensor(hf + "self_attn.o_proj.weight"), tp_rank,
-                                                            tp_size, dim=1))
-        gate, up = (_rows(get_tensor(hf + f"mlp.{p}_proj.weight"), tp_rank, tp_size) for p in ("gate", "up"))
+        put(mg + norm_in, source(hf + "input_layernorm.weight"))
+        put(mg + norm_mlp, source(hf + "post_attention_layernorm.weight"))
+        for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
+            # q, k and v each split into T equal row blocks hold the same G/T query groups: rank r's
+            # groups interleave from its own blocks, nothing else read
+            q, k, v = (_tp_slice(source, hf + f"self_attn.{p}_proj.{kind}", tp_rank, tp_size) for p in "qkv")
+            put(mg + f"self_attention.linear_qkv.{kind}", interleave_qkv(q, k, v, groups // tp_size))
+        put(mg + "self_attention.linear_proj.weight", _tp_slice(source, hf + "self_attn.o_proj.weight", tp_rank,
+                                                                tp_size, dim=1))
+        gate, up = (_tp_slice(source, hf + f"mlp.{p}_proj.weight", tp_rank, tp_size) for p in ("gate", "up"))
         put(mg + "mlp.linear_fc1.weight", torch.cat([gate, up]))
-        put(mg + "mlp.linear_fc2.weight", _rows(get_tensor(hf + "mlp.down_proj.weight"), tp_rank, tp_size, dim=1))
+        put(mg + "mlp.linear_fc2.weight", _tp_slice(source, hf + "mlp.down_proj.weight", tp_rank, tp_size, dim=1))
     if post:
-        put("decoder.final_layernorm.weight", get_tensor("model.norm.weight"))
+        put("decoder.final_layernorm.weight", source("model.norm.weight"))
         if not tied:
-            put("output_layer.weight", _rows(_pad_vocab(get_tensor("lm_head.weight"), padded), tp_rank, tp_size))
+            put("output_layer.weight", _vocab_slice(source, "lm_head.weight", tp_rank, tp_size, padded))
         elif not pre:  # PP > 1, tied: the last stage's copy of the embedding
-            put("output_layer.weight", _rows(_pad_vocab(get_tensor("model.embed_tokens.weight"), padded),
-                                             tp_rank, tp_size))
+            put("output_layer.weight", _vocab_slice(source, "model.embed_tokens.weight", tp_rank, tp_size, padded))
     return out
 
 
