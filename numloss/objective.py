@@ -33,7 +33,7 @@ from .losses.options import finite, option_problems
 from .normalization import LossCounts, batch_counts, denominator_key
 from .vocab import NumericVocab
 
-# LOSSES.md's default weights (GCE's 1.0 means it fully replaces CE).
+# The default weights (docs/losses.md) (GCE's 1.0 means it fully replaces CE).
 DEFAULT_WEIGHTS = {"ntl_was": 0.3, "ntl_mse": 0.3, "gce": 1.0, "dist2": 0.1, "ntil": 0.3, "smmd": 3.0}
 
 

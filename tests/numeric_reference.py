@@ -1,4 +1,4 @@
-"""Independent float64 reference implementations of the losses, written from /work/shared/LOSSES.md.
+"""Independent float64 reference implementations of the losses, written from the definitions in docs/losses.md.
 
 Deliberately plain: explicit Python loops over sequences and positions, one position at a time, no
 shared code with `numloss`. Every function takes
@@ -39,7 +39,7 @@ def _renorm_p(row, ids):
 
 
 def _pair_distances(values, squash=None):
-    """[[|v_i - v_j|]] as Python floats, optionally squashed per LOSSES.md (non-zero -> [1, s])."""
+    """[[|v_i - v_j|]] as Python floats, optionally squashed as docs/losses.md says (non-zero -> [1, s])."""
     n = len(values)
     d = [[abs(values[i] - values[j]) for j in range(n)] for i in range(n)]
     if squash is None:

@@ -1,4 +1,4 @@
-"""The promises of each loss (LOSSES.md): zero at the target, growth with numeric distance, GCE(σ=0) = CE,
+"""The promises of each loss (docs/losses.md): zero at the target, growth with numeric distance, GCE(σ=0) = CE,
 NTIL runs, determinism, and the common-contract edge cases (bad labels, no numeric positions, all
 ignored, shapes, bf16)."""
 
@@ -143,7 +143,7 @@ def test_smmd_mmd_mode_grows_strictly_on_digits(dig):
 
 
 def test_smmd_full_mode_is_not_monotone_far_from_target_as_specified(dig):
-    """LOSSES.md's SMMD = rᵀKr + α rᵀ(diag(K1) - K)r. For r = e_a - e_y the smooth part is
+    """SMMD (docs/losses.md) = rᵀKr + α rᵀ(diag(K1) - K)r. For r = e_a - e_y the smooth part is
     deg_a + deg_y - 2 + 2K_ay, which *falls* with |a - y| (and with deg_a at the vocabulary's edge), so
     the sum grows near the target but not everywhere. The library and the independent reference agree;
     this documents the formula's behaviour (reported to the spec owner), not a library bug."""

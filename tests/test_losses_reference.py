@@ -1,5 +1,5 @@
 """Each loss against hand-computed values and against the independent float64 reference
-(`numeric_reference.py`, written from LOSSES.md): values, and the library's fp32 autograd gradient
+(`numeric_reference.py`, written from docs/losses.md): values, and the library's fp32 autograd gradient
 against the reference's float64 autograd gradient."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Metrics the recipes report on generated answers (LOSSES.md, "Metrics the recipes report").
+"""Metrics the recipes report on generated answers (docs/losses.md, "What each term computes").
 
 Every metric takes the model's decoded answer texts and the reference numbers. An answer is scored by
 the number it parses to (`parse_number`: the last number in the text), so "x = 42." and "42" are the

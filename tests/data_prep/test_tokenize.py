@@ -35,7 +35,7 @@ def policy_for(name):
 
 
 def is_numeric_token(token: str, policy: str) -> bool:
-    """Independent restatement of LOSSES.md's policies for the bare tokens these tokenizers make."""
+    """Independent restatement of docs/losses.md's vocabulary policies for these tokenizers' bare tokens."""
     if policy == "digits":
         return len(token) == 1 and token in "0123456789"
     return re.fullmatch(r"0|[1-9][0-9]*", token) is not None and int(token) <= 999
