@@ -9,19 +9,14 @@ with leaf logits, logits that come out of a matmul and a slice, and bf16 logits.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as TF
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numeric_reference as R  # noqa: E402
-
-from numloss import NumericVocab, functional  # noqa: E402
-from numloss.logit_stats import compute_logit_stats  # noqa: E402
-from numloss.losses import TERMS  # noqa: E402
+from numloss import NumericVocab, functional
+from numloss.logit_stats import compute_logit_stats
+from numloss.losses import TERMS
+from tests.losses import numeric_reference as R
 
 V = 29
 DIGIT_IDS = [13, 4, 18, 6, 15, 7, 11, 8, 19, 10]  # DIGIT_IDS[d] is digit d; not contiguous, not sorted

@@ -4,17 +4,13 @@ replacing CE, z-loss, config errors, rescale_to_ce, and the all-ignored / no-num
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numeric_reference as R  # noqa: E402
-
 from numloss import DEFAULT_WEIGHTS, NumericVocab, Objective, ObjectiveConfig, TermConfig
 from numloss import functional as F
+from tests.losses import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

@@ -5,18 +5,13 @@ ignored, shapes, bf16)."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-# Helpers live next to this file; importable whether or not `tests` is a package.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numeric_reference as R  # noqa: E402
-
 from numloss import NumericVocab, Objective
 from numloss import functional as F
+from tests.losses import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

@@ -1,8 +1,8 @@
 """Small tokenizers trained inside the tests (no downloads), and tiny hand-made numeric vocabularies.
 
-Importable from any test module (pytest puts `tests/` on sys.path):
+Importable from any test module:
 
-    from tokenizers_fixture import digit_tokenizer, llama3_tokenizer, as_fast, ...
+    from tests.losses.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, as_fast, ...
 
 Every builder is cached (`functools.lru_cache`): a tokenizer is trained at most once per process. The
 `tokenizers.Tokenizer` objects are not mutated by numloss; do not mutate them in a test either.

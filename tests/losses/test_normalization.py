@@ -5,20 +5,15 @@ NTIL on packed rows equals NTIL on the same examples as separate rows."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numeric_reference as R  # noqa: E402
 
 from numloss import NumericVocab, Objective, compute_logit_stats
 from numloss.losses import ntl_mse_term, ntl_was_term
 from numloss.normalization import LossCounts, batch_counts, reduce_counts
 from tests.distributed import run_ranks
+from tests.losses import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

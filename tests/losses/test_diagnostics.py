@@ -14,22 +14,17 @@ bit, NTIL's random noise included); the Megatron loss_func reports exactly the k
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import numeric_reference as R  # noqa: E402
 
 from numloss import NumericVocab, Objective, ObjectiveConfig, reduce_counts
 from numloss.diagnostics import finalize, sum_keys
 from recipes.training.diagnostics import finish_row
 from recipes.training.parallel import reduce_sum
 from tests.distributed import run_ranks
-from tests.test_vocab_parallel import V, VOCABS, make_labels, shard_bounds
+from tests.losses import numeric_reference as R
+from tests.parallel.test_vocab_parallel import VOCABS, V, make_labels, shard_bounds
 
 H = 16
 REFERENCE_TERMS = {"smmd": R.smmd, "ntl_was": R.ntl_was, "dist2": R.dist2, "gce": R.gce}

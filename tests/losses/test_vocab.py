@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
 from numloss import NumericVocab, functional
 from numloss.vocab import parse_numeric_token, squash_distances
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tokenizers_fixture import (  # noqa: E402
+from tests.losses.tokenizers_fixture import (
     UNK,
     as_fast,
     byte_level_tokenizer,

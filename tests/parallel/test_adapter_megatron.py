@@ -22,7 +22,7 @@ from tests.distributed import run_ranks
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     # megatron-core (the [megatron] extra) is not GPU-only: a missing install fails, never skips.
-    raise ImportError("tests/test_adapter_megatron.py needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/parallel/test_adapter_megatron.py needs megatron-core (pip install -e '.[megatron]')")
 
 V = 64  # Megatron's padded vocab: divisible by TP
 DIGIT_IDS = [2, 9, 17, 25, 31, 33, 40, 48, 55, 63]  # digits "0".."9" spread over both shards
