@@ -6,7 +6,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "data_prep"))
-# torchrun_helpers, for the test modules in the sub-folders (reliability/, planning/, evaluation/) too
+# torchrun_helpers, for the test modules in the sub-folders (training/, reliability/, planning/, evaluation/)
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import train_tokenizer  # noqa: E402
 

@@ -172,7 +172,7 @@ def test_validate_counts_lora_memory_for_70b_on_one_node():
 
     from recipes.planning import validate as V
 
-    r70 = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
+    r70 = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
     one_node = ["cluster.nodes=1", "train.micro_batch_size=1", "train.grad_accum=8"]
     full = V.validate_recipe(r70, one_node, offline=True, seq_len=1024)
     lora = V.validate_recipe(r70, [*one_node, "model.lora={r: 16}"], offline=True, seq_len=1024)

@@ -129,7 +129,7 @@ def test_ntil_on_packed_data_is_accepted(packed_and_unpacked):
     from recipes.planning.validate import validate_recipe
 
     packed_dir = packed_and_unpacked[3]
-    demo = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo.yaml"
+    demo = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "demo.yaml"
     rep = validate_recipe(demo, [f"data.train={packed_dir}", "loss.objective={terms: {ntil: 0.3}}"], offline=True,
                           size=False)
     assert not any("is packed" in e for e in rep.errors), rep.errors

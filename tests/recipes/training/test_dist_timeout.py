@@ -16,7 +16,7 @@ import pytest
 
 from recipes.config import recipe_from_dict
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BASE = {"model": {"config": {"model_type": "llama"}, "tokenizer": "t"}, "data": {"train": "d"}}
 
 
