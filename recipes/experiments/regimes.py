@@ -47,6 +47,7 @@ from recipes.experiments.study import (
     markdown,
     progress_lines,
     run_one,
+    write_problems,
     zero_shot,
     zero_shot_lines,
 )
@@ -106,8 +107,8 @@ def read_records(folder: Path) -> list[dict]:
 def base_records() -> list[dict]:
     """The base study's CE and default-weight SMMD / DIST2 runs, relabelled as the weight regime's."""
     names = {"ce": "ce", **{family: label(family, w) for family, w in DEFAULT_WEIGHT.items()}}
-    return [{**r, "loss": names[r["loss"]], "name": f"{r['tokenizer']}-{names[r['loss']]}-s{r['seed']}", "objective": {"terms": {} if r["loss"] == "ce" else
-                                                           {r["loss"]: {"weight": DEFAULT_WEIGHT[r["loss"]]}}},
+    return [{**r, "loss": names[r["loss"]], "name": f"{r['tokenizer']}-{names[r['loss']]}-s{r['seed']}",
+             "objective": {"terms": {} if r["loss"] == "ce" else {r["loss"]: {"weight": DEFAULT_WEIGHT[r["loss"]]}}},
              "shared_from": f"docs/study-smollm2/runs/{r['name']}.json"}
             for r in read_records(BASE.out / "runs") if r["loss"] in names]
 
@@ -199,6 +200,68 @@ def gradient_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def problem_kind(problem: dict) -> str:
+    """The group a test problem falls in for the breakdown: its operation and its answer's sign (the
+    sign is a plain CE label, so a term can only help with the digits after it)."""
+    q = problem["prompt"]
+    op = "product" if ("*" in q or " times " in q or q.startswith("Multiply")) else "add/sub"
+    return f"{op}, answer {'< 0' if problem['target'].startswith('-') else '>= 0'}"
+
+
+def eval_problems(regime: Regime) -> list[dict]:
+    """The regime's test problems in evaluation order, made again by the same deterministic generator
+    `build_data` used (so a fresh checkout can report), and compared with the work folder's copy where
+    one exists: a generator that changed since the runs is an error, not a mispaired table."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _, path = write_problems(Path(tmp), regime.train_examples, BASE.eval_examples, mix=regime.mix)
+        problems = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = regime.work / "problems" / "eval.jsonl"
+    if kept.exists() and [json.loads(line) for line in kept.read_text().splitlines()] != problems:
+        raise ValueError(f"{kept}: the generator no longer makes these test problems; the runs cannot be "
+                         f"broken down by problem kind")
+    return problems
+
+
+def kind_rows(found: list[dict], order: list[str], problems: list[dict]) -> list[dict]:
+    """Per loss and problem kind: exact match over the kind's problems, mean and standard deviation over
+    the loss's runs, and its difference from CE's at the same seeds."""
+    kinds = [problem_kind(p) for p in problems]
+    groups = sorted(set(kinds))
+    per_run = {}
+    for r in found:
+        if len(r["correct"]) != len(problems):
+            raise ValueError(f"{r['name']}: {len(r['correct'])} answers for {len(problems)} test problems")
+        per_run[r["loss"], r["seed"]] = {g: statistics.mean(c == "1" for c, k in zip(r["correct"], kinds) if k == g)
+                                         for g in groups}  # `correct`: one "1" or "0" per test problem
+    rows = []
+    for loss in order:
+        seeds = sorted(s for (name, s) in per_run if name == loss)
+        for g in groups if seeds else ():
+            scores = [per_run[loss, s][g] for s in seeds]
+            paired = [per_run[loss, s][g] - per_run["ce", s][g] for s in seeds if ("ce", s) in per_run]
+            rows.append({"loss": loss, "kind": g, "problems": kinds.count(g), "seeds": len(seeds),
+                         "mean": statistics.mean(scores), "sd": statistics.stdev(scores) if len(scores) > 1 else None,
+                         "delta": statistics.mean(paired) if paired and loss != "ce" else None,
+                         "delta_per_seed": paired if loss != "ce" else []})
+    return rows
+
+
+def kind_markdown(rows: list[dict]) -> str:
+    lines = [("Exact match by problem kind (operation, sign of the answer): % over the kind's test problems, "
+              "mean ± standard deviation over seeds; Δ vs CE: the mean of the per-seed differences, which "
+              "ranks nothing (no interval: a kind holds a fraction of the test problems)."), "",
+             "| loss | kind | problems | seeds | exact match % | Δ vs CE (per seed) |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        spread = "" if r["sd"] is None else f" ± {100 * r['sd']:.1f}"
+        delta = "–" if r["delta"] is None else (f"{100 * r['delta']:+.1f} ("
+                                                 + ", ".join(f"{100 * d:+.1f}" for d in r["delta_per_seed"]) + ")")
+        lines.append(f"| {r['loss']} | {r['kind']} | {r['problems']} | {r['seeds']} | {100 * r['mean']:.1f}{spread} "
+                     f"| {delta} |")
+    return "\n".join(lines)
+
+
 def report(regime: Regime, grid: list[str], order: list[str]) -> str:
     """`results.md`, `results.csv` and `curves.png` of a regime from its records; returns the table."""
     import csv
@@ -212,7 +275,8 @@ def report(regime: Regime, grid: list[str], order: list[str]) -> str:
     before = {p.stem.removeprefix("zero_shot-"): json.loads(p.read_text())
               for p in sorted((BASE.out if regime.shares_base else regime.out).glob("zero_shot-*.json"))}
     table = "\n".join([f"Regime `{regime.name}`: {regime.question}", "", markdown(rows), *zero_shot_lines(before), "",
-                       gradient_markdown(gradient_rows(found, order)), *progress_lines(found, grid)])
+                       gradient_markdown(gradient_rows(found, order)), "",
+                       kind_markdown(kind_rows(found, order, eval_problems(regime))), *progress_lines(found, grid)])
     (regime.out / "results.md").write_text(table + "\n")
     with open(regime.out / "results.csv", "w", newline="") as f:
         flat = [{k: (json.dumps(v) if isinstance(v, dict) else v) for k, v in row.items()} for row in rows]

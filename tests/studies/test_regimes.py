@@ -1,5 +1,6 @@
 """recipes.experiments.regimes: which runs a regime plans, which it takes from the base study, how the best
-weights are chosen and kept, and the gradient table, on synthetic records computed by hand. The training
+weights are chosen and kept, the gradient table and the breakdown by problem kind, on synthetic records
+computed by hand. The training
 path itself is `recipes.experiments.study.run_one`, run end to end in test_study.py."""
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ from recipes.experiments import regimes, study
 @pytest.fixture()
 def folders(tmp_path, monkeypatch):
     """The base study's records in tmp_path/base, the regimes' in tmp_path/regimes."""
-    base = replace(regimes.BASE, out=tmp_path / "base", work=tmp_path / "work")
+    base = replace(regimes.BASE, out=tmp_path / "base", work=tmp_path / "work", eval_examples=2)
     (base.out / "runs").mkdir(parents=True)
     monkeypatch.setattr(regimes, "BASE", base)
     monkeypatch.setattr(regimes, "OUT", tmp_path / "regimes")
+    # work folders of their own (a machine that ran the study has the real ones), 2 test problems each
+    monkeypatch.setattr(regimes, "REGIMES", {k: replace(r, work=tmp_path / f"work-{k}", train_examples=20)
+                                             for k, r in regimes.REGIMES.items()})
     return base.out / "runs", tmp_path / "regimes"
 
 
@@ -158,3 +162,43 @@ def test_every_regime_setting_is_a_valid_recipe():
     assert (length.train.steps, length.optim.lr) == (240, 1.0e-4)
     # 240 steps of 16 problems never repeat one of the 5,000
     assert length.train.steps * length.train.global_batch_size < regimes.REGIMES["length"].train_examples
+
+
+PROBLEMS = [{"prompt": "Multiply -3 and 2.", "target": "-6"}, {"prompt": "Calculate 1*2.", "target": "2"},
+            {"prompt": "What is 4 times 5?", "target": "20"}, {"prompt": "Calculate -9 - 633.5.", "target": "-642.5"},
+            {"prompt": "What is 646.6 + 82.6?", "target": "729.2"}]
+
+
+def test_problem_kinds_split_by_operation_and_sign():
+    assert [regimes.problem_kind(p) for p in PROBLEMS] == [
+        "product, answer < 0", "product, answer >= 0", "product, answer >= 0", "add/sub, answer < 0",
+        "add/sub, answer >= 0"]
+
+
+def test_the_kind_breakdown_scores_each_kind_per_seed_and_pairs_with_ce():
+    found = [_record("ce", 0, "01101"), _record("ce", 1, "11100"), _record("smmd_w0.3", 0, "11111"),
+             _record("smmd_w0.3", 1, "00000")]
+    rows = {(r["loss"], r["kind"]): r for r in regimes.kind_rows(found, ["ce", "smmd_w0.3"], PROBLEMS)}
+    ce, smmd = rows["ce", "product, answer >= 0"], rows["smmd_w0.3", "product, answer >= 0"]
+    assert (ce["problems"], ce["seeds"], ce["mean"], ce["sd"], ce["delta"]) == (2, 2, 1.0, 0.0, None)
+    assert (smmd["mean"], smmd["delta_per_seed"], smmd["delta"]) == (0.5, [0.0, -1.0], -0.5)
+    neg = rows["smmd_w0.3", "product, answer < 0"]  # CE: 0 then 1; SMMD: 1 then 0
+    assert (neg["mean"], neg["delta_per_seed"], neg["delta"]) == (0.5, [1.0, -1.0], 0.0)
+    assert (rows["ce", "add/sub, answer < 0"]["mean"], rows["ce", "add/sub, answer >= 0"]["mean"]) == (0.0, 0.5)
+    table = regimes.kind_markdown(regimes.kind_rows(found, ["ce", "smmd_w0.3"], PROBLEMS))
+    assert "| smmd_w0.3 | product, answer >= 0 | 2 | 2 | 50.0 ± 70.7 | -50.0 (+0.0, -100.0) |" in table
+    with pytest.raises(ValueError, match="4 answers for 5 test problems"):
+        regimes.kind_rows([_record("ce", 0, "0110")], ["ce"], PROBLEMS)
+
+
+def test_eval_problems_are_made_again_and_checked_against_the_kept_copy(folders):
+    regime = regimes.REGIMES["task"]
+    problems = regimes.eval_problems(regime)
+    assert len(problems) == 2 and problems == regimes.eval_problems(regime)  # deterministic
+    kept = regime.work / "problems" / "eval.jsonl"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("".join(json.dumps(p) + "\n" for p in problems))
+    assert regimes.eval_problems(regime) == problems
+    kept.write_text("".join(json.dumps({**p, "target": "1"}) + "\n" for p in problems))
+    with pytest.raises(ValueError, match="no longer makes these test problems"):
+        regimes.eval_problems(regime)
