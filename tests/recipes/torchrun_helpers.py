@@ -95,3 +95,32 @@ def save_tiny_llama(tokenizer_dir: Path, out_dir: Path, hidden: int = 32, seed: 
     AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
     return tok
+
+
+def tiny_workspace(root: Path, *, problems: int, max_digits: int, train: dict, terms: tuple[str, ...] = ("smmd",),
+                   optim: dict | None = None, hidden: int = 64, module: str | None = None,
+                   lora: dict | None = None) -> Path:
+    """The small training set-up the recipe tests share, written into `root`: a digits tokenizer (`tok/`),
+    `problems` arithmetic problems of up to `max_digits` digits (one `module` of the generator, or its mix)
+    tokenized with it (`data/`), and `recipe.yaml`, which trains a random-weight tiny Llama of width
+    `hidden` sized to the tokenizer on them with CE + `terms` at their default weights, `optim` (default
+    lr 3e-3) and `train`. With `lora` the model is that Llama saved once into `base/` (seed 0) with the
+    adapter `lora` on it. Returns the recipe's path."""
+    import yaml
+
+    from data_prep.sources.base import SourceConfig
+    from recipes.experiments.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
+
+    tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
+    options = {"n": problems, "max_digits": max_digits, "negatives": False, **({"module": module} if module else {})}
+    build_plain_shards(SourceConfig(kind="arithmetic", options=options), root / "tok", root / "data")
+    model = {"config": tiny_llama_config(len(tok), hidden=hidden)}
+    if lora is not None:
+        save_tiny_llama(root / "tok", root / "base", hidden=hidden)
+        model = {"name_or_path": str(root / "base"), "lora": lora}
+    recipe = {"name": "tiny", "model": {**model, "tokenizer": str(root / "tok"), "dtype": "float32"},
+              "data": {"train": str(root / "data")}, "loss": {"objective": {"terms": {t: {} for t in terms}}},
+              "optim": optim or {"lr": 3e-3}, "train": {"progress": False, **train}}
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path

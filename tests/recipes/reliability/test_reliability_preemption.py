@@ -17,33 +17,20 @@ import signal
 import time
 
 import pytest
-import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import launch, read_metrics  # noqa: E402
+from torchrun_helpers import launch, read_metrics, tiny_workspace  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    from data_prep.sources.base import SourceConfig
-    from recipes.experiments.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
-
     root = tmp_path_factory.mktemp("preemption")
-    tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
-    build_plain_shards(SourceConfig(kind="arithmetic", options={"n": 64, "max_digits": 2, "negatives": False}),
-                       root / "tok", root / "data")
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "tiny", "model": {"config": tiny_llama_config(len(tok), hidden=32), "tokenizer": str(root / "tok"),
-                                  "dtype": "float32"},
-        "data": {"train": str(root / "data")}, "loss": {"objective": {"terms": {"smmd": {}}}},
-        "optim": {"lr": 3e-3},
-        "train": {"steps": 400, "max_epochs": 400, "micro_batch_size": 2, "grad_accum": 1, "save_every": 0,
-                  "progress": False, "tensorboard": False, "export": False}}))
-    return root, path
+    return root, tiny_workspace(root, problems=64, max_digits=2, hidden=32,
+                                train={"steps": 400, "max_epochs": 400, "micro_batch_size": 2, "grad_accum": 1,
+                                       "save_every": 0, "tensorboard": False, "export": False})
 
 
 def _wait_for_rows(proc, out, rows, timeout=600):

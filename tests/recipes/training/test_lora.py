@@ -15,12 +15,11 @@ import json
 
 import pytest
 import torch
-import yaml
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
 
-from torchrun_helpers import read_metrics, run_to_end  # noqa: E402
+from torchrun_helpers import read_metrics, run_to_end, tiny_workspace  # noqa: E402
 
 STEPS, R, ALPHA = 4, 4, 8.0
 ADAPTED = ("q_proj", "v_proj")
@@ -29,32 +28,12 @@ KEYS = ("loss", "ce", "term/smmd", "term/ntl_was", "grad_norm", "lr")
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from data_prep.sources.base import SourceConfig
-    from recipes.experiments.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
-
     root = tmp_path_factory.mktemp("lora")
-    tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
-    build_plain_shards(SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 64, "max_digits": 3,
-                                                                "negatives": False}), root / "tok", root / "data")
-    config = dict(tiny_llama_config(len(tok)))
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
-    base.save_pretrained(str(root / "base"))
-    recipe = {
-        "name": "tiny-lora",
-        "model": {"name_or_path": str(root / "base"), "tokenizer": str(root / "tok"), "dtype": "float32",
-                  "lora": {"r": R, "alpha": ALPHA, "target_modules": list(ADAPTED), "export_merged": True}},
-        "data": {"train": str(root / "data")},
-        "loss": {"objective": {"terms": {"smmd": {}, "ntl_was": {}}}},
-        "optim": {"lr": 1e-2, "schedule": "constant"},
-        "train": {"steps": STEPS, "micro_batch_size": 4, "grad_accum": 2, "save_every": 2, "keep_last": 2,
-                  "progress": False, "tensorboard": False},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return root, path
+    lora = {"r": R, "alpha": ALPHA, "target_modules": list(ADAPTED), "export_merged": True}
+    return root, tiny_workspace(root, problems=64, max_digits=3, module="add_or_sub", terms=("smmd", "ntl_was"),
+                                lora=lora, optim={"lr": 1e-2, "schedule": "constant"},
+                                train={"steps": STEPS, "micro_batch_size": 4, "grad_accum": 2, "save_every": 2,
+                                       "keep_last": 2, "tensorboard": False})
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +121,7 @@ def test_lora_resume_from_a_checkpoint_is_bit_exact(workspace, zero3_run):
     out = root / "resumed"
     run_to_end(recipe, out, "train.steps=2", "train.export=false")  # stops at its step-2 checkpoint
     output = run_to_end(recipe, out, "train.export=false")
-    assert "resumed tiny-lora from step 2" in output
+    assert "resumed tiny from step 2" in output
     for got, want in zip(read_metrics(out), read_metrics(zero3_run)):
         for key in KEYS:
             assert got[key] == want[key], (got["step"], key, got[key], want[key])

@@ -11,42 +11,26 @@ generated arithmetic built through data_prep.
 from __future__ import annotations
 
 import json
-
 import math
 import random
 
 import pytest
 import torch
-import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end  # noqa: E402
+from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, tiny_workspace  # noqa: E402
 
 STEPS = 8
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    from data_prep.sources.base import SourceConfig
-    from recipes.experiments.tiny import build_plain_shards, tiny_llama_config, train_tokenizer
-
     root = tmp_path_factory.mktemp("train")
-    tok = train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
-    build_plain_shards(SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": 256, "max_digits": 3,
-                                                                "negatives": False}), root / "tok", root / "data")
-    recipe = {
-        "name": "tiny", "model": {"config": tiny_llama_config(len(tok)), "tokenizer": str(root / "tok"),
-                                  "dtype": "float32"},
-        "data": {"train": str(root / "data")},
-        "loss": {"objective": {"terms": {"smmd": {}, "ntl_was": {}}}},
-        "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "train": {"steps": STEPS, "micro_batch_size": 8, "grad_accum": 2, "save_every": 2, "keep_last": 2,
-                  "progress": False},
-    }
-    path = root / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return root, path
+    return root, tiny_workspace(root, problems=256, max_digits=3, module="add_or_sub", terms=("smmd", "ntl_was"),
+                                optim={"lr": 3e-3, "warmup_steps": 2},
+                                train={"steps": STEPS, "micro_batch_size": 8, "grad_accum": 2, "save_every": 2,
+                                       "keep_last": 2})
 
 
 @pytest.fixture(scope="module")
