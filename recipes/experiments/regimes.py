@@ -238,7 +238,9 @@ def kind_rows(found: list[dict], order: list[str], problems: list[dict]) -> list
     rows = []
     for loss in order:
         seeds = sorted(s for (name, s) in per_run if name == loss)
-        for g in groups if seeds else ():
+        if not seeds:
+            continue
+        for g in groups:
             scores = [per_run[loss, s][g] for s in seeds]
             paired = [per_run[loss, s][g] - per_run["ce", s][g] for s in seeds if ("ce", s) in per_run]
             rows.append({"loss": loss, "kind": g, "problems": kinds.count(g), "seeds": len(seeds),

@@ -312,8 +312,9 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
     Parallel contract: no communication; each rank calls it for itself and reads (through `get_tensor`:
     a `SafetensorsReader`, or any `name -> Tensor` callable) only the HF tensors of its own layers, plus
     the embedding (first stage) and the final norm and lm_head (last stage); from a reader, only its
-    TP slice of each split tensor (`read_range`), so a rank's reads are its share of the stage. Returns tensors in `config.params_dtype`, local layer
-    names (`decoder.layers.0` is the chunk's first layer), `te_names` for the Transformer Engine spec.
+    TP slice of each split tensor (`read_range`), so a rank's reads are its share of the stage. Returns
+    tensors in `config.params_dtype`, local layer names (`decoder.layers.0` is the chunk's first layer),
+    `te_names` for the Transformer Engine spec.
     Tied embeddings: the last stage's `output_layer.weight` is the (padded) embedding shard too."""
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp_size, pp_size):
         raise ValueError(f"config is TP {config.tensor_model_parallel_size} x PP {config.pipeline_model_parallel_size},"
