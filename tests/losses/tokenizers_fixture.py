@@ -33,57 +33,47 @@ def _word_corpus(lines: int = 20) -> list[str]:
     return [" ".join(_WORDS[(i + k) % len(_WORDS)] for k in range(8)) for i in range(lines)]
 
 
+def _bpe(pre_tokenizer, corpus: list[str], vocab_size: int, decoder=None, byte_level: bool = False) -> Tokenizer:
+    """A BPE tokenizer trained on `corpus` behind `pre_tokenizer`: with `<unk>`, or over the 256-byte
+    alphabet (`byte_level`, which needs no unknown token)."""
+    tok = Tokenizer(models.BPE() if byte_level else models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizer
+    if decoder is not None:
+        tok.decoder = decoder
+    extra = {"initial_alphabet": pre_tokenizers.ByteLevel.alphabet()} if byte_level else {"special_tokens": [UNK]}
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, show_progress=False,
+                                                        **extra))
+    return tok
+
+
 @functools.lru_cache(maxsize=None)
 def digit_tokenizer() -> Tokenizer:
     """Qwen-style: every digit is its own token (numbers are runs of the ten digit tokens)."""
-    tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
-    )
-    corpus = _word_corpus() + ["I have 407 apples and 12.5 pears, -3 figs: 0123456789 9876543210"] * 5
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, special_tokens=[UNK], show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    split = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)])
+    return _bpe(split, _word_corpus() + ["I have 407 apples and 12.5 pears, -3 figs: 0123456789 9876543210"] * 5, 300)
 
 
 @functools.lru_cache(maxsize=None)
 def llama3_tokenizer() -> Tokenizer:
     """Llama-3-style: numbers split in groups of up to three digits; every integer 0..999 is one token."""
-    tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"), pre_tokenizers.Whitespace()]
-    )
-    corpus = [" ".join(str(i) for i in range(k, k + 50)) for k in range(0, 1000, 50)]
-    corpus += _word_corpus()
-    trainer = trainers.BpeTrainer(vocab_size=4000, min_frequency=1, special_tokens=[UNK], show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"\d{1,3}"), behavior="isolated"),
+                                     pre_tokenizers.Whitespace()])
+    integers = [" ".join(str(i) for i in range(k, k + 50)) for k in range(0, 1000, 50)]
+    return _bpe(split, integers + _word_corpus(), 4000)
 
 
 @functools.lru_cache(maxsize=None)
 def sentencepiece_tokenizer() -> Tokenizer:
     """SentencePiece-like (Metaspace): a number after a space becomes a "▁3" token; bare digits exist too."""
-    tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
     corpus = ["I have 3 apples and 5 pears 7 figs 0 1 2 3 4 5 6 7 8 9 x0 x1 x2 x3 x4 x5 x6 x7 x8 x9"] * 10
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=1, special_tokens=[UNK], show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return _bpe(pre_tokenizers.Metaspace(), corpus, 300, decoders.Metaspace())
 
 
 @functools.lru_cache(maxsize=None)
 def byte_level_tokenizer() -> Tokenizer:
     """GPT-2 byte-level BPE: " 3" becomes "Ġ3"; the byte alphabet also holds "²", "³", "¹" (not numbers)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     corpus = ["I have 3 apples and 5 pears, 7 figs 3 5 7 1 2 4 6 8 9 0 x0 x1 x2 x3 x4 x5 x6 x7 x8 x9"] * 10
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, min_frequency=1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(corpus, trainer)
-    return tok
+    return _bpe(pre_tokenizers.ByteLevel(add_prefix_space=False), corpus, 400, decoders.ByteLevel(), byte_level=True)
 
 
 def word_level(tokens: tuple[str, ...] | list[str]) -> Tokenizer:
