@@ -62,5 +62,6 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the engine (process groups of its own, DeepSpeed's engine)."""
+        """Release the engine: its own process groups, and every reference it holds to the model and the
+        optimizer, which hold groups too (`recipes.training.runtime.teardown`). Unusable afterwards."""
         ...

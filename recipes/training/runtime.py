@@ -7,6 +7,7 @@ MASTER_PORT) are already set; run as a plain `python -m recipes.train`, this bec
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -63,6 +64,10 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     quiet_deprecated_collectives()
+    # Imported before the world group exists: its functions' defaults are `group=group.WORLD`, evaluated at
+    # import, and imported later (DeepSpeed and transformers do, lazily) they hold the world group for
+    # good, so teardown could not free it before the interpreter exits (see `teardown`).
+    import torch.distributed.nn.functional  # noqa: F401
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
     if not deepspeed:
@@ -95,9 +100,24 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
 
 
 def teardown(engine=None) -> None:
-    """End a run cleanly: the engine first (DeepSpeed's, Megatron's groups), then the process group
-    (else it may abort at exit)."""
+    """End a run cleanly: the engine first (DeepSpeed's, Megatron's groups), then every process group,
+    freed before the interpreter shuts down.
+
+    `torch.distributed.destroy_process_group` only forgets the groups: a group object still referenced
+    keeps its gloo worker threads alive until interpreter finalisation frees it, and a rank can then
+    abort at exit ("terminate called without an active exception", exit -6) after a run that finished,
+    which torchrun and Ray report as a failed job. Three holders were found: DeepSpeed's own group table
+    (`deepspeed.comm.destroy_process_group` clears it), the engine's model and optimizer (`engine.close`
+    drops them) and `torch.distributed.nn.functional` imported after the world group existed
+    (`setup_distributed` imports it first). The collection then frees the groups, joining their threads,
+    while the interpreter is whole. `test_layouts.test_no_process_group_outlives_a_run` checks every
+    layout's ranks for gloo threads at exit."""
     if engine is not None:
         engine.close()
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        ds_comm = sys.modules.get("deepspeed.comm.comm")
+        if ds_comm is not None and ds_comm.is_initialized():
+            ds_comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
+    gc.collect()

@@ -13,15 +13,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def launch(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2, log: Path | None = None) -> subprocess.Popen:
+EXIT_REPORT = Path(__file__).parent / "exit_report"  # its sitecustomize prints each rank's threads at exit
+
+
+def launch(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2, log: Path | None = None,
+           exit_report: bool = False) -> subprocess.Popen:
     """torchrun of `recipes.train`. Its output goes to a pipe (read it with `communicate`) or, for a run
-    that is watched rather than read, to the file `log`: an unread pipe fills up and blocks the ranks."""
+    that is watched rather than read, to the file `log`: an unread pipe fills up and blocks the ranks.
+    With `exit_report` each rank ends its output with the threads it still has at exit
+    (`exit_threads` reads them)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "recipes.train", str(recipe), f"train.out_dir={out_dir}", *overrides]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    if exit_report:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_REPORT), env.get("PYTHONPATH")]))
     stdout = subprocess.PIPE if log is None else open(log, "w")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+
+
+def exit_threads(output: str) -> dict[int, list[list[str]]]:
+    """Each rank's thread names at exit, one list per process that rank ran (a Megatron run starts more
+    than one), from the output of a run launched with `exit_report`."""
+    found: dict[int, list[list[str]]] = {}
+    for line in output.splitlines():
+        if "[exit-threads] rank=" in line:
+            rank, *names = line.split("[exit-threads] rank=", 1)[1].split()
+            found.setdefault(int(rank), []).append(names)
+    return found
 
 
 def _descendants(pid: int) -> list[int]:

@@ -127,7 +127,18 @@ class DeepSpeedEngine:
             save_adapter(self.peft_model, path / "adapter", tokenizer, self.runtime.is_main, zero_stage)
 
     def close(self) -> None:
+        """Destroy DeepSpeed's engine and drop this engine's model, wrapper and optimizer: DeepSpeed ties
+        its process groups to them (the ZeRO optimizer, and every parameter's `_dp_group`), and a group
+        that outlives the run is freed at interpreter exit, where it can abort the rank
+        (`recipes.training.runtime.teardown`). The engine cannot be used afterwards."""
+        import deepspeed.runtime.zero.parameter_offload as zero3_offload
+
         self.engine.destroy()
+        # ZeRO-3 pushes the wrapped module onto a module-level stack and never pops it (DeepSpeed 0.19),
+        # which would keep the model, and through its parameters the groups, until exit.
+        stack = getattr(zero3_offload, "FWD_MODULE_STACK", [])
+        stack[:] = [module for module in stack if module is not self.wrapper]
+        self.engine = self.wrapper = self.model = self.peft_model = self.scheduler = None
 
 
 def _synchronize(device: torch.device) -> None:

@@ -158,7 +158,10 @@ class MegatronEngine:
         dist.barrier()
 
     def close(self) -> None:
-        """Destroy megatron's model-parallel state (the process group stays: the loop owns it)."""
+        """Destroy megatron's model-parallel state and drop the model and optimizer, which hold its groups
+        (`recipes.training.runtime.teardown`). The default process group stays: the loop owns it. The
+        engine cannot be used afterwards."""
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+        self.model = self.optimizer = None

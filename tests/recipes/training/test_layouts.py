@@ -48,7 +48,8 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, save_tiny_llama  # noqa: E402
+from torchrun_helpers import (exit_threads, kill_after_logged_steps, launch, read_metrics, run_to_end,  # noqa: E402
+                              save_tiny_llama)
 
 STEPS = 4
 TERMS = {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0}, "dist2": {"weighting": "place_value"}}
@@ -111,9 +112,10 @@ def _run(workspace, name: str, nproc: int, overrides, *extra) -> list[dict]:
     root, recipe = workspace
     out = root / name
     export = f"train.export={str(name in EXPORTS).lower()}"
-    proc = launch(recipe, out, *overrides, *FAST, export, *extra, nproc=nproc)
+    proc = launch(recipe, out, *overrides, *FAST, export, *extra, nproc=nproc, exit_report=True)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
+    (out / "torchrun.log").write_text(output)  # test_no_process_group_outlives_a_run reads it
     return read_metrics(out)
 
 
@@ -175,6 +177,46 @@ def test_every_layout_logs_the_same_losses_and_grad_norms(runs):
         _same_curve(rows, reference, name, keys=("loss", "ce", "grad_norm", "term/smmd", "term/ntil",
                                                   "term/dist2", "numeric_positions"))
         _same_diagnostics(rows, reference, name)
+
+
+# Layouts whose ranks still hold a process group at exit (test_process_groups_still_outlive_these_layouts)
+GROUPS_LEFT_AT_EXIT = ("accum", "dp2", "tp2", *MEGATRON)
+
+
+def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str, list[str]]:
+    """{"rank r": thread names} for each process of layout `name` that exits with gloo threads."""
+    nproc = (MEGATRON if name in MEGATRON else LAYOUTS)[name][0]
+    (megatron_runs if name in MEGATRON else runs)[name]
+    threads = exit_threads((workspace[0] / name / "torchrun.log").read_text())
+    assert sorted(threads) == list(range(nproc)), f"{name}: exit reports from ranks {sorted(threads)}"
+    return {f"rank {rank}": names for rank, reports in threads.items() for names in reports
+            if any("gloo" in n for n in names)}
+
+
+@pytest.mark.parametrize("name", [name for name in LAYOUTS if name not in GROUPS_LEFT_AT_EXIT])
+def test_no_process_group_outlives_a_run(workspace, runs, megatron_runs, name):
+    """Every rank has freed its process groups before the interpreter shuts down: no gloo thread is left
+    when the last exit handler runs. A group left alive is freed during finalisation, where a rank that
+    finished its run sometimes aborted ("terminate called without an active exception", exit -6; seen
+    once in the dp2-accum run here), which the launcher reports as a failed job. The leak this checks
+    for is deterministic where the abort is not. Three holders are released by
+    `recipes.training.runtime.teardown`: DeepSpeed's group table, the engine's model, and
+    `torch.distributed.nn.functional`'s defaults. Before them the dp2-accum run's ranks each exited
+    with two groups alive (six gloo threads)."""
+    assert not _groups_left_at_exit(workspace, runs, megatron_runs, name)
+
+
+@pytest.mark.xfail(strict=True, reason="ZeRO-3 and Megatron runs still hold their groups at exit: ZeRO-3's engine "
+                                       "stays alive through references no Python referrer shows; Megatron's holder "
+                                       "is not found yet")
+@pytest.mark.parametrize("name", GROUPS_LEFT_AT_EXIT)
+def test_process_groups_still_outlive_these_layouts(workspace, runs, megatron_runs, name):
+    """The known remainder, kept visible: with ZeRO-3 (accum, dp2, tp2) the DeepSpeed engine, its ZeRO-3
+    optimizer and the wrapped model outlive `engine.close()` with no referrer from a module or a frame
+    (so held from C++, e.g. an autograd node), and one process of each Megatron rank keeps its groups
+    too (not yet traced). Strict: the day a fix frees them, this fails and the layout moves to the test
+    above."""
+    assert not _groups_left_at_exit(workspace, runs, megatron_runs, name)
 
 
 @pytest.mark.parametrize("name", list(MEGATRON))
