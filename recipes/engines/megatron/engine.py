@@ -164,4 +164,9 @@ class MegatronEngine:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+        # destroy_model_parallel misses some of its globals (the intra-partial data-parallel groups with
+        # context parallelism, megatron-core 0.16): a group left there lives until interpreter exit.
+        for name, value in list(vars(parallel_state).items()):
+            if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
+                setattr(parallel_state, name, None)
         self.model = self.optimizer = None

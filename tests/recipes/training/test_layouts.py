@@ -207,15 +207,15 @@ def test_no_process_group_outlives_a_run(workspace, runs, megatron_runs, name):
 
 
 @pytest.mark.xfail(strict=True, reason="ZeRO-3 and Megatron runs still hold their groups at exit: ZeRO-3's engine "
-                                       "stays alive through references no Python referrer shows; Megatron's holder "
+                                       "stays alive through references no Python referrer shows; Megatron's last holder "
                                        "is not found yet")
 @pytest.mark.parametrize("name", GROUPS_LEFT_AT_EXIT)
 def test_process_groups_still_outlive_these_layouts(workspace, runs, megatron_runs, name):
     """The known remainder, kept visible: with ZeRO-3 (accum, dp2, tp2) the DeepSpeed engine, its ZeRO-3
     optimizer and the wrapped model outlive `engine.close()` with no referrer from a module or a frame
-    (so held from C++, e.g. an autograd node), and one process of each Megatron rank keeps its groups
-    too (not yet traced). Strict: the day a fix frees them, this fails and the layout moves to the test
-    above."""
+    (so held from C++, e.g. an autograd node), and each Megatron rank keeps at least one group,
+    held by a live nn.Module not yet found. Strict: the day a fix frees them, this fails and the layout
+    moves to the test above."""
     assert not _groups_left_at_exit(workspace, runs, megatron_runs, name)
 
 
