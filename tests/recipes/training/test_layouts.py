@@ -115,7 +115,7 @@ def _run(workspace, name: str, nproc: int, overrides, *extra) -> list[dict]:
     proc = launch(recipe, out, *overrides, *FAST, export, *extra, nproc=nproc, exit_report=True)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
-    (out / "torchrun.log").write_text(output)  # test_no_process_group_outlives_a_run reads it
+    (out / "torchrun.log").write_text(output)  # _groups_left_at_exit reads it
     return read_metrics(out)
 
 
@@ -184,13 +184,13 @@ GROUPS_LEFT_AT_EXIT = ("accum", "dp2", "tp2", *MEGATRON)
 
 
 def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str, list[str]]:
-    """{"rank r": thread names} for each process of layout `name` that exits with gloo threads."""
+    """{"rank r, process i": thread names} for each process of layout `name` that exits with gloo threads."""
     nproc = (MEGATRON if name in MEGATRON else LAYOUTS)[name][0]
     (megatron_runs if name in MEGATRON else runs)[name]
     threads = exit_threads((workspace[0] / name / "torchrun.log").read_text())
     assert sorted(threads) == list(range(nproc)), f"{name}: exit reports from ranks {sorted(threads)}"
-    return {f"rank {rank}": names for rank, reports in threads.items() for names in reports
-            if any("gloo" in n for n in names)}
+    return {f"rank {rank}, process {i}": names for rank, reports in threads.items()
+            for i, names in enumerate(reports) if any("gloo" in n for n in names)}
 
 
 @pytest.mark.parametrize("name", [name for name in LAYOUTS if name not in GROUPS_LEFT_AT_EXIT])
