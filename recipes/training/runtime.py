@@ -13,6 +13,7 @@ import socket
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -106,12 +107,13 @@ def teardown(engine=None) -> None:
     `torch.distributed.destroy_process_group` only forgets the groups: a group object still referenced
     keeps its gloo worker threads alive until interpreter finalisation frees it, and a rank can then
     abort at exit ("terminate called without an active exception", exit -6) after a run that finished,
-    which torchrun and Ray report as a failed job. Three holders were found: DeepSpeed's own group table
-    (`deepspeed.comm.destroy_process_group` clears it), the engine's model and optimizer (`engine.close`
-    drops them) and `torch.distributed.nn.functional` imported after the world group existed
-    (`setup_distributed` imports it first). The collection then frees the groups, joining their threads,
-    while the interpreter is whole. `test_layouts` checks every layout's ranks for gloo threads at exit:
-    ZeRO-2 layouts have none; ZeRO-3 and Megatron runs still keep some (a strict xfail there)."""
+    which torchrun and Ray report as a failed job. The holders found: DeepSpeed's own group table
+    (`deepspeed.comm.destroy_process_group` clears it), the engine's model and optimizer and the caches
+    and module-level state of DeepSpeed and megatron-core that keep them (`engine.close` drops them,
+    `clear_method_caches`), and `torch.distributed.nn.functional` imported after the world group
+    existed (`setup_distributed` imports it first). The collection then frees the groups, joining their
+    threads, while the interpreter is whole. `test_layouts` checks every layout's ranks, both engines,
+    for gloo threads at exit."""
     if engine is not None:
         engine.close()
     if torch.distributed.is_initialized():
@@ -121,3 +123,28 @@ def teardown(engine=None) -> None:
         else:
             torch.distributed.destroy_process_group()
     gc.collect()
+
+
+def clear_method_caches(classes: Iterable[type]) -> None:
+    """Empty every `functools.lru_cache` that the methods of `classes` (and their bases) carry.
+
+    A cache put on a method at class level is the class's, keyed by `self`: it keeps every instance it
+    has seen, and whatever they hold (parameters, process groups), until interpreter exit, where a
+    group freed late can abort the rank (`teardown`). A cache wrapped by another decorator is found
+    through the wrapper's `__wrapped__` or its closure. Clearing costs a recomputation at most."""
+    seen: set[int] = set()
+    for cls in {base for cls in classes for base in cls.__mro__}:
+        pending = list(vars(cls).values())
+        while pending:
+            fn = pending.pop()
+            if id(fn) in seen or not callable(fn):
+                continue
+            seen.add(id(fn))
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+            pending.append(getattr(fn, "__wrapped__", None))
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    pending.append(cell.cell_contents)
+                except ValueError:  # a cell not yet bound
+                    continue

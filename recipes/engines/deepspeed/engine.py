@@ -26,7 +26,7 @@ from numloss import NumericVocab, Objective
 from recipes.config import Recipe
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel, step_counts
-from recipes.training.runtime import Runtime
+from recipes.training.runtime import Runtime, clear_method_caches
 from recipes.training.schedule import lr_lambda
 from recipes.inputs.tokenizer import load_tokenizer
 
@@ -138,6 +138,11 @@ class DeepSpeedEngine:
         # which would keep the model, and through its parameters the groups, until exit.
         stack = getattr(zero3_offload, "FWD_MODULE_STACK", [])
         stack[:] = [module for module in stack if module is not self.wrapper]
+        # ZeRO-3's coordinator caches a method with `functools.lru_cache` on the class (DeepSpeed 0.19):
+        # the cache holds every coordinator and, through its parameters, their groups.
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+        clear_method_caches([PartitionedParameterCoordinator])
         self.engine = self.wrapper = self.model = self.peft_model = self.scheduler = None
 
 

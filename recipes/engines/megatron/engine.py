@@ -25,7 +25,7 @@ from recipes.config import Recipe
 from recipes.inputs.tokenizer import load_tokenizer
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel
-from recipes.training.runtime import Runtime
+from recipes.training.runtime import Runtime, clear_method_caches
 
 from . import checkpoints, step
 from .model import build_model_chunks, initialize_model_parallel
@@ -169,4 +169,7 @@ class MegatronEngine:
         for name, value in list(vars(parallel_state).items()):
             if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
                 setattr(parallel_state, name, None)
+        # RotaryEmbedding.forward is an lru_cache on the class (megatron-core 0.16), keyed by the module:
+        # it keeps the module, and the context-parallel group it holds, alive until exit.
+        clear_method_caches({type(module) for chunk in self.model for module in chunk.modules()})
         self.model = self.optimizer = None

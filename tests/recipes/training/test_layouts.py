@@ -179,10 +179,6 @@ def test_every_layout_logs_the_same_losses_and_grad_norms(runs):
         _same_diagnostics(rows, reference, name)
 
 
-# Layouts whose ranks still hold a process group at exit (test_process_groups_still_outlive_these_layouts)
-GROUPS_LEFT_AT_EXIT = ("accum", "dp2", "tp2", *MEGATRON)
-
-
 def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str, list[str]]:
     """{"rank r, process i": thread names} for each process of layout `name` that exits with gloo threads."""
     nproc = (MEGATRON if name in MEGATRON else LAYOUTS)[name][0]
@@ -193,30 +189,60 @@ def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str,
             for i, names in enumerate(reports) if any("gloo" in n for n in names)}
 
 
-@pytest.mark.parametrize("name", [name for name in LAYOUTS if name not in GROUPS_LEFT_AT_EXIT])
+@pytest.mark.parametrize("name", [*LAYOUTS, *MEGATRON])
 def test_no_process_group_outlives_a_run(workspace, runs, megatron_runs, name):
     """Every rank has freed its process groups before the interpreter shuts down: no gloo thread is left
     when the last exit handler runs. A group left alive is freed during finalisation, where a rank that
     finished its run sometimes aborted ("terminate called without an active exception", exit -6; seen
     once in the dp2-accum run here), which the launcher reports as a failed job. The leak this checks
-    for is deterministic where the abort is not. Three holders are released by
-    `recipes.training.runtime.teardown`: DeepSpeed's group table, the engine's model, and
-    `torch.distributed.nn.functional`'s defaults. Before them the dp2-accum run's ranks each exited
-    with two groups alive (six gloo threads)."""
+    for is deterministic where the abort is not. The holders, each released by
+    `recipes.training.runtime.teardown` or an engine's `close`: DeepSpeed's group table, the engine's
+    model and optimizer, `torch.distributed.nn.functional`'s defaults, DeepSpeed's ZeRO-3 module stack,
+    megatron-core's parallel_state globals, and two `lru_cache`s on methods (ZeRO-3's parameter
+    coordinator, megatron-core's RotaryEmbedding) that keep every instance they saw. Before them the
+    dp2-accum ranks each exited with two groups alive (six gloo threads), the 1-rank Megatron run
+    with nine gloo threads."""
     assert not _groups_left_at_exit(workspace, runs, megatron_runs, name)
 
 
-@pytest.mark.xfail(strict=True, reason="ZeRO-3 and Megatron runs still hold their groups at exit: ZeRO-3's engine "
-                                       "stays alive through references no Python referrer shows; Megatron's last holder "
-                                       "is not found yet")
-@pytest.mark.parametrize("name", GROUPS_LEFT_AT_EXIT)
-def test_process_groups_still_outlive_these_layouts(workspace, runs, megatron_runs, name):
-    """The known remainder, kept visible: with ZeRO-3 (accum, dp2, tp2) the DeepSpeed engine, its ZeRO-3
-    optimizer and the wrapped model outlive `engine.close()` with no referrer from a module or a frame
-    (so held from C++, e.g. an autograd node), and each Megatron rank keeps at least one group,
-    held by a live nn.Module not yet found. Strict: the day a fix frees them, this fails and the layout
-    moves to the test above."""
-    assert not _groups_left_at_exit(workspace, runs, megatron_runs, name)
+def test_clear_method_caches_frees_what_a_method_cache_keeps():
+    """The mechanism behind two of those holders, on its own: an `lru_cache` on a method, under a
+    decorator that hides it in a closure (as DeepSpeed's NVTX wrapper does), keeps every instance alive
+    until `clear_method_caches` is given the class or a subclass; a cache on an unrelated class stays."""
+    import functools
+    import gc
+    import weakref
+
+    from recipes.training.runtime import clear_method_caches
+
+    def hide(fn):
+        def wrapper(*args):
+            return fn(*args)
+        return wrapper
+
+    class Base:
+        @hide
+        @functools.lru_cache(maxsize=None)
+        def cached(self, x):
+            return x + 1
+
+    class Child(Base):
+        pass
+
+    class Other:
+        @functools.lru_cache(maxsize=None)
+        def cached(self, x):
+            return x
+
+    child, other = Child(), Other()
+    assert child.cached(1) == 2 and other.cached(3) == 3
+    child_ref, other_ref = weakref.ref(child), weakref.ref(other)
+    del child, other
+    gc.collect()
+    assert child_ref() is not None and other_ref() is not None  # the caches keep both
+    clear_method_caches([Child])
+    gc.collect()
+    assert child_ref() is None and other_ref() is not None
 
 
 @pytest.mark.parametrize("name", list(MEGATRON))
