@@ -1,10 +1,6 @@
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import assemble_tokenizer, train_tokenizer  # noqa: E402
+from tests.data_prep.helpers import assemble_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="session")

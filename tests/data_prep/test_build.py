@@ -11,7 +11,7 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import GSM8K_ROWS, png_bytes, write_jsonl, write_parquet
+from tests.data_prep.helpers import GSM8K_ROWS, png_bytes, write_jsonl, write_parquet
 
 from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
 from data_prep.__main__ import main as cli_main

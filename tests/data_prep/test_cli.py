@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from helpers import GSM8K_ROWS, write_jsonl
+from tests.data_prep.helpers import GSM8K_ROWS, write_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,8 +14,8 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import GSM8K_ROWS, hanging_encode_chunk, write_jsonl
-from test_build import ROOT, _finish, files_of
+from tests.data_prep.helpers import GSM8K_ROWS, hanging_encode_chunk, write_jsonl
+from tests.data_prep.test_build import ROOT, _finish, files_of
 
 from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
 from data_prep import workers as workers_module
@@ -84,7 +84,7 @@ def test_watchdog_fails_a_stalled_build_naming_the_part(tmp_path, digits_tok, mo
 
 
 def test_deepmind_surds_and_base_numerals_are_kept_with_their_numbers(tmp_path, real_size_toks):
-    from test_sources import _write_deepmind
+    from tests.data_prep.test_sources import _write_deepmind
     from transformers import AutoTokenizer
 
     tok_dir = real_size_toks["llama3"]

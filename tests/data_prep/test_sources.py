@@ -6,7 +6,7 @@ import random
 from fractions import Fraction
 
 import pytest
-from helpers import GSM8K_ROWS, png_bytes, write_csv, write_jsonl, write_parquet
+from tests.data_prep.helpers import GSM8K_ROWS, png_bytes, write_csv, write_jsonl, write_parquet
 
 from data_prep.sources import BadRecord, SourceConfig, make_source, parse_number
 from data_prep.sources.clock import hand_angles

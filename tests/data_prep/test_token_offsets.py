@@ -6,7 +6,7 @@ token that swallows its neighbour)."""
 import random
 
 import pytest
-from test_numbers import ATOMS, CHARS, random_text
+from tests.data_prep.test_numbers import ATOMS, CHARS, random_text
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from data_prep.token_offsets import ByteLengths, char_to_token

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from helpers import GSM8K_ROWS, write_jsonl
+from tests.data_prep.helpers import GSM8K_ROWS, write_jsonl
 from transformers import AutoTokenizer
 
 from data_prep.numbers import number_spans

@@ -8,8 +8,8 @@ import sys
 import time
 
 import pytest
-from helpers import hanging_init_worker, unsendable_init_worker
-from test_build import ROOT, files_of
+from tests.data_prep.helpers import hanging_init_worker, unsendable_init_worker
+from tests.data_prep.test_build import ROOT, files_of
 
 from data_prep import BuildConfig, SourceConfig, TokenizeConfig, build
 from data_prep import workers as workers_module

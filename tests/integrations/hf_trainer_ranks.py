@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import hf_trainer_helpers as H
+from tests.integrations import hf_trainer_helpers as H
 
 
 def main(tok_dir: str, out: str) -> None:

@@ -29,8 +29,7 @@ import torch
 
 pytest.importorskip("trl")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hf_trainer_helpers as H  # noqa: E402
+from tests.integrations import hf_trainer_helpers as H  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 REL = 1e-5

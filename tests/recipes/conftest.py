@@ -1,14 +1,8 @@
 """Shared fixtures for the recipes tests: a tiny tokenizer, tiny data_prep shards, a tiny random model."""
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "data_prep"))
-# torchrun_helpers, for the test modules in the sub-folders (training/, reliability/, planning/, evaluation/)
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import train_tokenizer  # noqa: E402
+from tests.data_prep.helpers import train_tokenizer
 
 
 @pytest.fixture(scope="session")

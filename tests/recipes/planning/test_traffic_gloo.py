@@ -17,15 +17,12 @@ from __future__ import annotations
 import collections
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from recipes.planning import budget as B  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from recipes.planning import budget as B
+from tests.distributed import run_ranks
 
 OPS = {"all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
        "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter", "all_reduce": "all_reduce"}

@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import launch, tiny_workspace  # noqa: E402
+from tests.recipes.torchrun_helpers import launch, tiny_workspace  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 

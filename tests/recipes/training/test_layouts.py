@@ -48,7 +48,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import (exit_threads, kill_after_logged_steps, launch, read_metrics, run_to_end,  # noqa: E402
+from tests.recipes.torchrun_helpers import (exit_threads, kill_after_logged_steps, launch, read_metrics, run_to_end,  # noqa: E402
                               save_tiny_llama)
 
 STEPS = 4

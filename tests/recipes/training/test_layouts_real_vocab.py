@@ -19,8 +19,8 @@ import yaml
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
-from helpers import assemble_tokenizer  # noqa: E402  (tests/data_prep, on sys.path through conftest)
-from torchrun_helpers import launch, read_metrics, save_tiny_llama  # noqa: E402
+from tests.data_prep.helpers import assemble_tokenizer
+from tests.recipes.torchrun_helpers import launch, read_metrics, save_tiny_llama  # noqa: E402
 
 STEPS = 3
 KEYS = ("loss", "ce", "grad_norm", "term/smmd", "term/ntil", "term/ntl_was", "numeric_positions", "lr",

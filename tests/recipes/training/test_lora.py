@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
 
-from torchrun_helpers import read_metrics, run_to_end, tiny_workspace  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics, run_to_end, tiny_workspace  # noqa: E402
 
 STEPS, R, ALPHA = 4, 4, 8.0
 ADAPTED = ("q_proj", "v_proj")

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, tiny_workspace  # noqa: E402
+from tests.recipes.torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, tiny_workspace  # noqa: E402
 
 STEPS = 8
 

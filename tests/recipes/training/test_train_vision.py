@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 pytest.importorskip("deepspeed")
 
-from torchrun_helpers import read_metrics, run_to_end  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics, run_to_end  # noqa: E402
 
 from data_prep.reader import ShardDataset  # noqa: E402
 from recipes.engines.deepspeed.export import read_export  # noqa: E402

@@ -10,10 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-
-from recipes.engines.deepspeed import checkpoints as C  # noqa: E402
-from tests.distributed import run_ranks  # noqa: E402
+from recipes.engines.deepspeed import checkpoints as C
+from tests.distributed import run_ranks
 
 FAKE = ("import os, sys, time; out, mode = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True); "
         "open(os.path.join(out, 'part'), 'w').write('x'); time.sleep(30 if mode == 'slow' else 0); "
