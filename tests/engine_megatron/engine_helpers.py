@@ -37,17 +37,17 @@ def make_assets(root: Path) -> dict[str, str]:
 
 
 def make_recipe(assets: dict, *, tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False,
-                micro: int = 2, accum: int = 1, steps: int = 3):
+                micro: int = 2, accum: int = 1, steps: int = 3, dtype: str = "float32", lr: float = 3e-3):
     from recipes.config import recipe_from_dict
 
     return recipe_from_dict({
         "name": "megatron-test",
-        "model": {"name_or_path": assets["model"], "tokenizer": assets["tokenizer"], "dtype": "float32"},
+        "model": {"name_or_path": assets["model"], "tokenizer": assets["tokenizer"], "dtype": dtype},
         "data": {"train": "unused"},
         "loss": {"objective": {"terms": {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0},
                                          "dist2": {"weighting": "place_value"}}}},
         # clip at 1.0 with a large lr: the clip and the schedule both act within 3 steps
-        "optim": {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 1.0},
+        "optim": {"lr": lr, "weight_decay": 0.1, "warmup_steps": 1, "grad_clip": 1.0},
         "megatron": {"tp_size": tp, "pp_size": pp, "virtual_pp_size": vpp, "sequence_parallel": sp,
                      "distributed_optimizer": False},
         "train": {"engine": "megatron", "steps": steps, "micro_batch_size": micro, "grad_accum": accum,

@@ -28,10 +28,7 @@ FOUR_RANK_RUNS = ("tp2_pp2_sp", "pp2_vp2_dp2")
 
 
 def _engine(rank: int, world: int, assets: dict, **layout):
-    from recipes.engines.megatron.engine import MegatronEngine
-    from recipes.training.runtime import Runtime
-
-    return MegatronEngine(H.make_recipe(assets, **layout), Runtime(rank, world, 0, torch.device("cpu")))
+    return _engine_for(H.make_recipe(assets, **layout), rank, world)
 
 
 def _train(rank: int, world: int, assets: dict, out: Path, name: str, save_at: int | None = None,
@@ -50,11 +47,12 @@ def _train(rank: int, world: int, assets: dict, out: Path, name: str, save_at: i
         H.write(out / f"{name}.json", rows)
 
 
-def _resume(rank: int, world: int, assets: dict, out: Path, name: str, checkpoint: str, **layout):
-    """A fresh engine at a layout loads out/ckpt_<checkpoint> (saved after step 2) and trains step 3."""
+def _resume(rank: int, world: int, assets: dict, out: Path, name: str, checkpoint: str, first: int = 3, **layout):
+    """A fresh engine at a layout loads out/ckpt_<checkpoint> (saved after step `first` - 1) and trains
+    steps `first`..3."""
     engine = _engine(rank, world, assets, **layout)
     engine.load_state(out / f"ckpt_{checkpoint}")
-    rows = H.run_steps(engine, assets, 3, 3)
+    rows = H.run_steps(engine, assets, first, 3)
     engine.close()
     if rank == 0:
         H.write(out / f"{name}.json", rows)
@@ -72,9 +70,49 @@ def _packed_step(rank, world, assets, out):
         H.write(out / "packed.json", [rows["packed"], rows["unpacked"]])
 
 
+def _bf16_optimizer(rank, world, assets, out):
+    """The CPU optimizer on a bf16 model, driven directly: 4 steps on set gradients (the same each step,
+    clipped: the norm of N(0, 1) over every weight is far above 1) at lr 1e-3, and torch's AdamW on
+    fp32 copies of the starting weights with the same gradients, clip and schedule. Rank 0 saves the
+    main parameters, the model's, the reference after each step and the norms."""
+    from recipes.training.schedule import lr_lambda
+
+    engine = _engine_for(H.make_recipe(assets, dtype="bfloat16", lr=1e-3, steps=4), rank, world)
+    opt = engine.optimizer
+    o = engine.recipe.optim
+    reference = [p.detach().float().clone() for p in opt.params]
+    ref_opt = torch.optim.AdamW(reference, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda(engine.recipe))
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g) for p in opt.params]
+    snapshots, norms = [[r.clone() for r in reference]], []
+    for _ in range(4):
+        opt.zero_grad()
+        for p, grad in zip(opt.params, grads):
+            p.main_grad.copy_(grad)
+        norms.append((opt.step(), float(torch.stack([grad.double().square().sum() for grad in grads]).sum().sqrt())))
+        for r, grad in zip(reference, grads):
+            r.grad = grad.clone().mul_(o.grad_clip / (norms[-1][0] + 1e-6))
+        ref_opt.step()
+        ref_schedule.step()
+        snapshots.append([r.clone() for r in reference])
+    if rank == 0:
+        torch.save({"main": [m.clone() for m in opt.main_params], "model": [p.detach().clone() for p in opt.params],
+                    "snapshots": snapshots, "norms": norms}, Path(out) / "bf16_optimizer.pt")
+    engine.close()
+
+
+def _engine_for(recipe, rank: int, world: int):
+    from recipes.engines.megatron.engine import MegatronEngine
+    from recipes.training.runtime import Runtime
+
+    return MegatronEngine(recipe, Runtime(rank, world, 0, torch.device("cpu")))
+
+
 def _one_rank(rank, world, assets, out):
     _train(rank, world, assets, Path(out), "reference", export=True, micro=2, accum=4)
     _packed_step(rank, world, assets, Path(out))
+    _bf16_optimizer(rank, world, assets, out)
 
 
 def _two_ranks(rank, world, assets, out):
@@ -85,6 +123,10 @@ def _two_ranks(rank, world, assets, out):
     _resume(rank, world, assets, out, "pp2_from_tp2", "tp2", pp=2, micro=1, accum=8)
     _resume(rank, world, assets, out, "tp2_from_pp2", "pp2", tp=2, micro=2, accum=4)
     _train(rank, world, assets, out, "dp2", micro=2, accum=2)  # DP = world / (TP x PP)
+    # saved after step 1: step 3's loss is the first to read an update made after the resume
+    _train(rank, world, assets, out, "tp2_bf16", save_at=1, tp=2, micro=4, accum=2, dtype="bfloat16")
+    _resume(rank, world, assets, out, "tp2_bf16_from_tp2_bf16", "tp2_bf16", first=2, tp=2, micro=4, accum=2,
+            dtype="bfloat16")
 
 
 def _four_ranks(rank, world, assets, out):
@@ -99,7 +141,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     assets = H.make_assets(root)
     out = root / "out"
     out.mkdir()
-    run_ranks(1, _one_rank, assets, str(out), timeout=120)
+    run_ranks(1, _one_rank, assets, str(out), timeout=240)
     run_ranks(2, _two_ranks, assets, str(out), timeout=400)
     run_ranks(4, _four_ranks, assets, str(out), timeout=400)
     return {"dir": str(out), **{p.stem: H.read(p) for p in out.glob("*.json")}}
@@ -125,6 +167,39 @@ def test_every_layout_logs_the_reference(results):
 
 def test_resume_at_the_same_layout_is_bit_identical(results):
     assert results["tp2_from_tp2"] == results["tp2"][2:]
+
+
+def test_bf16_trains_through_fp32_main_parameters(results):
+    """A bf16 model on the CPU path keeps fp32 main parameters (as megatron-core's optimizer on the GPU):
+    they follow torch's fp32 AdamW to float rounding, the model holds their bf16 rounding, and weights
+    move that no single step could move in bf16 (each update below half a bf16 step of the weight,
+    4 steps above it: in pure bf16 they stay where they started)."""
+    saved = torch.load(Path(results["dir"]) / "bf16_optimizer.pt")
+    main, model, snapshots = saved["main"], saved["model"], saved["snapshots"]
+    for norm, independent in saved["norms"]:
+        assert norm == pytest.approx(independent, rel=1e-9) and norm > 1.0  # the clip acts
+    assert all(m.dtype == torch.float32 for m in main) and all(p.dtype == torch.bfloat16 for p in model)
+    for m, p, r in zip(main, model, snapshots[-1]):
+        torch.testing.assert_close(m, r, rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, m.to(torch.bfloat16))
+    start = torch.cat([s.flatten() for s in snapshots[0]])
+    steps = [torch.cat([s.flatten() for s in snap]) for snap in snapshots]
+    # half the smaller of a weight's two bf16 neighbours' distances: bf16 keeps 8 significant bits, so for
+    # x = m * 2**e (0.5 <= m < 1) the step above is 2**(e - 8), the one below as small as 2**(e - 9)
+    half_ulp = torch.ldexp(torch.ones_like(start), torch.frexp(start).exponent - 10)
+    largest_update = torch.stack([(b - a).abs() for a, b in zip(steps, steps[1:])]).amax(0)
+    model_moved = torch.cat([p.flatten() for p in model]).float() != start.bfloat16().float()
+    only_accumulated = (largest_update < half_ulp) & model_moved
+    assert only_accumulated.sum() > 100, int(only_accumulated.sum())
+
+
+def test_bf16_resume_at_the_same_layout_is_bit_identical(results):
+    """The fp32 main parameters are in the checkpoint: a bf16 run resumed after step 1 logs the
+    uninterrupted run's steps 2 and 3 to the bit. Restarted from the bf16 weights alone, the update of
+    step 2 starts from their rounding, and step 3's loss differs."""
+    assert results["tp2_bf16_from_tp2_bf16"] == results["tp2_bf16"][1:]
+    for step, (got, want) in enumerate(zip(results["tp2_bf16"], results["reference"]), start=1):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2), f"bf16 step {step}"
 
 
 def test_resume_at_another_layout(results):

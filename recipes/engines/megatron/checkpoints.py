@@ -6,12 +6,12 @@ directories, the `latest` marker and the data reader's per-rank state):
 - the model: every chunk's `sharded_state_dict()` (keys are global: layer numbers across pipeline
   stages, full tensor shapes with this rank's offsets; TP-replicated tensors and the last stage's copy
   of tied embeddings are replicas, stored once);
-- the CPU optimizer (`step.TorchAdamW`): exp_avg / exp_avg_sq as ShardedTensors keyed and sharded
-  exactly like their parameters (`optimizer.state.<name>.<param key>`, megatron-core's own helpers for
-  torch optimizers), so they reshard as the parameters do; the step count (the same for every
-  parameter), the param-group hyperparameters and the LR schedule are common values. On CUDA,
-  megatron-core's optimizer gives its own `sharded_state_dict` (resharding too) and the schedules are
-  common values;
+- the CPU optimizer (`step.TorchAdamW`): exp_avg / exp_avg_sq, and for a bf16 model the fp32 main
+  parameters (`main_param`), as ShardedTensors keyed and sharded exactly like their parameters
+  (`optimizer.state.<name>.<param key>`, megatron-core's own helpers for torch optimizers), so they
+  reshard as the parameters do; the step count (the same for every parameter), the param-group
+  hyperparameters and the LR schedule are common values. On CUDA, megatron-core's optimizer gives its
+  own `sharded_state_dict` (resharding too) and the schedules are common values;
 - the RNG (torch CPU / CUDA and megatron's tracker states) as a ShardedObject per rank: restored when
   the layout is the one that saved it, left as seeded otherwise (a generator's state has no
   meaning on another rank), and the layout itself (`layout`, a common value).
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 SUBDIR = "megatron"
+MAIN = "main_param"  # the fp32 main parameter of a bf16 / fp16 model (`step.TorchAdamW`)
 
 
 def _layout() -> dict[str, int]:
@@ -81,6 +82,10 @@ def _adamw_sharded(opt, model_sharded: dict, loading: bool) -> dict:
     steps = {float(s["step"]) for s in state["state"].values()}
     if len(steps) > 1:
         raise ValueError(f"AdamW parameters at different step counts {sorted(steps)}: cannot save one step")
+    # a model in bf16 is trained through fp32 main parameters: saved beside the moments, sharded as
+    # the parameter, so a resume continues from them and not from their bf16 rounding
+    state["state"] = {i: {**entry, **({MAIN: opt.main_params[i]} if opt.main_params[i] is not opt.params[i] else {})}
+                      for i, entry in state["state"].items()}  # copies: the optimizer's own dicts stay as they are
     id_map = get_param_id_to_sharded_param_map(model_sharded, opt.params)
     optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
     return {"optimizer": state, "step": steps.pop() if steps else 0.0, "scheduler": opt.scheduler.state_dict()}
@@ -88,10 +93,13 @@ def _adamw_sharded(opt, model_sharded: dict, loading: bool) -> dict:
 
 def _load_adamw(opt, loaded: dict) -> None:
     state = loaded["optimizer"]
-    for param_state in state["state"].values():
+    for i, param_state in state["state"].items():
         param_state["step"] = torch.tensor(float(loaded["step"]))
+        if MAIN in param_state:
+            opt.main_params[i].copy_(param_state.pop(MAIN))
     opt.optimizer.load_state_dict(state)
     opt.scheduler.load_state_dict(loaded["scheduler"])
+    opt.copy_main_to_model()
 
 
 def _optimizer_sharded(optimizer, model_sharded: dict, loading: bool) -> dict:

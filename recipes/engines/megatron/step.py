@@ -110,8 +110,10 @@ def _params(model_chunks: list) -> list[torch.nn.Parameter]:
     return [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group) -> float:
-    """The L2 norm of the whole model's gradient (`p.grad`) after `finalize_model_grads`.
+def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group,
+                     grads: list[torch.Tensor] | None = None) -> float:
+    """The L2 norm of the whole model's gradient after `finalize_model_grads`: `grads[i]` is
+    `params[i]`'s (default: `p.grad`; the CPU optimizer passes its fp32 main gradients).
 
     Parallel contract: gradients are identical over the data-parallel group by then, so only the
     model-parallel group (TP x PP) is summed over, once (one all-reduce of one float64). Each gradient
@@ -122,9 +124,9 @@ def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group) -> 
     from megatron.core.transformer.module import param_is_not_shared
 
     squares = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
-    for p in params:
-        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            squares += p.grad.detach().double().square().sum()
+    for p, grad in zip(params, [p.grad for p in params] if grads is None else grads):
+        if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            squares += grad.detach().double().square().sum()
     dist.all_reduce(squares, group=model_parallel_group)
     return float(squares.sqrt())
 
@@ -134,7 +136,13 @@ class TorchAdamW:
     engine's AdamW), a LambdaLR with `recipes.training.schedule.lr_lambda`, the global grad norm and clipping
     done here (megatron-core's clip asserts CUDA tensors). Each rank updates its own parameters from
     gradients that `finalize_model_grads` left identical over the data-parallel group: no communication
-    beyond the norm's."""
+    beyond the norm's.
+
+    Mixed precision as on the GPU path (megatron-core's optimizer, DeepSpeed's bf16): a model in bf16 or
+    fp16 is trained through fp32 main parameters (`main_params`), which AdamW updates from the fp32
+    gradients DDP accumulated (`main_grad`) and which are rounded into the model after every step. Without
+    them an update smaller than half a bf16 step of its weight (about 0.4% of the weight) is lost, and the
+    moments are kept in bf16. In fp32 the main parameters are the model's own."""
 
     name = "torch.optim.AdamW (CPU)"
 
@@ -143,23 +151,32 @@ class TorchAdamW:
 
         o = recipe.optim
         self.model_chunks, self.params = model_chunks, _params(model_chunks)
+        self.main_params = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.grad_clip = o.grad_clip
         self.group = parallel_state.get_model_parallel_group()
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+        self.optimizer = torch.optim.AdamW(self.main_params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(recipe))
 
     def step(self) -> float:
         """Norm (before clipping), clip, update, advance the schedule; returns the norm."""
-        for p in self.params:  # DDP accumulates into its fp32 buffer (main_grad); AdamW reads .grad
-            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
-        norm = global_grad_norm(self.params, self.group)
+        for main, p in zip(self.main_params, self.params):  # DDP accumulates into its fp32 buffer
+            main.grad = p.main_grad if p.main_grad.dtype == main.dtype else p.main_grad.float()
+        norm = global_grad_norm(self.params, self.group, [main.grad for main in self.main_params])
         if self.grad_clip > 0 and norm > self.grad_clip:
-            for p in self.params:
-                p.grad.mul_(self.grad_clip / (norm + 1e-6))  # megatron-core's coefficient
+            for main in self.main_params:
+                main.grad.mul_(self.grad_clip / (norm + 1e-6))  # megatron-core's coefficient
         self.optimizer.step()
         self.scheduler.step()
+        self.copy_main_to_model()
         return norm
+
+    def copy_main_to_model(self) -> None:
+        """Round the main parameters into the model's (after a step, and after a checkpoint is loaded)."""
+        with torch.no_grad():
+            for main, p in zip(self.main_params, self.params):
+                if main is not p:
+                    p.copy_(main)
 
     def zero_grad(self) -> None:
         for chunk in self.model_chunks:
