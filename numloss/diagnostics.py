@@ -13,6 +13,10 @@ the M numeric positions x the N numeric columns, an [M, N] matrix. Per part the 
 - `grad/<part>/cos_ce` (every part but CE): the cosine between its block and CE's. CE's direction is
   the gradient of CE itself (weight 1), so the cosine is defined when GCE at weight 1 leaves CE no part
   of the total (and keeps CE's sign when 1 - w < 0). None (JSON null) where a norm is 0.
+- `grad/<part>/off_block_max`: an upper bound on the norm of the part's gradient on the V - N other
+  columns of the numeric rows, the piece the block leaves out (below). 0 for the terms renormalised
+  over the numeric tokens; for CE, GCE, z-loss, DIST2 paper mode and NTL `reweigh`, small against
+  `norm` once the model puts its mass at a numeric position on the numeric tokens.
 
 What the block holds, and what it leaves out:
 - The terms renormalised over the numeric tokens (SMMD, NTL-WAS/MSE, NTIL, DIST2 `normalize="numeric"`)
@@ -22,7 +26,12 @@ What the block holds, and what it leaves out:
   a numeric row i and column j, ∂/∂x_ij + ∂/∂lse_i · p_ij, p the full-vocabulary softmax). Left out:
   their gradient on the V - N other columns of the numeric rows, and CE's, GCE's and z-loss's at the
   non-numeric positions. So CE's norm is that of its gradient on the numbers, where the terms compete
-  with it, not of its whole gradient.
+  with it, not of its whole gradient. On the other columns of a numeric row i no part reads a logit
+  itself, so there the gradient is ∂/∂lse_i · p_ij: its squared norm is (∂/∂lse_i)² Σ_j p_ij², at most
+  (∂/∂lse_i · m_i)² with m_i = 1 - Σ_numeric p_ij, the softmax mass off the numeric tokens (equal when
+  that mass sits on one token). The block gives m_i, so the bound costs no pass over the vocabulary and
+  no collective; the exact value would need Σ_j p_ij² over every column (one more pass and, under TP,
+  an all-reduce).
 
 How: the parts are evaluated again on detached copies of the [M, N] numeric logits and the [M]
 log-sum-exp at those rows (and of the [T] per-token statistics, for CE and GCE), and
@@ -43,10 +52,11 @@ steps only), so that a CE-only run reports CE's norm on the numbers as a baselin
 Several micro-batches and data-parallel ranks: with the step's counts (`numloss.normalization`) a
 micro-batch's part is its share of the global batch's, so the global batch's block is the micro-batches'
 blocks side by side. A micro-batch returns additive sums: `grad_sums/<part>/sq` (squared norm),
-`grad_sums/<part>/dot_ce` (dot product with CE's direction) and `grad_sums/ce/ref_sq` (CE's direction's
-squared norm). SUM them over micro-batches and data-parallel ranks (never over TP ranks, which hold the
-same rows), then `finalize` gives the global batch's norms, shares and cosines. Only `rescale_to_ce`
-(a ratio of one micro-batch's own values) and NTIL's noise make them depend on the split, as the loss.
+`grad_sums/<part>/dot_ce` (dot product with CE's direction), `grad_sums/<part>/off_sq_max` (the bound's
+square) and `grad_sums/ce/ref_sq` (CE's direction's squared norm). SUM them over micro-batches and
+data-parallel ranks (never over TP ranks, which hold the same rows), then `finalize` gives the global
+batch's norms, shares, cosines and bounds. Only `rescale_to_ce` (a ratio of one micro-batch's own
+values) and NTIL's noise make them depend on the split, as the loss.
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ def part_names(objective) -> list[str]:
 def sum_keys(objective) -> list[str]:
     """The keys of `gradient_sums`'s result for `objective`, sorted: known on every rank and pipeline
     stage before any logit is (`recipes.engines.megatron.step` broadcasts the values in this order)."""
-    keys = [f"{PREFIX}{name}/sq" for name in part_names(objective)]
+    keys = [f"{PREFIX}{name}/{kind}" for name in part_names(objective) for kind in ("sq", "off_sq_max")]
     keys += [f"{PREFIX}{name}/dot_ce" for name in part_names(objective) if name != REFERENCE]
     return sorted(keys + [f"{PREFIX}{REFERENCE}/ref_sq"])
 
@@ -100,20 +110,25 @@ def gradient_sums(objective, stats: LogitStats, counts=None, sequence_ids: torch
         )
         ce, _, parts = objective.parts(probe, counts, sequence_ids)
         probabilities = torch.exp(logits.detach() - lse_rows.detach()[:, None])  # full-vocab softmax, block
+        mass_elsewhere = (1 - probabilities.sum(dim=-1)).clamp(min=0)  # [M]: off the numeric tokens
 
-        def block(value: torch.Tensor) -> torch.Tensor:
-            """d value / d logits on the numeric block: ∂/∂x + ∂/∂lse · softmax."""
+        def block(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(d value / d logits on the numeric block: ∂/∂x + ∂/∂lse · softmax, the bound's rows
+            ∂/∂lse · m)."""
             if not value.requires_grad:
-                return torch.zeros_like(probabilities)
+                return torch.zeros_like(probabilities), torch.zeros_like(mass_elsewhere)
             d_logits, d_lse = torch.autograd.grad(value, (logits, lse_rows), retain_graph=True, allow_unused=True)
             out = torch.zeros_like(probabilities) if d_logits is None else d_logits
-            return out if d_lse is None else out + d_lse[:, None] * probabilities
+            if d_lse is None:
+                return out, torch.zeros_like(mass_elsewhere)
+            return out + d_lse[:, None] * probabilities, d_lse * mass_elsewhere
 
         blocks = {name: block(value) for name, value in parts.items()}
-        reference = block(ce) if "gce" in parts else blocks[REFERENCE]
+        reference = block(ce)[0] if "gce" in parts else blocks[REFERENCE][0]
     sums = {f"{PREFIX}{REFERENCE}/ref_sq": _dot(reference, reference)}
-    for name, grad in blocks.items():
+    for name, (grad, off_block) in blocks.items():
         sums[f"{PREFIX}{name}/sq"] = _dot(grad, grad)
+        sums[f"{PREFIX}{name}/off_sq_max"] = off_block.double().square().sum()
         if name != REFERENCE:
             sums[f"{PREFIX}{name}/dot_ce"] = _dot(grad, reference)
     return sums
@@ -138,6 +153,8 @@ def finalize(sums: Mapping[str, float]) -> dict[str, float | None]:
     for name in names:
         out[f"grad/{name}/norm"] = norms[name]
         out[f"grad/{name}/share"] = norms[name] / total if total > 0 else None
+        if f"{PREFIX}{name}/off_sq_max" in sums:
+            out[f"grad/{name}/off_block_max"] = math.sqrt(max(float(sums[f"{PREFIX}{name}/off_sq_max"]), 0.0))
         if name != REFERENCE:
             scale = norms[name] * reference
             cos = float(sums[f"{PREFIX}{name}/dot_ce"]) / scale if scale > 0 else None

@@ -159,10 +159,20 @@ def mean_of(rows: list[dict], key: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def _off_block_ratio(steps: list[dict], part: str) -> float | None:
+    """Mean over `steps` of `grad/<part>/off_block_max / grad/<part>/norm`: how large, at most, the part's
+    gradient on the other columns of the numeric rows is against its block (None before the bound was
+    logged, on 2026-12-03, or where the block's norm is 0)."""
+    ratios = [{"v": s[f"grad/{part}/off_block_max"] / s[f"grad/{part}/norm"]} for s in steps
+              if s.get(f"grad/{part}/off_block_max") is not None and s.get(f"grad/{part}/norm")]
+    return mean_of(ratios, "v")
+
+
 def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
     """Per loss, over its runs (mean of each run's mean over its diagnosed steps): the term's share of
-    the gradient on the numeric logits, its cosine with CE's, the share of steps clipped, and the median
-    pre-clip gradient norm. Records made before the diagnostics existed have none (None)."""
+    the gradient on the numeric logits, its cosine with CE's, the bound on CE's and the term's gradient
+    off the numeric columns against their block (`numloss.diagnostics`), the share of steps clipped, and
+    the median pre-clip gradient norm. Records made before a diagnostic existed have none (None)."""
     rows = []
     for loss in order:
         group = [r for r in found if r["loss"] == loss]
@@ -176,11 +186,13 @@ def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
                             if steps and terms else None,
                             "cos_ce": mean_of([{"v": s.get(f"grad/{terms[0]}/cos_ce")} for s in steps], "v")
                             if steps and terms else None,
+                            "ce_off": _off_block_ratio(steps, "ce"),
+                            "term_off": _off_block_ratio(steps, terms[0]) if terms else None,
                             "clipped": mean_of(steps, "clipped") if steps else None,
                             "grad_norm": statistics.median(s["grad_norm"] for s in r["curve"] if s.get("grad_norm"))
                             if any(s.get("grad_norm") for s in r["curve"]) else None})
         rows.append({"loss": loss, "runs": len(group), "diagnosed": sum(p["clipped"] is not None for p in per_run),
-                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "clipped", "grad_norm")}})
+                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "ce_off", "term_off", "clipped", "grad_norm")}})
     return rows
 
 
@@ -189,14 +201,18 @@ def gradient_markdown(rows: list[dict]) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     lines = [("Gradients (numloss.diagnostics, every step): the term's share of the gradient norm on the "
-              "numeric logits (CE's + the term's), its cosine with CE's gradient there, the fraction of steps "
-              "whose pre-clip norm exceeded optim.grad_clip, and the median pre-clip norm; each a mean over "
-              "the runs that recorded it (runs shared from the base study predate the diagnostics)."), "",
-             "| loss | runs | with diagnostics | term share | cos(term, CE) | steps clipped | median grad norm |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+              "numeric logits (CE's + the term's), its cosine with CE's gradient there, the bound on CE's and "
+              "the term's gradient on the other columns of the numeric rows over their norm on the numeric "
+              "logits (off-block ≤; logged from 2026-12-03 on: n/a before), the fraction of steps whose "
+              "pre-clip norm exceeded optim.grad_clip, and the median pre-clip norm; each a mean over the runs "
+              "that recorded it (runs shared from the base study predate the diagnostics)."), "",
+             "| loss | runs | with diagnostics | term share | cos(term, CE) | off-block ≤, CE | off-block ≤, term "
+             "| steps clipped | median grad norm |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['loss']} | {r['runs']} | {r['diagnosed']} | {cell(r['share'], '.2f')} | "
-                     f"{cell(r['cos_ce'], '+.2f')} | {cell(r['clipped'], '.0%')} | {cell(r['grad_norm'], '.1f')} |")
+                     f"{cell(r['cos_ce'], '+.2f')} | {cell(r['ce_off'], '.2f')} | {cell(r['term_off'], '.2f')} | "
+                     f"{cell(r['clipped'], '.0%')} | {cell(r['grad_norm'], '.1f')} |")
     return "\n".join(lines)
 
 

@@ -61,18 +61,29 @@ def reference(logits: torch.Tensor, labels: torch.Tensor, vocab_name: str, confi
         parts["z_loss"] = R.ce(x, labels, z_loss=config["z_loss"]) - ce
     rows = [i for i, y in enumerate(labels.reshape(-1).tolist()) if y in set(ids)]
 
-    def block(value):
+    others = [j for j in range(V) if j not in set(ids)]
+
+    def numeric_rows(value):
+        """d value / d logits at the numeric positions, every column: [M, V]."""
         grad = torch.autograd.grad(value, x, retain_graph=True, allow_unused=True)[0]
-        return torch.zeros(len(rows), len(ids), dtype=torch.float64) if grad is None else grad.reshape(-1, V)[rows][:, ids]
+        return torch.zeros(len(rows), V, dtype=torch.float64) if grad is None else grad.reshape(-1, V)[rows]
+
+    def block(value):
+        return numeric_rows(value)[:, ids]
 
     direction = block(ce)
-    blocks = {name: block(value) for name, value in parts.items()}
+    full = {name: numeric_rows(value) for name, value in parts.items()}
+    blocks = {name: g[:, ids] for name, g in full.items()}
     norms = {name: float(b.norm()) for name, b in blocks.items()}
     total = sum(norms.values())
     out = {}
     for name, b in blocks.items():
         out[f"grad/{name}/norm"] = norms[name]
         out[f"grad/{name}/share"] = norms[name] / total if total else None
+        # off the block, row i's gradient is g_i · p_ij: the bound |g_i| · Σ_j p_ij is |Σ_j grad_ij|
+        off_block = full[name][:, others]
+        out[f"grad/{name}/off_block_max"] = float(off_block.sum(dim=-1).norm())
+        assert float(off_block.norm()) <= out[f"grad/{name}/off_block_max"] * (1 + 1e-12) + 1e-15  # it bounds
         if name != "ce":
             scale = norms[name] * float(direction.norm())
             out[f"grad/{name}/cos_ce"] = float((b * direction).sum()) / scale if scale else None

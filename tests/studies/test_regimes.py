@@ -93,9 +93,13 @@ def test_the_gradient_table_averages_each_run_then_the_runs(folders):
     # run 0: two diagnosed steps with shares 0.2, 0.4 (mean 0.3), cos 0.5, -0.1 (0.2), clipped 1, 0 (0.5),
     # pre-clip norms 2, 4 and an undiagnosed step with norm 9 (median of 2, 4, 9 = 4);
     # run 1: one diagnosed step: share 0.5, cos 0.0, clipped 1, norm 6. Means: 0.4, 0.1, 0.75, 5.
+    # The off-block bound over the block's norm: run 0's CE 0.25 and 0.5 (0.375), SMMD 0 at step 1 and
+    # not logged at step 2; run 1 from before the bound: the means are run 0's.
     objective = {"terms": {"smmd": {"weight": 1.0}}}
-    curve0 = [{"step": 1, "grad_norm": 2.0, "clipped": 1, "grad/ce/share": 0.8, "grad/smmd/share": 0.2, "grad/smmd/cos_ce": 0.5},
-              {"step": 2, "grad_norm": 4.0, "clipped": 0, "grad/ce/share": 0.6, "grad/smmd/share": 0.4, "grad/smmd/cos_ce": -0.1},
+    curve0 = [{"step": 1, "grad_norm": 2.0, "clipped": 1, "grad/ce/share": 0.8, "grad/smmd/share": 0.2, "grad/smmd/cos_ce": 0.5,
+               "grad/ce/norm": 2.0, "grad/ce/off_block_max": 0.5, "grad/smmd/norm": 1.0, "grad/smmd/off_block_max": 0.0},
+              {"step": 2, "grad_norm": 4.0, "clipped": 0, "grad/ce/share": 0.6, "grad/smmd/share": 0.4, "grad/smmd/cos_ce": -0.1,
+               "grad/ce/norm": 4.0, "grad/ce/off_block_max": 2.0},
               {"step": 3, "grad_norm": 9.0}]
     curve1 = [{"step": 1, "grad_norm": 6.0, "clipped": 1, "grad/ce/share": 0.5, "grad/smmd/share": 0.5, "grad/smmd/cos_ce": 0.0}]
     found = [_record("smmd_w1", 0, "1", objective, curve0), _record("smmd_w1", 1, "1", objective, curve1),
@@ -104,9 +108,11 @@ def test_the_gradient_table_averages_each_run_then_the_runs(folders):
     assert (smmd["runs"], smmd["diagnosed"]) == (2, 2)
     assert smmd["share"] == pytest.approx(0.4) and smmd["cos_ce"] == pytest.approx(0.1)
     assert smmd["clipped"] == pytest.approx(0.75) and smmd["grad_norm"] == pytest.approx(5.0)
-    assert (ce["diagnosed"], ce["share"], ce["clipped"], ce["grad_norm"]) == (0, None, None, None)
+    assert smmd["ce_off"] == pytest.approx(0.375) and smmd["term_off"] == 0.0
+    assert (ce["diagnosed"], ce["share"], ce["ce_off"], ce["clipped"], ce["grad_norm"]) == (0, None, None, None, None)
     table = regimes.gradient_markdown([smmd, ce])
-    assert "| smmd_w1 | 2 | 2 | 0.40 | +0.10 | 75% | 5.0 |" in table and "| ce | 1 | 0 | n/a | n/a | n/a | n/a |" in table
+    assert "| smmd_w1 | 2 | 2 | 0.40 | +0.10 | 0.38 | 0.00 | 75% | 5.0 |" in table
+    assert "| ce | 1 | 0 | n/a | n/a | n/a | n/a | n/a | n/a |" in table
 
 
 def test_a_regime_resumes_by_run_and_publishes_after_each(folders, monkeypatch):
