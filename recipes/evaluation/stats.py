@@ -150,10 +150,13 @@ def two_level_bootstrap(a: Sequence[Sequence[float]], b: Sequence[Sequence[float
     for start in range(0, resamples, 1000):  # 1000 resamples at a time bounds the weight matrices
         k = min(1000, resamples - start)
         # Resampling with replacement as multinomial counts: the mean over the drawn cells is then
-        # seed_weights . diff . problem_weights, one matrix product for the whole chunk.
-        problems = rng.multinomial(n_problems, np.full(n_problems, 1 / n_problems), size=k) / n_problems
-        seeds = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=k) / n_seeds
-        means[start:start + k] = ((problems @ diff.T) * seeds).sum(axis=1)
+        # seed_counts . diff . problem_counts / (seeds x problems), one matrix product for the whole chunk.
+        # The counts stay integers until the one division: with 1/0 scores every sum is an exact integer,
+        # so a resample whose difference is exactly 0 (frequent with few discordant problems) counts as
+        # <= 0 on every machine, instead of by the sign of a rounding error in fractional weights.
+        problems = rng.multinomial(n_problems, np.full(n_problems, 1 / n_problems), size=k)
+        seeds = rng.multinomial(n_seeds, np.full(n_seeds, 1 / n_seeds), size=k)
+        means[start:start + k] = ((problems @ diff.T) * seeds).sum(axis=1) / (n_problems * n_seeds)
     tail = (1 - level) / 2
     out.update(low=float(np.quantile(means, tail)), high=float(np.quantile(means, 1 - tail)),
                p_le_0=float((means <= 0).mean()), reason=None)

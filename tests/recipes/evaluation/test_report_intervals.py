@@ -32,6 +32,16 @@ def test_paired_bootstrap_by_hand():
     assert (same["diff"], same["low"], same["high"]) == (0.0, 0.0, 0.0)
 
 
+def test_two_level_bootstrap_counts_exact_ties_as_not_above_zero():
+    # 3 seeds agreeing, 10 problems, the system right on 5 and the baseline on the other 5: a resample's
+    # difference is (X - (10 - X)) / 10 with X ~ Binomial(10, 1/2) the draws that land on the system's
+    # problems, so P(difference <= 0) = P(X <= 5) = 638/1024 = 0.623, a quarter of it exact ties (X = 5).
+    # Summed with fractional weights, a rounding error decided a tie's sign (0.541 measured here).
+    out = S.two_level_bootstrap([[1, 0] * 5] * 3, [[0, 1] * 5] * 3, resamples=20000)
+    assert out["p_le_0"] == pytest.approx(638 / 1024, abs=0.012)
+    assert out["diff"] == 0.0 and out["low"] == -0.6 and out["high"] == 0.6  # X in [2, 8] at 95%: exact
+
+
 def test_pairing_cancels_what_both_runs_share():
     # 200 problems; b solves the first 100, a solves those and 4 more: a difference of 0.02, which two
     # separate Wilson intervals (each ~±0.07) cannot tell from 0, but the paired interval can
