@@ -145,10 +145,10 @@ def speed(curve: list[dict]) -> float | None:
 
 def curve_row(row: dict) -> dict:
     """What a record keeps of one metrics.jsonl row: the losses, speed, the pre-clip gradient norm and,
-    on diagnosed steps, each part's gradient share and cosine with CE and whether the step was clipped."""
+    on diagnosed steps, every `grad/<part>/...` key (norm, share, cosine with CE, off-block bound) and
+    whether the step was clipped. The norms stay because the off-block bound is read relative to them."""
     keep = {"step", "ce", "loss", "tokens_per_s", "grad_norm", "clipped"}
-    return {k: v for k, v in row.items()
-            if k in keep or k.startswith("term/") or (k.startswith("grad/") and not k.endswith("/norm"))}
+    return {k: v for k, v in row.items() if k in keep or k.startswith(("term/", "grad/"))}
 
 
 def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed: int, steps: int | None,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from recipes.experiments import study
+from recipes.experiments import regimes, study
 
 pytest.importorskip("deepspeed")
 
@@ -86,9 +86,17 @@ def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     record = json.loads((out / "runs" / "digits-smmd-s0.json").read_text())
     assert [r["step"] for r in record["curve"]] == [1, 2] and record["metrics"]["n"] == 16
     assert "term/smmd" in record["final"]
-    # the record keeps each step's gradient diagnostics (on by default at every logged step), not the norms
+    # the record keeps each step's gradient diagnostics (on by default at every logged step), the norms
+    # included: the regimes' gradient table reads the off-block bound relative to them
     assert all(0 <= r["grad/smmd/share"] <= 1 and r["clipped"] in (0, 1) for r in record["curve"])
-    assert record["objective"] == study.LOSSES["smmd"] and not any(k.endswith("/norm") for k in record["curve"][0])
+    assert record["objective"] == study.LOSSES["smmd"]
+    for part in ("ce", "smmd"):
+        ratios = [r[f"grad/{part}/off_block_max"] / r[f"grad/{part}/norm"] for r in record["curve"]]
+        # CE reaches every column; SMMD reads the distribution renormalised over the numeric tokens, so
+        # its gradient off them is exactly 0
+        assert all(x > 0 for x in ratios) if part == "ce" else ratios == [0.0] * len(ratios)
+        row = regimes.gradient_rows([record], ["smmd"])[0]
+        assert row[f"{'ce' if part == 'ce' else 'term'}_off"] == pytest.approx(statistics.mean(ratios))
     results = (out / "results.md").read_text()
     assert results.count("| digits |") == 2
     assert "Runs done: 2 of 2 planned." in results and "Missing" not in results
