@@ -160,8 +160,8 @@ class TorchAdamW:
 
     def step(self) -> float:
         """Norm (before clipping), clip, update, advance the schedule; returns the norm."""
-        for main, p in zip(self.main_params, self.params):  # DDP accumulates into its fp32 buffer
-            main.grad = p.main_grad if p.main_grad.dtype == main.dtype else p.main_grad.float()
+        for main, p in zip(self.main_params, self.params):
+            main.grad = p.main_grad  # fp32 at any model dtype: the engine's DDP sets grad_reduce_in_fp32
         norm = global_grad_norm(self.params, self.group, [main.grad for main in self.main_params])
         if self.grad_clip > 0 and norm > self.grad_clip:
             for main in self.main_params:
