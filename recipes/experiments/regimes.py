@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -168,11 +169,24 @@ def _off_block_ratio(steps: list[dict], part: str) -> float | None:
     return mean_of(ratios, "v")
 
 
+def _turn_from_ce(step: dict, term: str) -> float | None:
+    """The angle in degrees between CE's gradient on the numeric logits and CE's + the term's, from the
+    step's shares (their ratio is the norms') and the term's cosine with CE: how far the term turns the
+    update's direction. Its cosine is the fraction of the sum's length along CE's direction, so
+    1 - cos(turn) bounds how much of a fixed-size update (AdamW's) CE loses to the term there."""
+    ce, share, cos = step.get("grad/ce/share"), step.get(f"grad/{term}/share"), step.get(f"grad/{term}/cos_ce")
+    if not ce or share is None or cos is None:
+        return None
+    ratio = share / ce
+    return math.degrees(math.atan2(ratio * math.sqrt(max(0.0, 1 - cos * cos)), 1 + ratio * cos))
+
+
 def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
     """Per loss, over its runs (mean of each run's mean over its diagnosed steps): the term's share of
-    the gradient on the numeric logits, its cosine with CE's, the bound on CE's and the term's gradient
-    off the numeric columns against their block (`numloss.diagnostics`), the share of steps clipped, and
-    the median pre-clip gradient norm. Records made before a diagnostic existed have none (None)."""
+    the gradient on the numeric logits, its cosine with CE's, the angle it turns CE's gradient by
+    (`_turn_from_ce`), the bound on CE's and the term's gradient off the numeric columns against their
+    block (`numloss.diagnostics`), the share of steps clipped, and the median pre-clip gradient norm.
+    Records made before a diagnostic existed have none (None)."""
     rows = []
     for loss in order:
         group = [r for r in found if r["loss"] == loss]
@@ -186,13 +200,15 @@ def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
                             if steps and terms else None,
                             "cos_ce": mean_of([{"v": s.get(f"grad/{terms[0]}/cos_ce")} for s in steps], "v")
                             if steps and terms else None,
+                            "turn": mean_of([{"v": _turn_from_ce(s, terms[0])} for s in steps], "v")
+                            if steps and terms else None,
                             "ce_off": _off_block_ratio(steps, "ce"),
                             "term_off": _off_block_ratio(steps, terms[0]) if terms else None,
                             "clipped": mean_of(steps, "clipped") if steps else None,
                             "grad_norm": statistics.median(s["grad_norm"] for s in r["curve"] if s.get("grad_norm"))
                             if any(s.get("grad_norm") for s in r["curve"]) else None})
         rows.append({"loss": loss, "runs": len(group), "diagnosed": sum(p["clipped"] is not None for p in per_run),
-                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "ce_off", "term_off", "clipped", "grad_norm")}})
+                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "turn", "ce_off", "term_off", "clipped", "grad_norm")}})
     return rows
 
 
@@ -201,17 +217,19 @@ def gradient_markdown(rows: list[dict]) -> str:
         return "n/a" if x is None else format(x, fmt)
 
     lines = [("Gradients (numloss.diagnostics, every step): the term's share of the gradient norm on the "
-              "numeric logits (CE's + the term's), its cosine with CE's gradient there, the bound on CE's and "
-              "the term's gradient on the other columns of the numeric rows over their norm on the numeric "
-              "logits (off-block ≤; logged from 2026-12-03 on: n/a before), the fraction of steps whose "
-              "pre-clip norm exceeded optim.grad_clip, and the median pre-clip norm; each a mean over the runs "
-              "that recorded it (runs shared from the base study predate the diagnostics)."), "",
-             "| loss | runs | with diagnostics | term share | cos(term, CE) | off-block ≤, CE | off-block ≤, term "
-             "| steps clipped | median grad norm |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "numeric logits (CE's + the term's), its cosine with CE's gradient there, the angle between CE's "
+              "gradient and the sum there (turn; its cosine is the part of the sum's length along CE's), the "
+              "bound on CE's and the term's gradient on the other columns of the numeric rows over their norm "
+              "on the numeric logits (off-block ≤; logged from 2026-12-03 on: n/a before), the fraction of steps "
+              "whose pre-clip norm exceeded optim.grad_clip, and the median pre-clip norm; each a mean over the "
+              "runs that recorded it (runs shared from the base study predate the diagnostics)."), "",
+             "| loss | runs | with diagnostics | term share | cos(term, CE) | turn from CE | off-block ≤, CE "
+             "| off-block ≤, term | steps clipped | median grad norm |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        turn = "n/a" if r["turn"] is None else f"{r['turn']:.0f}°"
         lines.append(f"| {r['loss']} | {r['runs']} | {r['diagnosed']} | {cell(r['share'], '.2f')} | "
-                     f"{cell(r['cos_ce'], '+.2f')} | {cell(r['ce_off'], '.2f')} | {cell(r['term_off'], '.2f')} | "
+                     f"{cell(r['cos_ce'], '+.2f')} | {turn} | {cell(r['ce_off'], '.2f')} | {cell(r['term_off'], '.2f')} | "
                      f"{cell(r['clipped'], '.0%')} | {cell(r['grad_norm'], '.1f')} |")
     return "\n".join(lines)
 

@@ -95,6 +95,9 @@ def test_the_gradient_table_averages_each_run_then_the_runs(folders):
     # run 1: one diagnosed step: share 0.5, cos 0.0, clipped 1, norm 6. Means: 0.4, 0.1, 0.75, 5.
     # The off-block bound over the block's norm: run 0's CE 0.25 and 0.5 (0.375), SMMD 0 at step 1 and
     # not logged at step 2; run 1 from before the bound: the means are run 0's.
+    # The turn from CE (the angle between CE's block and CE's + SMMD's, from the shares' ratio r and the
+    # cosine c: atan2(r·sqrt(1 - c²), 1 + r·c)): run 0 atan2(0.25·0.866, 1.125) = 10.89° and
+    # atan2(0.667·0.995, 0.933) = 35.40° (mean 23.15°), run 1 atan2(1, 1) = 45°: 34.07°.
     objective = {"terms": {"smmd": {"weight": 1.0}}}
     curve0 = [{"step": 1, "grad_norm": 2.0, "clipped": 1, "grad/ce/share": 0.8, "grad/smmd/share": 0.2, "grad/smmd/cos_ce": 0.5,
                "grad/ce/norm": 2.0, "grad/ce/off_block_max": 0.5, "grad/smmd/norm": 1.0, "grad/smmd/off_block_max": 0.0},
@@ -109,10 +112,11 @@ def test_the_gradient_table_averages_each_run_then_the_runs(folders):
     assert smmd["share"] == pytest.approx(0.4) and smmd["cos_ce"] == pytest.approx(0.1)
     assert smmd["clipped"] == pytest.approx(0.75) and smmd["grad_norm"] == pytest.approx(5.0)
     assert smmd["ce_off"] == pytest.approx(0.375) and smmd["term_off"] == 0.0
-    assert (ce["diagnosed"], ce["share"], ce["ce_off"], ce["clipped"], ce["grad_norm"]) == (0, None, None, None, None)
+    assert smmd["turn"] == pytest.approx(34.0738, abs=1e-4)
+    assert (ce["diagnosed"], ce["share"], ce["turn"], ce["ce_off"], ce["clipped"], ce["grad_norm"]) == (0,) + (None,) * 5
     table = regimes.gradient_markdown([smmd, ce])
-    assert "| smmd_w1 | 2 | 2 | 0.40 | +0.10 | 0.38 | 0.00 | 75% | 5.0 |" in table
-    assert "| ce | 1 | 0 | n/a | n/a | n/a | n/a | n/a | n/a |" in table
+    assert "| smmd_w1 | 2 | 2 | 0.40 | +0.10 | 34° | 0.38 | 0.00 | 75% | 5.0 |" in table
+    assert "| ce | 1 | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a |" in table
 
 
 def test_a_regime_resumes_by_run_and_publishes_after_each(folders, monkeypatch):
