@@ -1,4 +1,4 @@
-"""`python -m recipes.regimes --regime weight|length|data|task`: the regime study (`recipes.experiments.regimes`)."""
+"""`python -m recipes.regimes --regime weight|length|data|task|control`: the regime study (`recipes.experiments.regimes`)."""
 
 import sys
 

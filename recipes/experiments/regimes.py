@@ -1,5 +1,5 @@
 """The regime study: in which setting does a numeric term pay off on SmolLM2-135M-Instruct, and at what
-weight? Four questions, each a small grid of runs on the SmolLM2 study's setup (`recipes.experiments.study`,
+weight? Four questions and a control, each a small grid of runs on the SmolLM2 study's setup (`recipes.experiments.study`,
 docs/study-smollm2/), run in this order and published one by one:
 
     python -m recipes.regimes --regime weight [--seeds 3] [--budget-min M] [--report-only]
@@ -14,6 +14,9 @@ docs/study-smollm2/), run in this order and published one by one:
 4. task: signed arithmetic (data_prep's DeepMind-Math-style generator: "add_or_sub" with negatives and
    one decimal, "mul" of signed integers): answers like "-12.7" or "-918" whose digits are all numeric
    labels, the sign and point plain CE.
+5. control: CE alone at 0.4x the peak LR, beside the base study's CE and SMMD 3 (its runs): SMMD 3
+   leaves CE 0.39 of the numeric-logit gradient, so this is CE starved of the update as much as that
+   share could starve it. Where SMMD 3 is worse than this run too, starvation does not explain it.
 
 Questions 2-4 compare CE with the best-weighted SMMD and DIST2 of question 1 (highest mean exact match
 over its seeds); the choice is made when such a regime first starts, from question 1's records, and
@@ -59,6 +62,7 @@ FAMILIES = {"smmd": (0.3, 1.0, 3.0), "dist2": (0.1, 0.3, 1.0)}  # the middle of 
 # SMMD's default (3) is the top of its span and DIST2's (0.1) the bottom, so each span is 10x with the
 # default at one end, toward the side the base study did not try.
 DEFAULT_WEIGHT = {"smmd": 3.0, "dist2": 0.1}
+BASE_LR = 2.0e-4  # the base study's peak lr (recipes/configs/smollm2-demo.yaml; a test keeps them equal)
 
 
 def label(family: str, weight: float) -> str:
@@ -79,6 +83,8 @@ class Regime:
     train_examples: int = BASE.train_examples
     mix: tuple = MIX
     weights: bool = False  # True: every weight of FAMILIES; False: CE and question 1's best weights
+    # A fixed grid instead: (label, objective, overrides of that run alone) beside CE
+    runs: tuple[tuple[str, dict, tuple[str, ...]], ...] = ()
     shares_base: bool = False  # the base study's runs at this exact setting are this regime's too
     work: Path = field(default=BASE.work)
 
@@ -98,6 +104,12 @@ REGIMES = {r.name: r for r in (
     Regime("task", "On signed one-decimal arithmetic, does a term help?",
            mix=(("add_or_sub", SIGNED_DECIMAL), ("add_or_sub", SIGNED_DECIMAL), ("mul", {**MUL, "negatives": True})),
            work=BASE.work.with_name("study-smollm2-task")),
+    # SMMD 3 leaves CE 0.39 of the numeric-logit gradient (the replay's share 0.61): CE alone at 0.4x the
+    # lr is CE starved as much as that share could starve it. Base-study setting, so CE and SMMD 3 are
+    # its runs.
+    Regime("control", "Is SMMD 3's result CE getting less of the update? CE alone at 0.4x the lr",
+           shares_base=True, runs=(("ce_lr0.4", {"terms": {}}, (f"optim.lr={0.4 * BASE_LR:.1e}",)),
+                                   (label("smmd", 3.0), objective("smmd", 3.0), ()))),
 )}
 
 
@@ -139,6 +151,8 @@ def losses(regime: Regime) -> dict[str, dict]:
     """{label: objective} of the regime, CE first; a regime after the first reads (once) or makes its
     `choice.json`."""
     grid = {"ce": {"terms": {}}}
+    if regime.runs:
+        return grid | {name: goal for name, goal, _ in regime.runs}
     if regime.weights:
         for family, weights in FAMILIES.items():
             grid.update({label(family, w): objective(family, w) for w in weights})
@@ -153,6 +167,11 @@ def losses(regime: Regime) -> dict[str, dict]:
                                     "from": "the weight regime's highest mean exact match"}, indent=1) + "\n")
     grid.update({label(family, w): objective(family, w) for family, w in choice.items()})
     return grid
+
+
+def run_overrides(regime: Regime, loss: str) -> tuple[str, ...]:
+    """The recipe overrides of one loss of a fixed grid (`Regime.runs`), after the regime's own."""
+    return next((extra for name, _, extra in regime.runs if name == loss), ())
 
 
 def mean_of(rows: list[dict], key: str) -> float | None:
@@ -208,7 +227,8 @@ def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
                             "grad_norm": statistics.median(s["grad_norm"] for s in r["curve"] if s.get("grad_norm"))
                             if any(s.get("grad_norm") for s in r["curve"]) else None})
         rows.append({"loss": loss, "runs": len(group), "diagnosed": sum(p["clipped"] is not None for p in per_run),
-                     **{k: mean_of(per_run, k) for k in ("share", "cos_ce", "turn", "ce_off", "term_off", "clipped", "grad_norm")}})
+                     **{k: mean_of(per_run, k)
+                        for k in ("share", "cos_ce", "turn", "ce_off", "term_off", "clipped", "grad_norm")}})
     return rows
 
 
@@ -356,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{args.budget_min:g} min spent: stopping before {loss} seed {seed}")
                 break
             record = run_one(BASE, regime.work, regime.out, tokenizer, loss, seed, None, objective=grid_losses[loss],
-                             overrides=regime.overrides, keep_model=False)
+                             overrides=regime.overrides + run_overrides(regime, loss), keep_model=False)
             m = record["metrics"]
             log(f"{regime.name} {i}/{len(plan)} {record['name']}: exact match {m['exact_match']}, parse rate "
                 f"{m['parse_rate']} ({record['train_seconds']:.0f} s; {(time.time() - started) / 60:.1f} min so far)")

@@ -57,6 +57,30 @@ def test_weight_regime_takes_ce_and_the_default_weights_from_the_base_study(fold
     assert regimes.records(regimes.REGIMES["data"]) == []
 
 
+def test_the_control_regime_adds_ce_at_a_lower_lr_to_the_base_studys_ce_and_smmd_3(folders):
+    base_runs, _ = folders
+    for seed in range(3):
+        for loss in ("ce", "smmd", "dist2"):
+            _write(base_runs, _record(loss, seed, "1100"))
+    control = regimes.REGIMES["control"]
+    grid = regimes.losses(control)
+    assert grid == {"ce": {"terms": {}}, "ce_lr0.4": {"terms": {}}, "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}}}
+    assert not (control.out / "choice.json").exists()  # a fixed grid: question 1's choice plays no part
+    # the plan's names: CE and SMMD 3 are done (the base study's runs), CE at 0.4x the lr is not
+    done = {r["name"] for r in regimes.records(control)}
+    todo = [f"smollm2-{loss}-s{s}" for s in range(3) for loss in grid if f"smollm2-{loss}-s{s}" not in done]
+    assert todo == ["smollm2-ce_lr0.4-s0", "smollm2-ce_lr0.4-s1", "smollm2-ce_lr0.4-s2"]
+    assert regimes.run_overrides(control, "ce_lr0.4") == ("optim.lr=8.0e-05",)
+    assert regimes.run_overrides(control, "smmd_w3") == regimes.run_overrides(control, "ce") == ()
+    # the recipe those runs read: the base study's lr, scaled
+    from recipes.config import load_recipe
+
+    base = load_recipe(str(study.SETUPS["smollm2"].recipe))
+    assert base.optim.lr == regimes.BASE_LR
+    lowered = load_recipe(str(study.SETUPS["smollm2"].recipe), [*control.overrides, *regimes.run_overrides(control, "ce_lr0.4")])
+    assert lowered.optim.lr == pytest.approx(0.4 * base.optim.lr) and lowered.train.steps == base.train.steps
+
+
 def test_best_weights_need_three_seeds_of_every_weight_and_take_the_highest_mean(folders):
     base_runs, out = folders
     weight_runs = out / "weight" / "runs"
