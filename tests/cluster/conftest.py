@@ -53,9 +53,11 @@ def workspace(tmp_path_factory):
     return root, path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster():
-    """Two simulated nodes with one CPU each: a 2-worker PACK placement must use both."""
+    """Two simulated nodes with one CPU each: a 2-worker PACK placement must use both. Package-scoped:
+    the cluster's daemons (GCS, raylets, log monitor) stop after this folder's tests instead of idling
+    beside the rest of the suite."""
     import ray
     from ray.cluster_utils import Cluster
 
