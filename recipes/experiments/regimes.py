@@ -191,8 +191,9 @@ def _off_block_ratio(steps: list[dict], part: str) -> float | None:
 def _turn_from_ce(step: dict, term: str) -> float | None:
     """The angle in degrees between CE's gradient on the numeric logits and CE's + the term's, from the
     step's shares (their ratio is the norms') and the term's cosine with CE: how far the term turns the
-    update's direction. Its cosine is the fraction of the sum's length along CE's direction, so
-    1 - cos(turn) bounds how much of a fixed-size update (AdamW's) CE loses to the term there."""
+    update's direction. Its cosine is the fraction of the sum's length along CE's direction: were the
+    update the sum's direction at a fixed length, CE's direction would get cos(turn) of it, at the
+    numeric logits (AdamW's normalisation acts on the parameters, where the angle is not measured)."""
     ce, share, cos = step.get("grad/ce/share"), step.get(f"grad/{term}/share"), step.get(f"grad/{term}/cos_ce")
     if not ce or share is None or cos is None:
         return None
