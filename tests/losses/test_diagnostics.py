@@ -303,8 +303,9 @@ def test_the_off_block_bound_at_a_llama3_vocabulary(tail):
     """At V = 128k and N = 1000 the numeric block is 0.8% of a row's columns. The diagnostics (norms,
     shares, cosines, bound) match the float64 reference, dense at TP 1 and chunked at TP 2. How close
     the bound is depends on where the mass off the numbers sits: on one token it is the exact norm to a
-    few %; spread over 127k tokens it overstates it by ~sqrt(V) (the exact norm is m/sqrt(V - N) there),
-    which is why the regimes' table calls it a bound."""
+    few %; spread over 127k tokens it overstates it by up to sqrt(V - N) = 356 (the exact norm is
+    m/sqrt(V - N) for a uniform spread; these logits: x216), which is why the regimes' table calls it a
+    bound."""
     ids, values, hidden, weight, labels = big_inputs(tail)
     logits = hidden @ weight.t()
     exact: dict[str, float] = {}
