@@ -175,17 +175,21 @@ def run_overrides(regime: Regime, loss: str) -> tuple[str, ...]:
 
 
 def mean_of(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.mean(values) if values else None
+    return mean_known(r.get(key) for r in rows)
+
+
+def mean_known(values) -> float | None:
+    """The mean of the values that are not None; None when there are none."""
+    known = [v for v in values if v is not None]
+    return statistics.mean(known) if known else None
 
 
 def _off_block_ratio(steps: list[dict], part: str) -> float | None:
     """Mean over `steps` of `grad/<part>/off_block_max / grad/<part>/norm`: how large, at most, the part's
     gradient on the other columns of the numeric rows is against its block (None before the bound was
     logged, on 2026-12-03, or where the block's norm is 0)."""
-    ratios = [{"v": s[f"grad/{part}/off_block_max"] / s[f"grad/{part}/norm"]} for s in steps
-              if s.get(f"grad/{part}/off_block_max") is not None and s.get(f"grad/{part}/norm")]
-    return mean_of(ratios, "v")
+    return mean_known(s[f"grad/{part}/off_block_max"] / s[f"grad/{part}/norm"] for s in steps
+                      if s.get(f"grad/{part}/off_block_max") is not None and s.get(f"grad/{part}/norm"))
 
 
 def _turn_from_ce(step: dict, term: str) -> float | None:
@@ -216,11 +220,11 @@ def gradient_rows(found: list[dict], order: list[str]) -> list[dict]:
         per_run = []
         for r in group:
             steps = [s for s in r["curve"] if "clipped" in s]
-            per_run.append({"share": mean_of([{"v": sum(s.get(f"grad/{t}/share") or 0 for t in terms)} for s in steps], "v")
+            per_run.append({"share": mean_known(sum(s.get(f"grad/{t}/share") or 0 for t in terms) for s in steps)
                             if steps and terms else None,
-                            "cos_ce": mean_of([{"v": s.get(f"grad/{terms[0]}/cos_ce")} for s in steps], "v")
+                            "cos_ce": mean_known(s.get(f"grad/{terms[0]}/cos_ce") for s in steps)
                             if steps and terms else None,
-                            "turn": mean_of([{"v": _turn_from_ce(s, terms[0])} for s in steps], "v")
+                            "turn": mean_known(_turn_from_ce(s, terms[0]) for s in steps)
                             if steps and terms else None,
                             "ce_off": _off_block_ratio(steps, "ce"),
                             "term_off": _off_block_ratio(steps, terms[0]) if terms else None,
