@@ -1,30 +1,113 @@
-"""Run a function on several real processes joined in a gloo process group (no mocks)."""
+"""Run a function on several real processes joined in a gloo process group (no mocks), with a deadline.
+
+The ranks start from a fork server that has imported torch and the heavy libraries once per pytest
+process (`PRELOAD`): a spawned rank re-imports them, 4-10 CPU seconds each (torch alone ~3), which over
+the suite's few hundred ranks was a large part of its time on 2 cores. The server only imports, it
+never runs an op, so no OpenMP pool or other thread exists to be lost in the fork; each rank still
+builds its own process group, and starts with the caller's environment as it is at the call (the
+server's own is the one it had when it started)."""
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
+import pickle
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing import ProcessRaisedException
+
+# Imported once by the fork server; a module that is not installed is skipped there (the test that
+# needs it skips or fails on its own).
+PRELOAD = ("torch", "torch.distributed", "numpy", "numloss", "transformers", "deepspeed", "megatron.core")
 
 
-def _entry(rank: int, world: int, init_file: str, fn, args):
+class _CallerFd:
+    """The caller's file descriptor `fd` as it is at the call, for the rank to write to. A forked
+    rank would otherwise inherit the server's stdout and stderr, not the caller's (pytest's `capfd`
+    captures by redirecting them for the length of a test)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # runs while the rank is being started: the fd travels with it
+        return _detach, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _entry(rank: int, world: int, init_file: str, env: dict, stdio: tuple, fn, args):
+    os.environ.clear()
+    os.environ.update(env)
+    for target, fd in zip((1, 2), stdio):
+        os.dup2(fd, target)
+        os.close(fd)
     torch.set_num_threads(1)  # 2-core machines: several ranks must not oversubscribe
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
         dist.barrier()
+    except BaseException:
+        # When, before this rank's group goes down and breaks the other ranks' collectives: the clock
+        # is system-wide, so `_every_error` can put the rank that failed first first.
+        with open(f"{init_file}.failed.{rank}", "w") as f:
+            f.write(str(time.monotonic_ns()))
+        raise
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """Call `fn(rank, world, *args)` in `world` processes with the default group initialised.
+def _start_method() -> str:
+    """'forkserver' with `PRELOAD` (set before the server first starts; later calls find it running)."""
+    multiprocessing.forkserver.set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
 
-    `fn` must be importable (module level). An exception in any rank fails the caller with that
-    rank's traceback."""
+
+def _every_error(context, init_file: str) -> tuple[str, int]:
+    """Every failed rank's traceback, the earliest failure first, and that rank. torch reports the
+    first failed process it notices, which is often a rank whose collective broke because another rank
+    had already failed (gloo's "Connection reset by peer"), not the rank that failed first."""
+    found = []
+    for rank, path in enumerate(context.error_files):
+        if path and os.path.exists(path) and os.path.getsize(path) > 0:
+            stamp = f"{init_file}.failed.{rank}"
+            when = int(open(stamp).read()) if os.path.exists(stamp) else time.monotonic_ns()
+            with open(path, "rb") as fh:
+                found.append((when, rank, pickle.load(fh)))
+    found.sort()
+    text = "".join(f"\n\n-- rank {rank} failed ({i} of {len(found)}, earliest first):\n{trace}"
+                   for i, (_, rank, trace) in enumerate(found, 1))
+    return text, found[0][1] if found else -1
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 240.0) -> None:
+    """Call `fn(rank, world, *args)` in `world` processes with the default group (gloo) initialised.
+
+    `fn` must be importable (module level). Fails with every failed rank's traceback, earliest first, or with
+    TimeoutError after `timeout` seconds (every rank killed): a collective that one rank never joins
+    fails the test instead of blocking the suite."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.start_processes(_entry, args=(world, init_file, fn, args), nprocs=world, join=True, start_method="spawn")
+        context = mp.start_processes(_entry, args=(world, init_file, dict(os.environ),
+                                                     (_CallerFd(1), _CallerFd(2)), fn, args),
+                                     nprocs=world, join=False, start_method=_start_method())
+        deadline = time.monotonic() + timeout
+        try:
+            try:
+                while not context.join(timeout=max(0.0, deadline - time.monotonic())):  # raises on a rank's error
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"{fn.__name__} on {world} ranks ran past {timeout:.0f} s")
+            except ProcessRaisedException as error:
+                text, rank = _every_error(context, init_file)
+                raise ProcessRaisedException(text or error.msg, rank, context.processes[rank].pid) from None
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)

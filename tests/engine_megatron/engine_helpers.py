@@ -3,9 +3,10 @@
 Every layout starts from the same weights: a random tiny Llama (4 layers, hidden 64, tied embeddings,
 GQA) saved once as a Hugging Face checkpoint and converted by each rank for its layout
 (`build_gpt_model`). Its vocabulary (300) is padded by Megatron to 384 at TP 1 and to 512 at TP 2
-(multiples of 128 x TP): layouts agree only if the padded columns stay out of the loss. The global batch of a step is fixed (rows of digits and
-text, prompts and right padding); each data-parallel replica takes a contiguous block of its rows and
-splits it into `grad_accum` micro-batches, so every layout and split trains on the same rows.
+(multiples of 128 x TP): layouts agree only if the padded columns stay out of the loss. The global
+batch of a step is fixed (rows of digits and text, prompts and right padding); each data-parallel
+replica takes a contiguous block of its rows and splits it into `grad_accum` micro-batches, so every
+layout and split trains on the same rows.
 """
 
 from __future__ import annotations

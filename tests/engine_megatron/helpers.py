@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.engine_megatron.ranks import run_ranks  # noqa: F401  (the tests import it from here)
+from tests.distributed import run_ranks  # noqa: F401  (the tests import it from here)
 
 VOCAB = 300  # padded to 384 at TP 1 and to 512 at TP 2 (Megatron's multiple of 128 x tp)
 LLAMA = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,

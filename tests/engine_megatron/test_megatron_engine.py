@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.engine_megatron import engine_helpers as H
-from tests.engine_megatron.ranks import run_ranks
+from tests.distributed import run_ranks
 
 TWO_RANK_RUNS = ("tp2", "pp2", "dp2")
 FOUR_RANK_RUNS = ("tp2_pp2_sp", "pp2_vp2_dp2")

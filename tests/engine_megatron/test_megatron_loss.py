@@ -18,7 +18,7 @@ import torch.distributed as dist
 from numloss import NumericVocab, Objective
 from numloss.adapters.megatron import megatron_labels, numeric_loss_func, shift_labels
 from numloss.normalization import reduce_counts
-from tests.engine_megatron.ranks import run_ranks
+from tests.distributed import run_ranks
 
 V, B, S, MICRO, DP, TP = 64, 2, 10, 3, 2, 2
 DIGIT_IDS = [2, 9, 17, 25, 31, 33, 40, 48, 55, 63]  # digits over both vocab shards
