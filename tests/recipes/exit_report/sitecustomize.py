@@ -17,7 +17,11 @@ def _report() -> None:
             names.append(comm.read_text().strip())
         except OSError:  # a thread that ended while we looked
             continue
-    print(f"[exit-threads] rank={os.environ['RANK']} {' '.join(sorted(names))}", file=sys.stderr, flush=True)
+    # One write(2) of the whole line: the ranks share the launcher's pipe, and print() writes the text and
+    # the newline separately, so two ranks exiting together once gave "...rank=1 a b[exit-threads] rank=0 a b"
+    # on one line and rank 0's report was not found. A write under PIPE_BUF (4 KiB) is not interleaved.
+    sys.stderr.flush()
+    os.write(2, f"[exit-threads] rank={os.environ['RANK']} {' '.join(sorted(names))}\n".encode())
 
 
 if "RANK" in os.environ:
