@@ -27,10 +27,13 @@ converted to a GPTModel, and must log the DeepSpeed reference's values within 1e
 | layout         | ranks | DP | TP      | PP | micro x accum |
 |----------------|-------|----|---------|----|---------------|
 | megatron       | 1     | 1  | 1       | 1  | 8 x 1         |
-| megatron-tp2   | 2     | 1  | 2 (+SP) | 1  | 4 x 2         |
-| megatron-pp2   | 2     | 1  | 1       | 2  | 2 x 4         |
 | megatron-dp2   | 2     | 2  | 1       | 1  | 1 x 4         |
-| megatron-tp2pp2| 4     | 1  | 2       | 2  | 2 x 4         |
+| megatron-tp2pp2| 4     | 1  | 2 (+SP) | 2  | 2 x 4         |
+
+TP 2 and PP 2 each on their own run through the recipe in the killed-and-resumed test (PP 2 for
+steps 1-2, TP 2 after the restart, compared with the same reference), and at the engine level in
+tests/engine_megatron/test_megatron_engine.py; a layout of their own here cost two more launches
+(~40 s each on 2 cores) for groups that TP 2 x PP 2 also builds and frees.
 
 Packed rows hold several examples, so the packed layouts (global batch 4 rows) compare with each other.
 Also: the old per-micro-batch mean would give another loss at the 'accum' split (so the matrix can
@@ -70,14 +73,14 @@ PACKED = {
 }
 MEGATRON = {
     "megatron": (1, ["train.engine=megatron", "train.micro_batch_size=8", "train.grad_accum=1"]),
-    "megatron-tp2": (2, ["train.engine=megatron", "megatron.tp_size=2", "megatron.sequence_parallel=true",
-                         "train.micro_batch_size=4", "train.grad_accum=2"]),
-    "megatron-pp2": (2, ["train.engine=megatron", "megatron.pp_size=2", "train.micro_batch_size=2",
-                         "train.grad_accum=4"]),
     "megatron-dp2": (2, ["train.engine=megatron", "train.micro_batch_size=1", "train.grad_accum=4"]),
     "megatron-tp2pp2": (4, ["train.engine=megatron", "megatron.tp_size=2", "megatron.pp_size=2",
-                            "train.micro_batch_size=2", "train.grad_accum=4"]),
+                            "megatron.sequence_parallel=true", "train.micro_batch_size=2", "train.grad_accum=4"]),
 }
+# The killed-and-resumed Megatron run: PP 2 until killed, TP 2 after the restart.
+MEGATRON_PP2 = ("train.engine=megatron", "megatron.pp_size=2", "train.micro_batch_size=2", "train.grad_accum=4")
+MEGATRON_TP2 = ("train.engine=megatron", "megatron.tp_size=2", "megatron.sequence_parallel=true",
+                "train.micro_batch_size=4", "train.grad_accum=2")
 FAST = ("train.tensorboard=false",)
 EXPORTS = {"dp2", "megatron-tp2pp2"}  # the layout whose final model the TP-2 export is compared with
 
@@ -272,20 +275,22 @@ def test_megatron_export_equals_the_deepspeed_engines_model(workspace, runs, meg
         torch.testing.assert_close(value, other[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_megatron_run_killed_at_pp2_resumes_at_tp2(workspace, megatron_runs):
+def test_megatron_run_killed_at_pp2_resumes_at_tp2(workspace, runs):
     """Megatron at PP 2, a checkpoint every step, SIGKILL after two logged steps; the restart at TP 2
-    (the distributed checkpoint reshards model and Adam state) continues the uninterrupted PP-2 curve."""
+    with sequence parallelism (the distributed checkpoint reshards model and Adam state) logs the
+    DeepSpeed reference's curve at every step, PP 2's before the kill and TP 2's after, within the
+    engines' 1e-4, where one step moves the loss by ~1% (lr 3e-3): a restart from the wrong step or
+    data position would be off by far more."""
     root, recipe = workspace
     out = root / "megatron-killed"
-    proc = launch(recipe, out, *MEGATRON["megatron-pp2"][1], "train.save_every=1", *FAST, "train.export=false",
+    proc = launch(recipe, out, *MEGATRON_PP2, "train.save_every=1", *FAST, "train.export=false",
                   log=root / "megatron-killed.log")
     kill_after_logged_steps(proc, out, 2)
     assert len(read_metrics(out)) < STEPS
-    output = run_to_end(recipe, out, "train.engine=megatron", "megatron.tp_size=2", "train.micro_batch_size=4",
-                        "train.grad_accum=2", "train.save_every=1", *FAST, "train.export=false")
+    output = run_to_end(recipe, out, *MEGATRON_TP2, "train.save_every=1", *FAST, "train.export=false")
     assert "resumed layouts from step" in output, output[-3000:]
-    _same_curve(read_metrics(out), megatron_runs["megatron-pp2"], "megatron pp2 -> tp2",
-                keys=("loss", "ce", "grad_norm", "term/smmd"))
+    _same_curve(read_metrics(out), runs["reference"], "megatron pp2 -> tp2", rel=1e-4,
+                keys=("loss", "ce", "grad_norm", "term/smmd", "term/ntil", "lr"))
 
 
 def test_packed_layouts_agree(packed_runs):
