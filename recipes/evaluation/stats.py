@@ -104,6 +104,26 @@ def seed_t_interval(per_seed: Sequence[float], level: float = 0.95) -> dict:
     return out
 
 
+def seeds_to_exclude_zero(mean: float, sd: float, level: float = 0.95, limit: int = 10000) -> int | None:
+    """The fewest seeds whose t interval (`seed_t_interval`) would exclude 0 if the per-seed differences
+    kept this mean and standard deviation: a planning figure for "is this difference worth more seeds",
+    not a power analysis (the observed mean of 3 seeds is itself that uncertain). None when the mean is
+    0 or more than `limit` seeds would be needed; MIN_SEEDS when the observed seeds already suffice."""
+    if sd < 0 or not math.isfinite(mean) or not math.isfinite(sd):
+        raise ValueError(f"seeds_to_exclude_zero: mean {mean}, sd {sd}")
+    if mean == 0:
+        return None
+    if sd == 0:
+        return MIN_SEEDS
+    z = t_quantile(1 - (1 - level) / 2, 10**6)  # t is wider than the normal: the answer is at least z's n
+    n = max(MIN_SEEDS, math.ceil((z * sd / abs(mean)) ** 2))
+    while n <= limit:
+        if t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n) < abs(mean):
+            return n
+        n += 1
+    return None
+
+
 def seed_differences(per_seed: Sequence[float], level: float = 0.95, n_problems: int | None = None) -> dict:
     """Per-seed differences against a baseline without a bootstrap: what can be said when only each
     seed's score is known (no per-problem outcomes). The shape of `two_level_bootstrap`'s result, with

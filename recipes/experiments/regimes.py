@@ -259,6 +259,43 @@ def gradient_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seed_rows(rows: list[dict], found: list[dict]) -> list[dict]:
+    """For each loss compared with CE over at least MIN_SEEDS seeds: the mean and SD of its per-seed
+    differences (points), the seeds the t interval would need to exclude 0 if they stayed as observed
+    (`seeds_to_exclude_zero`), and what the missing seeds would cost: a run of the loss and one of CE
+    per seed, at the mean training time of this regime's runs."""
+    from recipes.evaluation.stats import MIN_SEEDS, seeds_to_exclude_zero
+
+    train_s = mean_known(r.get("train_seconds") for r in found)
+    out = []
+    for row in rows:
+        t = (row.get("vs_ce") or {}).get("seed_t")
+        if not t or t["n"] < MIN_SEEDS:
+            continue
+        mean, sd = 100 * t["mean"], 100 * t["sd"]
+        need = seeds_to_exclude_zero(mean, sd)
+        runs = None if need is None else 2 * max(0, need - t["n"])
+        out.append({"loss": row["loss"], "seeds": t["n"], "mean": mean, "sd": sd, "need": need, "runs": runs,
+                    "hours": None if runs is None or train_s is None else runs * train_s / 3600})
+    return out
+
+
+def seed_markdown(rows: list[dict]) -> str:
+    lines = [("Seeds: the mean and standard deviation of the per-seed differences against CE (points), and the "
+              "fewest seeds whose 95% t interval would exclude 0 if the differences kept that mean and SD (a "
+              "planning figure: the mean of a few seeds is itself that uncertain), with the runs that would take "
+              "(the loss and CE at each new seed) and their training time at this regime's mean run on the "
+              "machine that ran it."), "",
+             "| loss | seeds | Δ mean | Δ SD | seeds to exclude 0 | more runs | training hours |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        need = "> 10000" if r["need"] is None else str(r["need"])
+        runs = "n/a" if r["runs"] is None else str(r["runs"])
+        hours = "n/a" if r["hours"] is None else f"{r['hours']:.0f}"
+        lines.append(f"| {r['loss']} | {r['seeds']} | {r['mean']:+.1f} | {r['sd']:.1f} | {need} | {runs} | {hours} |")
+    return "\n".join(lines)
+
+
 def problem_kind(problem: dict) -> str:
     """The group a test problem falls in for the breakdown: its operation and its answer's sign (the
     sign is a plain CE label, so a term can only help with the digits after it)."""
@@ -337,6 +374,7 @@ def report(regime: Regime, grid: list[str], order: list[str]) -> str:
               for p in sorted((BASE.out if regime.shares_base else regime.out).glob("zero_shot-*.json"))}
     table = "\n".join([f"Regime `{regime.name}`: {regime.question}", "", markdown(rows), *zero_shot_lines(before), "",
                        gradient_markdown(gradient_rows(found, order)), "",
+                       seed_markdown(seed_rows(rows, found)), "",
                        kind_markdown(kind_rows(found, order, eval_problems(regime))), *progress_lines(found, grid)])
     (regime.out / "results.md").write_text(table + "\n")
     with open(regime.out / "results.csv", "w", newline="") as f:

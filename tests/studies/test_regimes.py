@@ -236,3 +236,20 @@ def test_eval_problems_are_made_again_and_checked_against_the_kept_copy(folders)
     kept.write_text("".join(json.dumps({**p, "target": "1"}) + "\n" for p in problems))
     with pytest.raises(ValueError, match="no longer makes these test problems"):
         regimes.eval_problems(regime)
+
+
+def test_the_seed_table_plans_from_the_per_seed_differences_and_the_mean_run_time():
+    """A loss 1.0 point above CE on average with per-seed SD 1.8 (points) needs 15 seeds
+    (`seeds_to_exclude_zero`, checked by hand in test_report_intervals.py): 12 more seeds of it and of CE,
+    24 runs, at the mean of the records' training times (1,800 and 3,600 s: 0.75 h) 18 hours. A loss with
+    2 seeds, or CE itself, has no row."""
+    found = [{"train_seconds": 1800.0}, {"train_seconds": 3600.0}, {}]
+    rows = [{"loss": "ce"},
+            {"loss": "smmd_w0.3", "vs_ce": {"seed_t": {"mean": 0.010, "sd": 0.018, "n": 3}}},
+            {"loss": "dist2_w0.1", "vs_ce": {"seed_t": {"mean": 0.020, "sd": 0.010, "n": 2}}}]
+    got = regimes.seed_rows(rows, found)
+    assert [r["loss"] for r in got] == ["smmd_w0.3"]
+    r = got[0]
+    assert (r["mean"], r["sd"], r["need"], r["runs"]) == (pytest.approx(1.0), pytest.approx(1.8), 15, 24)
+    assert r["hours"] == pytest.approx(24 * 2700 / 3600)
+    assert "| smmd_w0.3 | 3 | +1.0 | 1.8 | 15 | 24 | 18 |" in regimes.seed_markdown(got)

@@ -136,3 +136,21 @@ def test_fewer_than_three_seeds_give_no_interval():
     assert S.versus_cells(v) == ("+16.7, 2 seeds: no ranking", "+33.3, +0.0", "–")
     with pytest.raises(ValueError, match="same seeds and problems"):
         S.two_level_bootstrap([[1, 0]] * 3, [[1, 0, 1]] * 3)
+
+
+def test_seeds_to_exclude_zero_by_hand():
+    """Mean 1.0, SD 1.8: at 15 seeds t(14) = 2.1448 gives a half-width 2.1448 * 1.8 / sqrt(15) = 0.997 < 1;
+    at 14, t(13) = 2.1604 gives 1.039 > 1. The interval `seed_t_interval` draws agrees at both counts."""
+    assert S.seeds_to_exclude_zero(1.0, 1.8) == 15
+    assert S.seeds_to_exclude_zero(-1.0, 1.8) == 15  # the sign does not matter
+    for n, excludes in ((15, True), (14, False)):
+        # n values with mean 1.0 and sample SD 1.8: +-a around the mean (n even) or with the mean added (n odd)
+        a = 1.8 * ((n - 1) / (n - (n % 2))) ** 0.5
+        sample = [1.0 + a] * (n // 2) + [1.0 - a] * (n // 2) + [1.0] * (n % 2)
+        t = S.seed_t_interval(sample)
+        assert t["sd"] == pytest.approx(1.8) and (t["low"] > 0) == excludes
+    assert S.seeds_to_exclude_zero(2.0, 0.0) == S.MIN_SEEDS  # no spread: the seeds already run suffice
+    assert S.seeds_to_exclude_zero(0.0, 1.0) is None  # no difference: no number of seeds
+    assert S.seeds_to_exclude_zero(0.01, 3.0, limit=1000) is None  # ~350,000 needed: past the limit
+    with pytest.raises(ValueError, match="mean nan"):
+        S.seeds_to_exclude_zero(float("nan"), 1.0)
