@@ -62,6 +62,7 @@ FAMILIES = {"smmd": (0.3, 1.0, 3.0), "dist2": (0.1, 0.3, 1.0)}  # the middle of 
 # SMMD's default (3) is the top of its span and DIST2's (0.1) the bottom, so each span is 10x with the
 # default at one end, toward the side the base study did not try.
 DEFAULT_WEIGHT = {"smmd": 3.0, "dist2": 0.1}
+DEFAULT_SEEDS = 3  # every question's grid; more seeds for one comparison: --seeds N --losses ce,<loss>
 BASE_LR = 2.0e-4  # the base study's peak lr (recipes/configs/smollm2-demo.yaml; a test keeps them equal)
 
 
@@ -388,10 +389,22 @@ def report(regime: Regime, grid: list[str], order: list[str]) -> str:
     return table
 
 
+def plan_runs(order: list[str], seeds: int, only: list[str] | None = None) -> list[tuple[str, int]]:
+    """(loss, seed) in the order they run: seed by seed, so that a partial study has whole seeds. `only`
+    restricts it to some of the regime's losses (more seeds of one comparison: the loss and CE)."""
+    if only:
+        unknown = [loss for loss in only if loss not in order]
+        if unknown:
+            raise ValueError(f"--losses {','.join(unknown)}: not in this regime's grid ({', '.join(order)})")
+    return [(loss, s) for s in range(seeds) for loss in order if not only or loss in only]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.regimes", description=__doc__.split("\n")[0])
     parser.add_argument("--regime", choices=list(REGIMES), required=True)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS)
+    parser.add_argument("--losses", default=None,
+                        help="comma-separated: run only these of the regime's losses (e.g. ce,dist2_w1 with --seeds 7)")
     parser.add_argument("--budget-min", type=float, default=None,
                         help="start no new run after this many minutes (the study resumes later)")
     parser.add_argument("--report-only", action="store_true")
@@ -403,8 +416,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"regime {regime.name!r}: {e}") from None
     order = list(grid_losses)
     tokenizer = next(iter(BASE.tokenizers))
-    plan = [(loss, s) for s in range(args.seeds) for loss in order]  # seed by seed: a partial study has whole seeds
-    grid = [f"{tokenizer}-{loss}-s{s}" for loss, s in plan]
+    try:
+        plan = plan_runs(order, args.seeds, args.losses.split(",") if args.losses else None)
+    except ValueError as e:
+        raise SystemExit(f"regime {regime.name!r}: {e}") from None
+    # what the report counts as planned: the regime's whole grid (at the default seeds when --losses
+    # adds seeds to one comparison), and this plan
+    whole = plan_runs(order, min(args.seeds, DEFAULT_SEEDS) if args.losses else args.seeds)
+    grid = list(dict.fromkeys(f"{tokenizer}-{loss}-s{s}" for loss, s in [*whole, *plan]))
     (regime.out / "runs").mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         build_data(BASE, regime.work, regime.train_examples, BASE.eval_examples, mix=regime.mix)

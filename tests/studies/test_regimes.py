@@ -68,7 +68,7 @@ def test_the_control_regime_adds_ce_at_a_lower_lr_to_the_base_studys_ce_and_smmd
     assert not (control.out / "choice.json").exists()  # a fixed grid: question 1's choice plays no part
     # the plan's names: CE and SMMD 3 are done (the base study's runs), CE at 0.4x the lr is not
     done = {r["name"] for r in regimes.records(control)}
-    todo = [f"smollm2-{loss}-s{s}" for s in range(3) for loss in grid if f"smollm2-{loss}-s{s}" not in done]
+    todo = [f"smollm2-{loss}-s{s}" for loss, s in regimes.plan_runs(list(grid), 3) if f"smollm2-{loss}-s{s}" not in done]
     assert todo == ["smollm2-ce_lr0.4-s0", "smollm2-ce_lr0.4-s1", "smollm2-ce_lr0.4-s2"]
     assert regimes.run_overrides(control, "ce_lr0.4") == ("optim.lr=8.0e-05",)
     assert regimes.run_overrides(control, "smmd_w3") == regimes.run_overrides(control, "ce") == ()
@@ -253,3 +253,30 @@ def test_the_seed_table_plans_from_the_per_seed_differences_and_the_mean_run_tim
     assert (r["mean"], r["sd"], r["need"], r["runs"]) == (pytest.approx(1.0), pytest.approx(1.8), 15, 24)
     assert r["hours"] == pytest.approx(24 * 2700 / 3600)
     assert "| smmd_w0.3 | 3 | +1.0 | 1.8 | 15 | 24 | 18 |" in regimes.seed_markdown(got)
+
+
+def test_more_seeds_of_one_comparison_run_only_its_losses(folders, monkeypatch):
+    """--seeds 4 --losses ce,dist2_w1 after a complete 3-seed weight grid: only CE and DIST2 1 at seed 3
+    run, the report counts the 3-seed grid and those two as planned, and a name outside the grid is
+    refused before anything runs."""
+    base_runs, out = folders
+    for seed in range(3):
+        for loss in ("ce", "smmd", "dist2"):
+            _write(base_runs, _record(loss, seed, "10"))
+        for loss in ("smmd_w0.3", "smmd_w1", "dist2_w0.3", "dist2_w1"):
+            _write(out / "weight" / "runs", _record(loss, seed, "11", {"terms": {loss.split("_")[0]: {}}}))
+    ran = []
+
+    def fake_run(setup, work, out_dir, tokenizer, loss, seed, steps, objective=None, overrides=(), keep_model=None):
+        ran.append((loss, seed))
+        _write(out_dir / "runs", _record(loss, seed, "11", objective))
+        return {**_record(loss, seed, "11", objective), "train_seconds": 1.0}
+
+    monkeypatch.setattr(regimes, "run_one", fake_run)
+    monkeypatch.setattr(regimes, "build_data", lambda *a, **k: None)
+    with pytest.raises(SystemExit, match="--losses dist2_w2: not in this regime's grid"):
+        regimes.main(["--regime", "weight", "--seeds", "4", "--losses", "ce,dist2_w2"])
+    assert ran == []
+    assert regimes.main(["--regime", "weight", "--seeds", "4", "--losses", "ce,dist2_w1"]) == 0
+    assert ran == [("ce", 3), ("dist2_w1", 3)]
+    assert "Runs done: 23 of 23 planned." in (out / "weight" / "results.md").read_text()
