@@ -29,8 +29,9 @@ demo: $(STAMP)
 demo-tiny: $(STAMP)
 	$(BIN)/python -m recipes.demo --tiny
 
+# --durations: the slowest tests in every log, CI's included (the suite's budget is well under 30 min on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_losses.py
