@@ -3,8 +3,8 @@
 The ranks start from a fork server that has imported torch and the heavy libraries once per pytest
 process (`PRELOAD`): a spawned rank re-imports them, 4-10 CPU seconds each (torch alone ~3), which over
 the suite's few hundred ranks was a large part of its time on 2 cores. The server only imports, it
-never runs an op, so no OpenMP pool or other thread exists to be lost in the fork; each rank still
-builds its own process group, and starts with the caller's environment as it is at the call (the
+never runs an op, so torch's OpenMP pool (which a forked child cannot use) does not exist there yet; each
+rank still builds its own process group, and starts with the caller's environment as it is at the call (the
 server's own is the one it had when it started)."""
 
 from __future__ import annotations
