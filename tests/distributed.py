@@ -104,8 +104,13 @@ def run_ranks(world: int, fn, *args, timeout: float = 240.0) -> None:
                     if time.monotonic() >= deadline:
                         raise TimeoutError(f"{fn.__name__} on {world} ranks ran past {timeout:.0f} s")
             except ProcessRaisedException as error:
-                text, rank = _every_error(context, init_file)
-                raise ProcessRaisedException(text or error.msg, rank, context.processes[rank].pid) from None
+                try:
+                    text, rank = _every_error(context, init_file)
+                except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+                    raise error from None  # torch's error files in a form this does not read: torch's own report
+                if not text:
+                    raise
+                raise ProcessRaisedException(text, rank, context.processes[rank].pid) from None
         finally:
             for process in context.processes:
                 if process.is_alive():
