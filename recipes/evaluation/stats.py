@@ -6,6 +6,7 @@ since a loss's runs differ from seed to seed about as much as two losses differ.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Sequence
 
 import numpy as np
@@ -85,6 +86,11 @@ def t_quantile(p: float, df: int) -> float:
     return (low + high) / 2
 
 
+def t_half_width(sd: float, n: int, level: float = 0.95) -> float:
+    """Half the width of the t interval of a mean of `n` observations with sample SD `sd`."""
+    return t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n)
+
+
 def seed_t_interval(per_seed: Sequence[float], level: float = 0.95) -> dict:
     """Mean of per-seed differences with its t interval, each seed one observation (n - 1 degrees of
     freedom). This is the interval a run-to-run spread alone allows; it ignores which test problems
@@ -99,7 +105,7 @@ def seed_t_interval(per_seed: Sequence[float], level: float = 0.95) -> dict:
     if len(d) < MIN_SEEDS:
         out["reason"] = NO_RANKING.format(min=MIN_SEEDS)
         return out
-    half = t_quantile(1 - (1 - level) / 2, len(d) - 1) * sd / math.sqrt(len(d))
+    half = t_half_width(sd, len(d), level)
     out.update(low=mean - half, high=mean + half)
     return out
 
@@ -115,10 +121,10 @@ def seeds_to_exclude_zero(mean: float, sd: float, level: float = 0.95, limit: in
         return None
     if sd == 0:
         return MIN_SEEDS
-    z = t_quantile(1 - (1 - level) / 2, 10**6)  # t is wider than the normal: the answer is at least z's n
+    z = statistics.NormalDist().inv_cdf(1 - (1 - level) / 2)  # t is wider than the normal: at least z's n
     n = max(MIN_SEEDS, math.ceil((z * sd / abs(mean)) ** 2))
     while n <= limit:
-        if t_quantile(1 - (1 - level) / 2, n - 1) * sd / math.sqrt(n) < abs(mean):
+        if t_half_width(sd, n, level) < abs(mean):
             return n
         n += 1
     return None
