@@ -15,6 +15,7 @@ import os
 import pickle
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,8 @@ def _every_error(context, init_file: str) -> tuple[str, int]:
     found = []
     for rank, path in enumerate(context.error_files):
         if path and os.path.exists(path) and os.path.getsize(path) > 0:
-            stamp = f"{init_file}.failed.{rank}"
-            when = int(open(stamp).read()) if os.path.exists(stamp) else time.monotonic_ns()
+            stamp = Path(f"{init_file}.failed.{rank}")
+            when = int(stamp.read_text()) if stamp.exists() else time.monotonic_ns()
             with open(path, "rb") as fh:
                 found.append((when, rank, pickle.load(fh)))
     found.sort()
