@@ -393,16 +393,25 @@ def submit(address: str, recipe: str, overrides: list[str] | tuple = (), *, wait
         print(f"[launch.ray] log stream ended: {err}", flush=True)
     while (status := str(client.get_job_status(job_id))).split(".")[-1] not in ("SUCCEEDED", "FAILED", "STOPPED"):
         time.sleep(2)
-    logs = client.get_job_logs(job_id)
-    result = None
-    for line in reversed(logs.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-            break
-    return {"job_id": job_id, "status": status.split(".")[-1], "result": result}
+    return {"job_id": job_id, "status": status.split(".")[-1], "result": result_from_logs(client.get_job_logs(job_id))}
 
 
 RESULT_PREFIX = "[launch.ray] result "
+
+
+def result_from_logs(logs: str) -> dict | None:
+    """The last result line's JSON in a job's logs, or None. The line need not start a line of the log:
+    Ray merges the driver's stdout, stderr and its workers' forwarded lines into one file without
+    keeping lines whole (a forwarded line was seen glued to the front of the result under load), so
+    the prefix is searched for and the JSON decoded up to its end, whatever follows it."""
+    decoder = json.JSONDecoder()
+    at = logs.rfind(RESULT_PREFIX)
+    while at >= 0:
+        try:
+            return decoder.raw_decode(logs, at + len(RESULT_PREFIX))[0]
+        except json.JSONDecodeError:  # cut by another writer: an earlier result line may be whole
+            at = logs.rfind(RESULT_PREFIX, 0, at)
+    return None
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -465,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(args.recipe, args.overrides, address=args.start_head, **kw)
     else:
         summary = run(args.recipe, args.overrides, address=args.address, temp_dir=args.temp_dir, **kw)
-    print(RESULT_PREFIX + json.dumps(summary, default=str), flush=True)
+    # on a line of its own even when a forwarded worker line is still open (result_from_logs)
+    print("\n" + RESULT_PREFIX + json.dumps(summary, default=str), flush=True)
     return 0
 
 

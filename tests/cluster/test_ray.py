@@ -104,6 +104,20 @@ def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
     assert shlex.split(client.entrypoint)[:4] == ["python", "-m", "launch.ray", str(recipe)]
 
 
+def test_the_result_is_found_where_ray_glued_another_line_to_it():
+    """Ray's job log merges the driver's streams and its workers' forwarded lines without keeping lines
+    whole; a forwarded line once ended where the result began (seen in a loaded suite run)."""
+    from launch.ray import RESULT_PREFIX, result_from_logs
+
+    first, last = {"metrics": {"step": 2}}, {"metrics": {"step": 3, "loss": 1.5}}
+    glued = "(PlacementGroupCleaner pid=1) Found multiple active Ray instances." + RESULT_PREFIX
+    assert result_from_logs("a\n" + glued + json.dumps(last) + "(Worker pid=2) tail\n") == last
+    # a later result cut by another writer: the earlier whole one, not a decoding error
+    logs = RESULT_PREFIX + json.dumps(first) + "\n" + RESULT_PREFIX + json.dumps(last)[:9] + "x\n"
+    assert result_from_logs(logs) == first
+    assert result_from_logs("training...\n") is None
+
+
 def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
     from launch.ray import scaling
     from recipes.config import load_recipe
