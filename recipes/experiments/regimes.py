@@ -128,7 +128,22 @@ def base_records() -> list[dict]:
 
 
 def records(regime: Regime) -> list[dict]:
-    return read_records(regime.out / "runs") + (base_records() if regime.shares_base else [])
+    """A regime's finished runs: its own, and at the base study's setting the base study's and the CE runs
+    that another regime at that setting made (CE at a seed is one run whichever question asked for it:
+    same recipe, data, order and initial weights), read where they were recorded, not trained again."""
+    found = read_records(regime.out / "runs")
+    if not regime.shares_base:
+        return found
+    found += base_records()
+    names = {r["name"] for r in found}
+    for other in REGIMES.values():
+        if other.name == regime.name or not other.shares_base:
+            continue
+        for r in read_records(other.out / "runs"):
+            if r["loss"] == "ce" and r["name"] not in names:
+                names.add(r["name"])
+                found.append({**r, "shared_from": f"{other.name}/runs/{r['name']}.json"})
+    return found
 
 
 def best_weights(min_seeds: int = 3) -> dict[str, float]:

@@ -81,6 +81,24 @@ def test_the_control_regime_adds_ce_at_a_lower_lr_to_the_base_studys_ce_and_smmd
     assert lowered.optim.lr == pytest.approx(0.4 * base.optim.lr) and lowered.train.steps == base.train.steps
 
 
+def test_regimes_at_the_base_setting_share_their_ce_runs_and_nothing_else(folders):
+    """CE at seed 3 made by the control is the weight regime's CE at seed 3 (and the reverse); a term's
+    run or CE at another lr is not, and a regime at another setting sees none of them."""
+    base_runs, out = folders
+    _write(base_runs, _record("ce", 0, "10"))
+    _write(out / "control" / "runs", _record("ce", 3, "01"))
+    _write(out / "control" / "runs", _record("ce_lr0.4", 3, "11"))
+    _write(out / "weight" / "runs", _record("ce", 4, "11"))
+    _write(out / "weight" / "runs", _record("dist2_w1", 4, "11", {"terms": {"dist2": {"weight": 1.0}}}))
+    weight = {r["name"]: r for r in regimes.records(regimes.REGIMES["weight"])}
+    assert sorted(weight) == ["smollm2-ce-s0", "smollm2-ce-s3", "smollm2-ce-s4", "smollm2-dist2_w1-s4"]
+    assert weight["smollm2-ce-s3"]["shared_from"] == "control/runs/smollm2-ce-s3.json"
+    assert weight["smollm2-ce-s3"]["correct"] == "01" and "shared_from" not in weight["smollm2-ce-s4"]
+    control = {r["name"] for r in regimes.records(regimes.REGIMES["control"])}
+    assert control == {"smollm2-ce-s0", "smollm2-ce-s3", "smollm2-ce_lr0.4-s3", "smollm2-ce-s4"}
+    assert regimes.records(regimes.REGIMES["data"]) == []
+
+
 def test_best_weights_need_three_seeds_of_every_weight_and_take_the_highest_mean(folders):
     base_runs, out = folders
     weight_runs = out / "weight" / "runs"
