@@ -30,8 +30,11 @@ demo-tiny: $(STAMP)
 	$(BIN)/python -m recipes.demo --tiny
 
 # --durations: the slowest tests in every log, CI's included (the suite's budget is well under 30 min on 2 cores).
+# Two xdist workers: one pytest process left a core idle half the time (a launch's imports run on one
+# core); a file stays on one worker and tests/cluster on one (tests/conftest.py). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_losses.py

@@ -1,0 +1,57 @@
+"""tests/conftest.py: under `make test`'s two xdist workers a file runs whole on one worker and every
+file of tests/cluster on the same one (one simulated Ray cluster at a time). Run on a small tree of its
+own with a copy of the conftest: xdist's `loadgroup` marks silently grouped nothing under pytest 9,
+so the split is checked where it happens, in real worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xdist")
+
+RECORD = """
+import json, os
+
+def _record(name):
+    with open(os.environ["SPLIT_LOG"], "a") as f:
+        f.write(json.dumps({{"file": __file__.split("tests/", 1)[1], "worker": os.environ["PYTEST_XDIST_WORKER"]}}) + "\\n")
+
+{tests}
+"""
+
+
+def _write_test_file(path: Path, n: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(RECORD.format(tests="\n".join(f"def test_{i}():\n    _record({i})\n" for i in range(n))))
+
+
+def test_a_file_and_the_cluster_folder_each_run_on_one_worker(tmp_path):
+    root = tmp_path / "tree"
+    (root / "tests").mkdir(parents=True)
+    shutil.copy(Path(__file__).with_name("conftest.py"), root / "tests" / "conftest.py")
+    (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    for name in ("cluster/test_ray.py", "cluster/test_slurm.py", "test_a.py", "test_b.py", "test_c.py"):
+        _write_test_file(root / "tests" / name, 4)
+    log = tmp_path / "split.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+                           "tests"], cwd=root, env={**os.environ, "SPLIT_LOG": str(log)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(rows) == 20
+    workers = {}
+    for row in rows:
+        workers.setdefault(row["file"], set()).add(row["worker"])
+    assert all(len(w) == 1 for w in workers.values()), workers  # a file whole on one worker
+    assert workers["cluster/test_ray.py"] == workers["cluster/test_slurm.py"], workers  # the cluster folder together
+    # the cluster folder is handed out first (the longest unit): its worker starts with it
+    (cluster_worker,) = workers["cluster/test_ray.py"]
+    assert next(r for r in rows if r["worker"] == cluster_worker)["file"].startswith("cluster/"), rows
+    assert {w for ws in workers.values() for w in ws} == {"gw0", "gw1"}  # and both workers had work
