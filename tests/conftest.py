@@ -1,4 +1,4 @@
-"""How `make test` splits the suite over two pytest-xdist workers (`-n 2 --dist loadfile`).
+"""How `make test TEST_WORKERS=2` splits the suite over two pytest-xdist workers (`-n 2 --dist loadfile`).
 
 Most of the suite's time is real launches (torchrun ranks, Ray workers) whose imports run on one core,
 so a single pytest process leaves the second core idle much of the time. Two workers fill it, with a
@@ -12,10 +12,12 @@ xdist's `loadgroup` mode would express the second rule with marks, but it rename
 attribute pytest 9 no longer reads, so the marks group nothing; this file gives xdist its scheduler
 instead (`pytest_xdist_make_scheduler`, a documented xdist hook).
 
-The longest units are handed out first (xdist gives units to workers in collection order, and a long
-one started last leaves the other worker idle while it runs). Measured 2026-12-03, CPU seconds of the
-whole process tree (cgroup cpuacct) in one serial run: tests/cluster 660, test_layouts.py 437, the next
-file 111, the suite 2,510. Without xdist (`pytest tests/...`) nothing here applies.
+The longest units are handed out first (a long one started last leaves the other worker idle while it
+runs); xdist's own order, the units with the most tests first, is turned off for this one, since the
+count of tests says little about their time (tests/cluster has fewer tests than several unit-test
+files and the most CPU time). Measured 2026-12-03, CPU seconds of the whole process tree (cgroup
+cpuacct) in one serial run beside a 2-rank training job: tests/cluster 660, test_layouts.py 437, the
+next file 111, the suite 2,510. Without xdist (`pytest tests/...`) nothing here applies.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":  # another mode asked for by name: xdist's own
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # xdist would hand out the units with the most tests first
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
