@@ -30,7 +30,8 @@ while i < len(argv) and argv[i].startswith("-"):
     options[key] = value if eq else True
     i += 1
 command = argv[i:]
-ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "MOUNTS")
+ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "MOUNTS",
+       "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
     log.write(json.dumps({{"options": options, "command": command,
                           "env": {{k: os.environ[k] for k in ENV if k in os.environ}}}}) + "\n")
@@ -101,7 +102,8 @@ def install(bin_dir: Path) -> Path:
 
 def env(bin_dir: Path, log: Path, nodes: list[str], **extra: str) -> dict:
     """The environment a batch script sees inside the fake allocation."""
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_TMPDIR", "SLURM_"))}
+    # nothing of this host's Ray or SLURM settings leaks in (RAY_AUTH_*: the script decides the job's)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_TMPDIR", "RAY_AUTH", "SLURM_"))}
     e.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{e.get('PATH', '')}", FAKE_SLURM_LOG=str(log),
              FAKE_SLURM_NODES=",".join(nodes), SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_ID="4242",
              **extra)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -116,6 +121,59 @@ def test_the_result_is_found_where_ray_glued_another_line_to_it():
     logs = RESULT_PREFIX + json.dumps(first) + "\n" + RESULT_PREFIX + json.dumps(last)[:9] + "x\n"
     assert result_from_logs(logs) == first
     assert result_from_logs("training...\n") is None
+
+
+def test_a_head_started_by_the_job_settles_ray_auth_for_all_its_processes(tmp_path):
+    """launch.ray_head.settle_auth: the same decisions as the SLURM template (tests/cluster/test_slurm.py)."""
+    from launch.ray_head import settle_auth
+
+    env = {}
+    assert "fresh token" in settle_auth(env)
+    token = env["RAY_AUTH_TOKEN"]
+    assert env["RAY_AUTH_MODE"] == "token" and len(token) == 64 and int(token, 16) >= 0
+    assert "from RAY_AUTH_TOKEN" in settle_auth(env) and env["RAY_AUTH_TOKEN"] == token  # settled once: kept
+    assert settle_auth(off := {"RAY_AUTH_MODE": "disabled"}) and off == {"RAY_AUTH_MODE": "disabled"}
+    (tmp_path / "t").write_text("abc\n")
+    assert settle_auth(given := {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "t")}).endswith(str(tmp_path / "t"))
+    assert given == {"RAY_AUTH_TOKEN_PATH": str(tmp_path / "t"), "RAY_AUTH_MODE": "token"}  # no second token
+    (tmp_path / "empty").write_text("")
+    for missing in (tmp_path / "empty", tmp_path / "none"):
+        with pytest.raises(ValueError, match=f"RAY_AUTH_TOKEN_PATH={missing}: no such file, or it is empty"):
+            settle_auth({"RAY_AUTH_TOKEN_PATH": str(missing)})
+
+
+HEAD_PROBE = """
+import ray, sys
+from launch.ray_head import HeadNode
+with HeadNode(sys.argv[1], num_cpus=1, num_gpus=0, temp_dir=sys.argv[2]) as head:
+    head.wait_for_nodes(1, timeout_s=90)
+    print("resources", ray.cluster_resources().get("CPU"))
+"""
+
+
+def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_exists(tmp_path):
+    """`launch.ray --start-head` run by hand on a host whose ~/.ray/auth_token exists, no RAY_AUTH_* set:
+    its driver (this process, which imported ray before settling) joins the head it started."""
+    from recipes.training.runtime import free_port
+
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("1" * 64)
+    base = tempfile.mkdtemp(prefix="nlhd", dir="/tmp")  # short: Ray's unix sockets live under it
+    ports = " ".join(f"--{k}={free_port()}" for k in (
+        "ray-client-server-port", "dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port",
+        "dashboard-agent-grpc-port"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
+    env.update(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               NUMLOSS_RAY_HEAD_ARGS=f"--include-dashboard=false {ports}", PYTHONPATH=str(Path(__file__).parents[2]))
+    try:
+        out = subprocess.run([sys.executable, "-c", HEAD_PROBE, f"127.0.0.1:{free_port()}", os.path.join(base, "ray")],
+                             env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0 and "resources 1.0" in out.stdout, text[-4000:]
+    assert "a fresh token for this job" in text and "InvalidAuthToken" not in text, text[-4000:]
 
 
 def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():

@@ -132,9 +132,52 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
         assert "--start-head 10.1.2.3:6379" in command, command
         worker = next(s for s in jobs if "ray start" in " ".join(s["command"]))
         assert worker["options"]["-w"] == "gpu-a2" and "--address=10.1.2.3:6379" in worker["command"]
+        # one token auth for the head step (head + driver) and the joining node: a fresh token per job
+        auth = {(s["env"].get("RAY_AUTH_MODE"), s["env"].get("RAY_AUTH_TOKEN")) for s in jobs}
+        assert len(auth) == 1, auth
+        mode, token = auth.pop()
+        assert mode == "token" and re.fullmatch(r"[0-9a-f]{64}", token or ""), (mode, token)
+        assert token not in result.stdout + result.stderr  # never printed
     if SHELLCHECK:
         check = subprocess.run([SHELLCHECK, "-s", "bash", str(script)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("given, expected", [
+    ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "disabled"}),                  # opted out: kept, no token
+    ({"RAY_AUTH_TOKEN": "t0k"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "t0k"}),  # the user's token
+    ({"RAY_AUTH_TOKEN_PATH": "TOKEN_FILE"}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "TOKEN_FILE"}),
+    ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"}, None),                             # refused before any step
+])
+def test_ray_auth_from_the_submitting_shell_reaches_every_step(recipe, tmp_path, given, expected):
+    """What the user exported before sbatch decides the job's Ray auth, the same on every step; a token
+    file is mounted into the containers; a missing one stops the script with its name."""
+    from . import fake_slurm
+
+    token_file = tmp_path / "ray_token"
+    token_file.write_text("f11e\n")
+    given = {k: str(token_file) if v == "TOKEN_FILE" else v for k, v in given.items()}
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(recipe, "ray", [f"train.out_dir={tmp_path / 'out'}", "cluster.nodes=2"],
+                             workdir=str(tmp_path)))
+    log = tmp_path / "srun.jsonl"
+    env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
+                         FAKE_HEAD_IP="10.1.2.3", **given)
+    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    if expected is None:
+        assert result.returncode == 1 and "RAY_AUTH_TOKEN_PATH=/nonexistent/token: no such file" in result.stderr
+        assert not log.exists() or all(json.loads(x)["command"][:1] == ["hostname"] for x in log.read_text().splitlines())
+        return
+    assert result.returncode == 0, result.stdout + result.stderr
+    expected = {k: str(token_file) if v == "TOKEN_FILE" else v for k, v in expected.items()}
+    jobs = [json.loads(x) for x in log.read_text().splitlines()]
+    jobs = [s for s in jobs if s["command"][:1] != ["hostname"]]
+    assert len(jobs) == 2
+    for step in jobs:
+        got = {k: v for k, v in step["env"].items() if k.startswith("RAY_AUTH")}
+        assert got == expected, step
+        if "RAY_AUTH_TOKEN_PATH" in expected:
+            assert f"{token_file}:{token_file}" in step["options"]["--container-mounts"].split(",")
 
 
 @pytest.mark.parametrize("mode", ["ray", "torchrun"])

@@ -3,7 +3,9 @@
 a private tmpfs on /tmp, as pyxis/enroot containers do).
 
 Before the fix the head, the wait-for-nodes step and the driver were three steps: the driver could not
-reach the head's raylet sockets under the head container's /tmp/ray, and the job never trained.
+reach the head's raylet sockets under the head container's /tmp/ray, and the job never trained. The job
+runs with a HOME that holds ~/.ray/auth_token: before the script settled Ray's token auth for every
+step, its head turned token auth on from that file and refused its own driver ("InvalidAuthToken").
 
 Not simulated here (no CPU test reaches them): several real hosts (every "node" is this host, so the
 job runs on one Ray node; worker nodes joining over TCP are covered by tests/cluster/test_ray.py's
@@ -70,9 +72,14 @@ def test_ray_job_runs_when_every_container_step_has_its_own_tmp(workspace):
     extra_ports = " ".join(f"--{k}={free_port()}" for k in (
         "ray-client-server-port", "dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port",
         "dashboard-agent-grpc-port"))
+    # a home that holds ~/.ray/auth_token, as any host that once ran a local ray.init() does: `ray start
+    # --head` alone then turns token auth on, and the job's driver was refused by its own head
+    home = root / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("0" * 64)
     env = fake_slurm.env(bin_dir, log, ["node1"], SLURM_SUBMIT_DIR=str(repo), OMP_NUM_THREADS="1",
                          NUMLOSS_RAY_HEAD_ARGS=f"--include-dashboard=false {extra_ports}",
-                         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+                         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HOME=str(home))
     # its own session: on a timeout the whole job (the head step's Ray processes included) is ended
     proc = subprocess.Popen(["bash", str(script)], env=env, cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -83,6 +90,7 @@ def test_ray_job_runs_when_every_container_step_has_its_own_tmp(workspace):
         output, _ = proc.communicate(timeout=90)
         pytest.fail(f"the job did not finish in 360 s:\n{output[-6000:]}")
     assert proc.returncode == 0, output[-6000:]
+    assert "auth: a fresh token for this job" in output and "InvalidAuthToken" not in output, output[-6000:]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     container_steps = [s for s in steps if "--container-image" in s["options"]]
     # one container step on the head node holds head, wait and driver

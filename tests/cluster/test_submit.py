@@ -2,12 +2,16 @@
 on loopback in its own temp dir, started here with `ray start --head --block` and ended by signalling only
 the processes this test started (never `ray stop`). The tiny recipe goes up as a Ray job with the project
 as working directory, trains 3 steps on 1 worker, and the metrics `submit` returns are the last row of
-the job's metrics.jsonl."""
+the job's metrics.jsonl. The head runs with token authentication (RAY_AUTH_MODE=token and its own
+token, whatever this host's ~/.ray/auth_token holds; Ray's default for every cluster from 2.61): the
+submitter sends the token, and the job's driver, started by the cluster, connects with the token it
+inherits."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -15,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
@@ -50,8 +55,11 @@ def head():
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # stay on loopback (launch.ray.LOOPBACK_ENV)
            "RAY_TMPDIR": base, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
            "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # SIGTERM: stop at once, no drain wait
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM: stop at once, no drain wait
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    auth = {"Authorization": f"Bearer {env['RAY_AUTH_TOKEN']}"}
     cmd = [str(ray_cli), "start", "--head", "--block", "--disable-usage-stats",
            "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--temp-dir", temp,
            "--num-cpus", "2", "--num-gpus", "0",
@@ -69,7 +77,8 @@ def head():
             if proc.poll() is not None:
                 pytest.fail(f"ray start exited {proc.returncode}:\n{Path(log.name).read_text()[-4000:]}")
             try:
-                with urllib.request.urlopen(address + "/api/jobs/", timeout=2) as r:
+                with urllib.request.urlopen(urllib.request.Request(address + "/api/jobs/", headers=auth),
+                                            timeout=2) as r:
                     if r.status == 200:
                         break
             except OSError:
@@ -78,7 +87,10 @@ def head():
                 pytest.fail(f"no dashboard at {address} after 90 s:\n{Path(log.name).read_text()[-4000:]}")
             time.sleep(0.5)
         print(f"ray head with dashboard up in {time.time() - t0:.1f}s at {address}")
-        yield address, Path(temp)
+        with pytest.raises(urllib.error.HTTPError) as refused:  # token auth is on: no token, no answer
+            urllib.request.urlopen(address + "/api/jobs/", timeout=5)
+        assert refused.value.code in (401, 403), refused.value
+        yield address, Path(temp), auth
     finally:
         # ray start --block shuts its node down on SIGTERM; then anything left in the session it led
         # (started by this test only) is killed. Never `ray stop`: it would end every Ray on the host.
@@ -97,7 +109,7 @@ def head():
 
 
 def test_submit_runs_the_recipe_as_a_ray_job(head, workspace, capsys):
-    address, temp = head
+    address, temp, auth = head
     from ray.job_submission import JobSubmissionClient
 
     from launch.ray import RESULT_PREFIX, submit
@@ -107,13 +119,13 @@ def test_submit_runs_the_recipe_as_a_ray_job(head, workspace, capsys):
     t0 = time.time()
     # the job runs from Ray's copy of the project (SUBMIT_EXCLUDES left out) with this venv's python;
     # the recipe's paths are absolute (tmp), as a job's must be
+    client = JobSubmissionClient(address, headers=auth)
     summary = submit(address, str(recipe), [f"train.out_dir={out}", f"train.steps={STEPS}", "cluster.nodes=1"],
-                     working_dir=REPO, python=sys.executable)
+                     working_dir=REPO, python=sys.executable, client=client)
     elapsed = time.time() - t0
     streamed = capsys.readouterr().out
     print(f"submitted job: {elapsed:.1f}s")
 
-    client = JobSubmissionClient(address)
     logs = client.get_job_logs(summary["job_id"])
     assert summary["status"] == "SUCCEEDED", logs[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
