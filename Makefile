@@ -30,11 +30,9 @@ demo-tiny: $(STAMP)
 	$(BIN)/python -m recipes.demo --tiny
 
 # --durations: the slowest tests in every log, CI's included (the suite's budget is well under 30 min on 2 cores).
-# TEST_WORKERS=2: two xdist workers (a serial run leaves a core idle about a third of the time); a file
-# stays on one worker and tests/cluster on one (tests/conftest.py). Serial by default until a run on an
-# idle machine has passed with two: both full runs with two (one idle: 1,101 s vs 1,799 s serial) failed
-# two Ray head start-ups (docs/benchmarks.md).
-TEST_WORKERS ?= 0
+# Two xdist workers (a serial run leaves a core idle about a third of the time); a file stays on one
+# worker and tests/cluster on one (tests/conftest.py). TEST_WORKERS=0 runs serially (docs/benchmarks.md).
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 

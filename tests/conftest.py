@@ -1,4 +1,4 @@
-"""How `make test TEST_WORKERS=2` splits the suite over two pytest-xdist workers (`-n 2 --dist loadfile`).
+"""How `make test` splits the suite over two pytest-xdist workers (`-n 2 --dist loadfile`).
 
 Most of the suite's time is real launches (torchrun ranks, Ray workers) whose imports run on one core,
 so a single pytest process leaves the second core idle much of the time. Two workers fill it, with a

@@ -1,4 +1,4 @@
-"""tests/conftest.py: under two xdist workers (`make test TEST_WORKERS=2`) a file runs whole on one worker and every
+"""tests/conftest.py: under two xdist workers (`make test`) a file runs whole on one worker and every
 file of tests/cluster on the same one (one simulated Ray cluster at a time). Run on a small tree of its
 own with a copy of the conftest: xdist's `loadgroup` marks silently grouped nothing under pytest 9,
 so the split is checked where it happens, in real worker processes."""
