@@ -1,6 +1,6 @@
 """The regime study: in which setting does a numeric term pay off on SmolLM2-135M-Instruct, and at what
-weight? Four questions and a control, each a small grid of runs on the SmolLM2 study's setup (`recipes.experiments.study`,
-docs/study-smollm2/), run in this order and published one by one:
+weight? Four questions, a control and its follow-up, each a small grid of runs on the SmolLM2 study's
+setup (`recipes.experiments.study`, docs/study-smollm2/), run in this order and published one by one:
 
     python -m recipes.regimes --regime weight [--seeds 3] [--budget-min M] [--report-only]
 
@@ -17,6 +17,8 @@ docs/study-smollm2/), run in this order and published one by one:
 5. control: CE alone at 0.4x the peak LR, beside the base study's CE and SMMD 3 (its runs): SMMD 3
    leaves CE 0.39 of the numeric-logit gradient, so this is CE starved of the update as much as that
    share could starve it. Where SMMD 3 is worse than this run too, starvation does not explain it.
+6. lr: question 1's best weights at 0.4x the peak LR, where the control found CE better, against CE at
+   that lr (the control's ce_lr0.4 runs, read from there).
 
 Questions 2-4 compare CE with the best-weighted SMMD and DIST2 of question 1 (highest mean exact match
 over its seeds); the choice is made when such a regime first starts, from question 1's records, and
@@ -87,11 +89,19 @@ class Regime:
     # A fixed grid instead: (label, objective, overrides of that run alone) beside CE
     runs: tuple[tuple[str, dict, tuple[str, ...]], ...] = ()
     shares_base: bool = False  # the base study's runs at this exact setting are this regime's too
+    # (regime, label): CE at this regime's setting is that regime's run under that label (same recipe,
+    # data, order and initial weights), read from there, not trained again
+    ce_from: tuple[str, str] | None = None
     work: Path = field(default=BASE.work)
 
     @property
     def out(self) -> Path:
         return OUT / self.name
+
+    @property
+    def base_test_set(self) -> bool:
+        """Its data is the base study's (same folder), so are its test problems and zero-shot score."""
+        return self.shares_base or self.work == BASE.work
 
 
 SIGNED_DECIMAL = {**ADD_SUB, "negatives": True, "decimals": 1}
@@ -111,6 +121,10 @@ REGIMES = {r.name: r for r in (
     Regime("control", "Is SMMD 3's result CE getting less of the update? CE alone at 0.4x the lr",
            shares_base=True, runs=(("ce_lr0.4", {"terms": {}}, (f"optim.lr={0.4 * BASE_LR:.1e}",)),
                                    (label("smmd", 3.0), objective("smmd", 3.0), ()))),
+    # The control found CE better at 0.4x the lr (+4.3 points over 4 seeds): a term against CE at the lr
+    # that suits CE. CE there is the control's ce_lr0.4; the terms are question 1's best weights.
+    Regime("lr", "At CE's better lr (0.4x), does a term help?", overrides=(f"optim.lr={0.4 * BASE_LR:.1e}",),
+           ce_from=("control", "ce_lr0.4")),
 )}
 
 
@@ -132,6 +146,13 @@ def records(regime: Regime) -> list[dict]:
     that another regime at that setting made (CE at a seed is one run whichever question asked for it:
     same recipe, data, order and initial weights), read where they were recorded, not trained again."""
     found = read_records(regime.out / "runs")
+    if regime.ce_from:
+        other, as_label = regime.ce_from
+        names = {r["name"] for r in found}
+        for r in read_records(REGIMES[other].out / "runs"):
+            name = r["name"].replace(f"-{as_label}-s", "-ce-s")
+            if r["loss"] == as_label and name not in names:
+                found.append({**r, "loss": "ce", "name": name, "shared_from": f"{other}/runs/{r['name']}.json"})
     if not regime.shares_base:
         return found
     found += base_records()
@@ -387,7 +408,7 @@ def report(regime: Regime, grid: list[str], order: list[str]) -> str:
         raise FileNotFoundError(f"{regime.out / 'runs'}: no finished runs to report")
     rows = aggregate(found, order=order)
     before = {p.stem.removeprefix("zero_shot-"): json.loads(p.read_text())
-              for p in sorted((BASE.out if regime.shares_base else regime.out).glob("zero_shot-*.json"))}
+              for p in sorted((BASE.out if regime.base_test_set else regime.out).glob("zero_shot-*.json"))}
     table = "\n".join([f"Regime `{regime.name}`: {regime.question}", "", markdown(rows), *zero_shot_lines(before), "",
                        gradient_markdown(gradient_rows(found, order)), "",
                        seed_markdown(seed_rows(rows, found)), "",
@@ -442,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     (regime.out / "runs").mkdir(parents=True, exist_ok=True)
     if not args.report_only:
         build_data(BASE, regime.work, regime.train_examples, BASE.eval_examples, mix=regime.mix)
-        if not regime.shares_base:  # its own test problems: the backbone's own score on them
+        if not regime.base_test_set:  # its own test problems: the backbone's own score on them
             zero_shot(BASE, regime.work, regime.out)
         started = time.time()
         for i, (loss, seed) in enumerate(plan, 1):

@@ -194,6 +194,31 @@ def test_a_regime_resumes_by_run_and_publishes_after_each(folders, monkeypatch):
     assert "[" not in (out / "weight" / "results.md").read_text().split("| smmd_w1 |")[1].split("\n")[0]
 
 
+def test_the_lr_regime_takes_ce_at_its_lr_from_the_control_and_nothing_at_the_base_lr(folders):
+    """CE at 0.4x the lr is the control's ce_lr0.4 run (the same recipe: the control's overrides are the
+    base's, the lr run's own is this regime's), relabelled as the lr regime's CE; CE at the base lr and
+    the control's SMMD 3 are not this regime's."""
+    base_runs, out = folders
+    _write(base_runs, _record("ce", 0, "10"))
+    for seed in range(2):
+        _write(out / "control" / "runs", _record("ce_lr0.4", seed, "11" if seed else "01"))
+    _write(out / "control" / "runs", _record("ce", 3, "00"))
+    _write(out / "control" / "runs", _record("smmd_w3", 0, "00"))
+    _write(out / "lr" / "runs", _record("smmd_w0.3", 0, "10", {"terms": {"smmd": {"weight": 0.3}}}))
+    lr = regimes.REGIMES["lr"]
+    found = {r["name"]: r for r in regimes.records(lr)}
+    assert sorted(found) == ["smollm2-ce-s0", "smollm2-ce-s1", "smollm2-smmd_w0.3-s0"]
+    assert found["smollm2-ce-s0"]["loss"] == "ce" and found["smollm2-ce-s0"]["correct"] == "01"
+    assert found["smollm2-ce-s1"]["shared_from"] == "control/runs/smollm2-ce_lr0.4-s1.json"
+    # the recipes agree: the control's ce_lr0.4 and this regime's CE read the same overrides
+    control = regimes.REGIMES["control"]
+    assert control.overrides + regimes.run_overrides(control, "ce_lr0.4") == lr.overrides + regimes.run_overrides(lr, "ce")
+    assert lr.train_examples == control.train_examples and lr.mix == control.mix
+    # the weight regime does not see them (another lr), nor the lr regime's term runs
+    weight = {r["name"] for r in regimes.records(regimes.REGIMES["weight"])}
+    assert "smollm2-smmd_w0.3-s0" not in weight and weight == {"smollm2-ce-s0", "smollm2-ce-s3"}
+
+
 def test_later_regimes_refuse_to_start_before_the_weight_regime_has_three_seeds(folders):
     with pytest.raises(SystemExit, match="regime 'length'.*weight regime"):
         regimes.main(["--regime", "length", "--report-only"])
@@ -212,6 +237,9 @@ def test_every_regime_setting_is_a_valid_recipe():
             assert question and answer
     length = load_recipe(str(study.SETUPS["smollm2"].recipe), list(regimes.REGIMES["length"].overrides))
     assert (length.train.steps, length.optim.lr) == (240, 1.0e-4)
+    # the lr regime trains on the base study's data, as the control whose CE runs it reads
+    lr, control = regimes.REGIMES["lr"], regimes.REGIMES["control"]
+    assert lr.work == control.work == regimes.BASE.work and lr.base_test_set and not regimes.REGIMES["data"].base_test_set
     # 240 steps of 16 problems never repeat one of the 5,000
     assert length.train.steps * length.train.global_batch_size < regimes.REGIMES["length"].train_examples
 
