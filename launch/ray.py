@@ -82,7 +82,22 @@ def connect(address: str | None = None, num_cpus: int | None = None, num_gpus: i
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     # address="local": never attach to some other Ray instance that happens to run on this host
     ray.init(address="local", _node_ip_address="127.0.0.1", _temp_dir=temp, include_dashboard=False,
-             num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True)
+             num_cpus=num_cpus, num_gpus=num_gpus, log_to_driver=True,
+             runtime_env={"worker_process_setup_hook": "launch.ray.quiet_placement_group_cleaner"})
+
+
+PG_CLEANER_LOGGER = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
+
+
+def quiet_placement_group_cleaner() -> None:
+    """Every worker of a local instance runs this first (worker_process_setup_hook). Ray Train's
+    PlacementGroupCleaner asks the state API once a second whether the run's controller lives; without
+    a dashboard there is no state API, and it warned on every try, a line a second in the job's log for
+    the whole run. It could not clean anything here anyway (a local instance ends with its driver), so
+    its warnings below ERROR are dropped; other loggers keep their levels."""
+    import logging
+
+    logging.getLogger(PG_CLEANER_LOGGER).setLevel(logging.ERROR)
 
 
 # ---- placement ---------------------------------------------------------------------------------------

@@ -176,6 +176,29 @@ def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_ex
     assert "a fresh token for this job" in text and "InvalidAuthToken" not in text, text[-4000:]
 
 
+def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_pg_cleaner(workspace, tmp_path):
+    """`python -m launch.ray RECIPE` with no address: a local instance on loopback (no dashboard), token
+    auth as Ray sets it for a local instance (written to this test's HOME), 2 workers. Ray Train's
+    PlacementGroupCleaner warned once a second there (no state API without a dashboard) until launch.ray
+    quieted it in every worker of a local instance."""
+    root, recipe = workspace
+    out = tmp_path / "run"
+    base = tempfile.mkdtemp(prefix="nllc", dir="/tmp")  # short: Ray's unix sockets live under it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
+    env.update(HOME=str(tmp_path / "home"), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}", "train.steps=2",
+                               "--temp-dir", os.path.join(base, "ray")], env=env, cwd=Path(__file__).parents[2],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert "Failed to query Ray Train Controller" not in text, text[-4000:]
+    assert (tmp_path / "home" / ".ray" / "auth_token").is_file()  # the local instance ran with token auth
+
+
 def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
     from launch.ray import scaling
     from recipes.config import load_recipe
