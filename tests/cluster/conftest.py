@@ -21,6 +21,24 @@ pytest.importorskip("deepspeed")
 STEPS = 6
 
 
+def head_args_on_spare_ports() -> str:
+    """NUMLOSS_RAY_HEAD_ARGS for a head started by a test: no dashboard, and the head's fixed default ports
+    (client server, dashboard agent, metrics, runtime env agent) moved to free ones, out of the way of
+    other Ray instances on this host."""
+    from recipes.training.runtime import free_port
+
+    ports = " ".join(f"--{k}={free_port()}" for k in (
+        "ray-client-server-port", "dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port",
+        "dashboard-agent-grpc-port"))
+    return f"--include-dashboard=false {ports}"
+
+
+def env_without_host_ray(**extra: str) -> dict:
+    """This process's environment without this host's Ray address, auth and temp dir, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
+    return {**env, **extra}
+
+
 def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:
     from recipes.experiments.tiny import tiny_llama_config, train_tokenizer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import STEPS
+from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -160,12 +160,8 @@ def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_ex
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("1" * 64)
     base = tempfile.mkdtemp(prefix="nlhd", dir="/tmp")  # short: Ray's unix sockets live under it
-    ports = " ".join(f"--{k}={free_port()}" for k in (
-        "ray-client-server-port", "dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port",
-        "dashboard-agent-grpc-port"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
-    env.update(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-               NUMLOSS_RAY_HEAD_ARGS=f"--include-dashboard=false {ports}", PYTHONPATH=str(Path(__file__).parents[2]))
+    env = env_without_host_ray(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+                               NUMLOSS_RAY_HEAD_ARGS=head_args_on_spare_ports(), PYTHONPATH=str(Path(__file__).parents[2]))
     try:
         out = subprocess.run([sys.executable, "-c", HEAD_PROBE, f"127.0.0.1:{free_port()}", os.path.join(base, "ray")],
                              env=env, capture_output=True, text=True, timeout=240)
@@ -184,8 +180,8 @@ def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_
     root, recipe = workspace
     out = tmp_path / "run"
     base = tempfile.mkdtemp(prefix="nllc", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
-    env.update(HOME=str(tmp_path / "home"), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env = env_without_host_ray(HOME=str(tmp_path / "home"), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
+                               DS_ACCELERATOR="cpu")
     try:
         proc = subprocess.run([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}", "train.steps=2",
                                "--temp-dir", os.path.join(base, "ray")], env=env, cwd=Path(__file__).parents[2],

@@ -28,7 +28,7 @@ import yaml
 from recipes.training.runtime import free_port
 
 from . import fake_slurm
-from .conftest import tiny_recipe
+from .conftest import head_args_on_spare_ports, tiny_recipe
 
 pytestmark = [pytest.mark.timeout(400),
               pytest.mark.skipif(not fake_slurm.private_tmp_available(),
@@ -68,17 +68,13 @@ def test_ray_job_runs_when_every_container_step_has_its_own_tmp(workspace):
     script.chmod(0o755)
     log = root / "srun.jsonl"
     bin_dir = fake_slurm.install(root / "bin")
-    # other Ray instances may run on this host: move the head's fixed default ports out of their way
-    extra_ports = " ".join(f"--{k}={free_port()}" for k in (
-        "ray-client-server-port", "dashboard-agent-listen-port", "metrics-export-port", "runtime-env-agent-port",
-        "dashboard-agent-grpc-port"))
     # a home that holds ~/.ray/auth_token, as any host that once ran a local ray.init() does: `ray start
     # --head` alone then turns token auth on, and the job's driver was refused by its own head
     home = root / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("0" * 64)
     env = fake_slurm.env(bin_dir, log, ["node1"], SLURM_SUBMIT_DIR=str(repo), OMP_NUM_THREADS="1",
-                         NUMLOSS_RAY_HEAD_ARGS=f"--include-dashboard=false {extra_ports}",
+                         NUMLOSS_RAY_HEAD_ARGS=head_args_on_spare_ports(),
                          RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", HOME=str(home))
     # its own session: on a timeout the whole job (the head step's Ray processes included) is ended
     proc = subprocess.Popen(["bash", str(script)], env=env, cwd=root, stdout=subprocess.PIPE,
