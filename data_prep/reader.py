@@ -11,6 +11,14 @@ Order of an epoch (the same on every rank, computed, never communicated):
    (a < G / (world * batch)) is positions s*G + a*world*batch + [0, world*batch), rank r taking its
    r-th `batch_size` rows. The last N mod G rows of an epoch are left out (a different set each
    epoch). Every rank reads from the whole window, not from row groups of its own.
+   Length bucketing (`length_bucketing=True`, training order only): the step's G rows are the same, but
+   before they are dealt out as above they are sorted by length, longest first (ties in the seeded
+   order), so each micro-batch holds rows of similar length and is padded little. What a step trains
+   on does not change, only which rank and micro-batch computes which of its rows: with every term
+   divided by the step's global counts the loss and gradient are the same up to float summation order.
+   The sorted order is the same on every layout, so the resume contract below holds as it is. Longest
+   first: the allocator meets the step's largest shape first, and a micro-batch that cannot fit fails
+   at the first step.
    Otherwise rank r takes a contiguous slice of that order, so each rank reads only its own row groups:
    - drop_last=True: every rank gets L = floor(N / (world * batch)) * batch rows, the same
      number of full batches (ranks must run the same number of steps); fewer than world * batch rows
@@ -77,7 +85,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
                  shuffle: bool = True, drop_last: bool = True, shuffle_window: int = 8192,
                  seq_len: int | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
                  cache_row_groups: int | None = None, global_batch_size: int | None = None,
-                 verify: str = "size"):
+                 verify: str = "size", length_bucketing: bool = False):
         if verify not in VERIFY:
             raise ValueError(f"verify: {verify!r} is not one of {list(VERIFY)}")
         if not 0 <= rank < world_size:
@@ -90,7 +98,11 @@ class ShardDataset(torch.utils.data.IterableDataset):
                                  f" {batch_size} x world_size {world_size}")
             if not drop_last:
                 raise ValueError("global_batch_size (the training order) needs drop_last=True")
+        elif length_bucketing:
+            raise ValueError("length_bucketing sorts each global batch: it needs global_batch_size (the training order)")
         self.global_batch_size = global_batch_size
+        self.length_bucketing = length_bucketing
+        self._sorted_step: tuple[tuple[int, int], np.ndarray] | None = None  # ((epoch, step), its rows sorted)
         self.path = path
         self.manifest = read_manifest(path)
         self.packed = bool(self.manifest["packed"])
@@ -201,8 +213,29 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def _micro_batch_rows(self, epoch: int, k: int) -> np.ndarray:
         """Training order: the rows of this rank's k-th micro-batch of the epoch (see the module docstring)."""
         step, a = divmod(k, self.micro_batches_per_step)
-        start = step * self.global_batch_size + (a * self.world_size + self.rank) * self.batch_size
+        offset = (a * self.world_size + self.rank) * self.batch_size
+        if self.length_bucketing:
+            return self._step_rows_by_length(epoch, step)[offset:offset + self.batch_size]
+        start = step * self.global_batch_size + offset
         return self._rows_at(epoch, np.arange(start, start + self.batch_size, dtype=np.int64))
+
+    def _step_rows_by_length(self, epoch: int, step: int) -> np.ndarray:
+        """Length bucketing: the rows of global batch `step`, longest first, ties in the seeded order.
+        Every rank sorts the same G rows the same way (computed, never communicated)."""
+        key = (epoch, step)
+        if self._sorted_step is None or self._sorted_step[0] != key:
+            start = step * self.global_batch_size
+            rows = self._rows_at(epoch, np.arange(start, start + self.global_batch_size, dtype=np.int64))
+            lengths = np.array([self._row_length(int(r)) for r in rows], dtype=np.int64)
+            self._sorted_step = key, rows[np.argsort(-lengths, kind="stable")]
+        return self._sorted_step[1]
+
+    def _row_length(self, row: int) -> int:
+        """Tokens in global row `row` (from its row group's offsets; no row is copied)."""
+        unit = int(np.searchsorted(self._unit_starts, row, side="right") - 1)
+        offsets = self._row_group(unit)["input_ids"][1]
+        i = row - self.units[unit][2]
+        return int(offsets[i + 1] - offsets[i])
 
     # ---- I/O ------------------------------------------------------------------------------------
     def _open(self, shard: dict, verify: str):
@@ -374,7 +407,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         if self.global_batch_size is not None:
             return {"epoch": self.epoch, "samples": self.batch * self.batch_size * self.world_size,
-                    **self._identity()}
+                    "length_bucketing": self.length_bucketing, **self._identity()}
         return {"epoch": self.epoch, "batch": self.batch, **self._identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -386,6 +419,12 @@ class ShardDataset(torch.utils.data.IterableDataset):
             self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
             return
         samples, per_micro_batch = int(state["samples"]), self.batch_size * self.world_size
+        # within a step the consumed rows are a prefix of the step's order, which bucketing changes; at a
+        # step boundary the order before and after is the same set of steps either way
+        if samples % self.global_batch_size and bool(state.get("length_bucketing", False)) != self.length_bucketing:
+            raise ValueError(f"cannot resume at sample {samples} of the epoch, inside a global batch of "
+                             f"{self.global_batch_size}, with length_bucketing {self.length_bucketing}: the state was "
+                             f"saved with {bool(state.get('length_bucketing', False))}; resume from a step boundary")
         if samples % per_micro_batch:  # a step boundary (a multiple of G) always resumes
             raise ValueError(f"cannot resume at sample {samples} of the epoch with micro-batches of {per_micro_batch}"
                              f" samples over all ranks: resume from a step boundary (a multiple of"
