@@ -1,4 +1,4 @@
-"""Command line: `python -m data_prep build ...` and `python -m data_prep inspect DIR`.
+"""Command line: `python -m data_prep build ...`, `python -m data_prep inspect DIR` and `python -m data_prep stats DIR`.
 
     python -m data_prep build --source gsm8k --path gsm8k/train.jsonl --tokenizer Qwen/Qwen2.5-0.5B \
         --out data/gsm8k-qwen --max-length 1024 --workers 8
@@ -6,6 +6,7 @@
     python -m data_prep build --source gsm8k --hub openai/gsm8k --hub-config main --split train ...
     python -m data_prep build --config build.json --out data/mix     # a BuildConfig as JSON (several sources)
     python -m data_prep inspect data/gsm8k-qwen --row 3
+    python -m data_prep stats data/old-build    # per-shard token statistics into a manifest built without them
 
 `--opt KEY=VALUE` sets a source option; VALUE is read as JSON when it parses (numbers, true/false,
 lists), else as a string. Rerunning an interrupted build with the same arguments resumes it.
@@ -127,6 +128,15 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stats(a: argparse.Namespace) -> int:
+    from .stats import write_stats
+
+    n = write_stats(a.dir, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(f"{a.dir}: statistics of {n} shard(s) written into its manifest" if n else
+          f"{a.dir}: every shard's statistics are in its manifest already")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -168,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("dir")
     i.add_argument("--row", type=int, default=0, help="row of the first shard to show")
     i.set_defaults(fn=cmd_inspect)
+
+    st = sub.add_parser("stats", help="per-shard token statistics (longest row, label range, scored labels, "
+                                      "row-length agreement) into a manifest built before data_prep recorded them")
+    st.add_argument("dir")
+    st.set_defaults(fn=cmd_stats)
 
     a = p.parse_args(argv)
     try:

@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 
 from . import shards as S
 from .pack import pack_table
+from .stats import merge_stats, token_stats
 from .sources import SourceConfig, make_source
 from .tokenize import IGNORE_INDEX, Encoder, TokenizeConfig
 from .workers import DEFAULT_STALL_TIMEOUT, Stalled, start_encoding
@@ -87,6 +88,7 @@ class _Part:
         self.bytes = 0
         self.writer: S.ShardWriter | None = None
         self.rows = self.tokens = self.label_tokens = self.numeric_tokens = 0
+        self.stats: dict | None = None  # data_prep.stats of the rows written so far (unpacked parts)
 
     def add(self, piece: pa.RecordBatch) -> None:
         if not piece.num_rows:
@@ -98,6 +100,7 @@ class _Part:
             self.writer = S.ShardWriter(os.path.join(self.out_dir, S.shard_name(self.index)), piece.schema,
                                         self.cfg)
         self.writer.write(piece)
+        self.stats = merge_stats(self.stats, token_stats(piece, first_row=self.rows))
         self.rows += piece.num_rows
         tokens, label_tokens, numeric_tokens = _token_counts(piece)
         self.tokens += tokens
@@ -326,7 +329,7 @@ class Builder:
             entry["shard"] = {
                 "file": name, "rows": part.rows, "examples": part.rows, "tokens": part.tokens,
                 "label_tokens": part.label_tokens, "numeric_tokens": part.numeric_tokens,
-                "bytes": os.path.getsize(path), "sha256": S.sha256_file(path),
+                "bytes": os.path.getsize(path), "sha256": S.sha256_file(path), "stats": part.stats,
             }
         elif part.pieces:
             table = pa.Table.from_batches(part.pieces)
@@ -337,7 +340,7 @@ class Builder:
             entry["shard"] = {
                 "file": name, "rows": table.num_rows, "examples": examples, "tokens": tokens,
                 "label_tokens": label_tokens, "numeric_tokens": numeric_tokens,
-                "bytes": os.path.getsize(path), "sha256": S.sha256_file(path),
+                "bytes": os.path.getsize(path), "sha256": S.sha256_file(path), "stats": token_stats(table),
             }
         return entry
 

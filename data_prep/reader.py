@@ -59,6 +59,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .shards import read_manifest
+from .stats import TOKEN_COLUMNS
 from .tokenize import IGNORE_INDEX
 
 _LIST_COLS = ("input_ids", "labels", "numeric_mask", "span_start", "span_end", "span_value")
@@ -72,6 +73,14 @@ class DataError(ValueError):
 VERIFY = ("size", "full", "none")
 
 
+def _record(cols: dict[str, Any], row: int):
+    """The input record of row `row` of a decoded row group (a packed row: its first example's)."""
+    if "record" in cols:
+        return cols["record"][row]
+    values, offsets = cols["records"]
+    return values[offsets[row]]
+
+
 class ShardDataset(torch.utils.data.IterableDataset):
     """Batches from a data_prep output directory for one data-parallel rank. See the module docstring.
 
@@ -79,7 +88,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
     the recorded size (`verify="size"`, the default: one stat per shard), or the recorded sha256
     (`verify="full"`: every byte read once), and be a readable Parquet file; when a row group is read,
     a decoding error names the file and row group, and a token id or label outside the manifest
-    tokenizer's vocabulary names the file, row group, row and record."""
+    tokenizer's vocabulary, a row whose per-token columns differ in length, or a row longer than
+    `seq_len` name the file, row group, row and record."""
 
     def __init__(self, path: str, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True, shuffle_window: int = 8192,
@@ -256,6 +266,27 @@ class ShardDataset(torch.utils.data.IterableDataset):
         except Exception as err:  # noqa: BLE001  (pyarrow's errors name no file)
             raise DataError(f"{full}: not a readable Parquet file ({type(err).__name__}: {err})") from err
 
+    def _check_lengths(self, cols: dict[str, Any], file: str, g: int) -> None:
+        """Every per-token column of a row as long as its input_ids (and its num_tokens), and no row
+        longer than `seq_len`: a row that breaks either would fail as a bare shape error in the model."""
+        lengths = {name: np.diff(cols[name][1]) for name in TOKEN_COLUMNS if name in cols}
+        if "num_tokens" in cols:
+            lengths["num_tokens"] = np.asarray(cols["num_tokens"], dtype=np.int64)
+        ids = lengths["input_ids"]
+        bad = np.zeros(len(ids), dtype=bool)
+        for n in lengths.values():
+            bad |= n != ids
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{os.path.join(self.path, file)}: row group {g}, row {row} (record {_record(cols, row)}): "
+                            f"its per-token columns differ in length ("
+                            + ", ".join(f"{k} {int(v[row])}" for k, v in lengths.items())
+                            + "); the shard was not written by data_prep build, or was changed since")
+        if self.seq_len is not None and len(ids) and ids.max() > self.seq_len:
+            row = int(np.argmax(ids > self.seq_len))
+            raise DataError(f"{os.path.join(self.path, file)}: row group {g}, row {row} (record {_record(cols, row)}) "
+                            f"has {int(ids[row])} tokens, more than data.seq_len {self.seq_len}")
+
     def _check_ids(self, cols: dict[str, Any], file: str, g: int) -> None:
         """Token ids and labels of a row group inside [0, vocab_size) (labels may also be -100)."""
         if not self.vocab_size:
@@ -270,8 +301,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 continue
             first = int(np.argmax(bad))
             row = int(np.searchsorted(offsets, first, side="right") - 1)
-            record = cols["record"][row] if "record" in cols else cols["records"][0][cols["records"][1][row]]
-            raise DataError(f"{os.path.join(self.path, file)}: row group {g}, row {row} (record {record}), position "
+            raise DataError(f"{os.path.join(self.path, file)}: row group {g}, row {row} (record {_record(cols, row)}), "
+                            f"position "
                             f"{first - int(offsets[row])}: {name[:-1] if name.endswith('s') else name} "
                             f"{int(values[first])} outside the vocabulary [0, {self.vocab_size}) of the manifest's "
                             f"tokenizer")
@@ -294,6 +325,7 @@ class ShardDataset(torch.utils.data.IterableDataset):
                 cols[name] = (col.values.to_numpy(zero_copy_only=False), col.offsets.to_numpy())
             else:
                 cols[name] = col.to_pylist()
+        self._check_lengths(cols, file, g)
         self._check_ids(cols, file, g)
         self._cache[unit] = cols
         if len(self._cache) > self._cache_size:
