@@ -52,12 +52,23 @@ class TermConfig:
     rescale_to_ce: bool = False
 
 
+class ObjectiveConfigError(ValueError):
+    """Problems of an objective's config, each `path.to.key: what is wrong`, the path from `root` (the
+    config's own name: "objective", or a recipe's "loss.objective")."""
+
+    def __init__(self, problems: list[str], root: str = "objective"):
+        self.problems, self.root = list(problems), root
+        # a problem of the config as a whole starts with ": " (no key of its own)
+        super().__init__("; ".join(f"{root}{p}" if p.startswith(": ") else f"{root}.{p}" for p in self.problems))
+
+
 @dataclass
 class ObjectiveConfig:
     """The terms and their weights and options, checked when made (`numloss.losses.options`): unknown
-    terms or options, non-finite or negative weights, option values the term cannot use (a scalar or
-    zero `sigmas`, `tau <= 0`, ...) are ValueErrors naming the term and option. `Objective` adds the
-    vocabulary's checks (NTIL needs a digits vocabulary)."""
+    terms or options, weights that are not numbers (a string "3" too), non-finite or negative weights,
+    option values the term cannot use (a scalar or zero `sigmas`, `tau <= 0`, a string where a number
+    belongs, ...) are `ObjectiveConfigError`s (ValueErrors) naming each key's path. `Objective` adds
+    the vocabulary's checks (NTIL needs a digits vocabulary)."""
 
     terms: dict[str, TermConfig] = field(default_factory=dict)
     z_loss: float = 0.0
@@ -66,34 +77,46 @@ class ObjectiveConfig:
     def __post_init__(self):
         for name, term in list(self.terms.items()):
             if name not in TERMS:
-                raise ValueError(f"objective: unknown term {name!r}; known terms: {sorted(TERMS)}")
+                raise ObjectiveConfigError([f"terms.{name}: unknown term; known terms: {sorted(TERMS)}"])
             if term is None:
                 term = TermConfig()
-            elif isinstance(term, (int, float)):
+            elif isinstance(term, (int, float)) and not isinstance(term, bool):
                 term = TermConfig(weight=float(term))
             elif isinstance(term, dict):
                 term = _term_from_dict(name, term)
+            elif not isinstance(term, TermConfig):
+                raise ObjectiveConfigError([f"terms.{name}: expected a weight (a number) or a mapping of weight and "
+                                            f"options, got {term!r}"])
             if term.weight is None:
                 term.weight = DEFAULT_WEIGHTS[name]
             _check_options(name, term.options)
             problems = option_problems(name, term.options, term.weight)
             if problems:
-                raise ValueError("objective: " + "; ".join(problems))
+                raise ObjectiveConfigError(problems)
             self.terms[name] = term
         for key, value in (("z_loss", self.z_loss),):
             problem = finite(0)(value)
             if problem:
-                raise ValueError(f"objective: {key}: {problem}")
+                raise ObjectiveConfigError([f"{key}: {problem}"])
 
     @classmethod
-    def from_dict(cls, config: dict) -> "ObjectiveConfig":
+    def from_dict(cls, config: dict, root: str = "objective") -> "ObjectiveConfig":
         """From a plain mapping, e.g. a recipe's YAML: `{"z_loss": 0, "terms": {"smmd": {"weight": 3,
-        "sigmas": [2.0]}, "ntl_was": 0.3, "gce": {}}}`. Unknown keys are errors that name the key."""
+        "sigmas": [2.0]}, "ntl_was": 0.3, "gce": {}}}`. Unknown keys are errors that name the key; every
+        error names its path from `root` (a recipe passes "loss.objective")."""
+        if not isinstance(config, dict):
+            raise ObjectiveConfigError([f": expected a mapping, got {config!r}"], root)
         known = {f.name for f in fields(cls)}
-        unknown = set(config) - known
+        unknown = sorted(set(config) - known)
         if unknown:
-            raise ValueError(f"objective: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
-        return cls(**{**config, "terms": dict(config.get("terms") or {})})
+            raise ObjectiveConfigError([f"{unknown[0]}: unknown key; expected {sorted(known)}"], root)
+        terms = config.get("terms") or {}
+        if not isinstance(terms, dict):
+            raise ObjectiveConfigError([f"terms: expected a mapping of term names, got {terms!r}"], root)
+        try:
+            return cls(**{**config, "terms": dict(terms)})
+        except ObjectiveConfigError as err:
+            raise ObjectiveConfigError(err.problems, root) from None
 
 
 def _term_from_dict(name: str, spec: dict) -> TermConfig:
@@ -101,8 +124,14 @@ def _term_from_dict(name: str, spec: dict) -> TermConfig:
     weight = spec.pop("weight", None)
     rescale = spec.pop("rescale_to_ce", False)
     options = spec.pop("options", {})
+    if weight is not None and not (isinstance(weight, (int, float)) and not isinstance(weight, bool)):
+        raise ObjectiveConfigError([f"terms.{name}.weight: expected a number, got {weight!r}"])
+    if not isinstance(rescale, bool):
+        raise ObjectiveConfigError([f"terms.{name}.rescale_to_ce: expected true/false, got {rescale!r}"])
+    if not isinstance(options, dict):
+        raise ObjectiveConfigError([f"terms.{name}.options: expected a mapping, got {options!r}"])
     options = {**options, **spec}  # options may be given flat or under "options"
-    return TermConfig(weight=None if weight is None else float(weight), options=options, rescale_to_ce=bool(rescale))
+    return TermConfig(weight=None if weight is None else float(weight), options=options, rescale_to_ce=rescale)
 
 
 # Arguments that come with each batch, not from the config: the step's denominator and packed rows'
@@ -112,9 +141,10 @@ _PER_BATCH = {"denominator", "sequence_ids"}
 
 def _check_options(name: str, options: dict) -> None:
     allowed = set(inspect.signature(TERMS[name]).parameters) - {"stats", "vocab"} - _PER_BATCH
-    unknown = set(options) - allowed
+    unknown = sorted(set(options) - allowed)
     if unknown:
-        raise ValueError(f"objective: term {name!r} has no option(s) {sorted(unknown)}; options: {sorted(allowed)}")
+        raise ObjectiveConfigError([f"terms.{name}.{key}: no such option of {name}; options: {sorted(allowed)}"
+                                    for key in unknown])
 
 
 @dataclass

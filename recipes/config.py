@@ -1,8 +1,11 @@
 """Recipes: YAML files read into typed dataclasses, with `key.sub=value` overrides from the command line.
 
 Every section is a dataclass; loading is strict: an unknown key, a missing required key or a value of
-the wrong type is an error that names its dotted path (`optim.lr: expected float, got 'fast'`). The
-numeric objective's own section is checked by `numloss.ObjectiveConfig` (unknown terms and options).
+the wrong type is an error that names its dotted path (`optim.lr: expected a number, got 'fast'`). The
+numeric objective's own section is checked by `numloss.ObjectiveConfig` (unknown terms and options; its
+errors name `loss.objective.terms.<term>.<key>`). Files and overrides are read by `recipes.recipe_yaml`:
+a key given twice, a tab or any other syntax error is refused with file:line:column; `3e-4` is a
+number, and a quoted number ("3e-4", a weight "3") is never taken for one.
 
     recipe = load_recipe("recipes/configs/demo.yaml", ["optim.lr=3e-4", "loss.objective.terms={smmd: {}}"])
 
@@ -28,6 +31,8 @@ from typing import Any
 import yaml
 
 from numloss import ObjectiveConfig
+
+from .recipe_yaml import load_yaml
 
 
 @dataclass
@@ -284,8 +289,8 @@ class Recipe:
         if not self.data.train:
             raise ValueError("data.train: required (a data_prep output directory)")
         try:
-            ObjectiveConfig.from_dict(self.loss.objective)
-        except (ValueError, TypeError) as err:
+            ObjectiveConfig.from_dict(self.loss.objective, root="loss.objective")  # errors name loss.objective.*
+        except TypeError as err:
             raise ValueError(f"loss.objective: {err}") from None
 
     def _validate_lora(self) -> None:
@@ -352,12 +357,10 @@ def _coerce(value: Any, tp, path: str):
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML reads "3e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{path}: expected a number, got {value!r}")
+        # never a string, even "3e-4": recipes.recipe_yaml reads 3e-4 as a number, so a string here was
+        # quoted, as a weight "3" would be (numloss.ObjectiveConfig refuses that too)
+        quoted = " (a quoted string: write the number without quotes)" if isinstance(value, str) else ""
+        raise ValueError(f"{path}: expected a number, got {value!r}{quoted}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -400,7 +403,7 @@ def apply_override(data: dict, override: str) -> None:
         if not isinstance(child, dict):
             raise ValueError(f"override {override!r}: {part} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(raw)
+    node[parts[-1]] = load_yaml(raw, f"override {override!r}, its value")
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | tuple = ()) -> Recipe:
@@ -426,7 +429,7 @@ def recipe_chain(path: str | Path) -> list[tuple[Path, dict]]:
         if path.resolve() in seen:
             raise ValueError(f"recipe {path}: base cycle {' -> '.join(map(str, seen + [path.resolve()]))}")
         with path.open() as f:
-            data = yaml.safe_load(f) or {}
+            data = load_yaml(f, str(path)) or {}
         if not isinstance(data, dict):
             raise ValueError(f"recipe {path}: expected a mapping at the top level, got {type(data).__name__}")
         base = data.pop("base", None)

@@ -21,8 +21,10 @@ def finite(minimum: float | None = None, *, strict: bool = False, maximum: float
     def check(value):
         if value is None and optional:
             return None
-        if not _number(value) or not math.isfinite(value):
-            return f"expected a finite number, got {value!r}"
+        if not _number(value):  # never a string, even "3": a quoted number is a mistake in the config
+            return f"expected a number, got {value!r}"
+        if not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
         if minimum is not None and (value <= minimum if strict else value < minimum):
             return f"must be {'>' if strict else '>='} {minimum}, got {value!r}"
         if maximum is not None and value > maximum:
@@ -66,15 +68,16 @@ DEFAULT_WEIGHT_RULE = finite(0)
 
 
 def option_problems(name: str, options: dict, weight: float | None) -> list[str]:
-    """Every problem of one term's weight and options, each naming its key (empty: fine)."""
+    """Every problem of one term's weight and options, each as `terms.<name>.<key>: problem`, the key's
+    path in the objective's mapping (empty: fine)."""
     problems = []
     if weight is not None:
         problem = WEIGHT_RULES.get(name, DEFAULT_WEIGHT_RULE)(weight)
         if problem:
-            problems.append(f"term {name!r} weight: {problem}")
+            problems.append(f"terms.{name}.weight: {problem}")
     for key, value in options.items():
         rule = RULES.get(name, {}).get(key)
         problem = rule(value) if rule is not None else None
         if problem:
-            problems.append(f"term {name!r} option {key}: {problem}")
+            problems.append(f"terms.{name}.{key}: {problem}")
     return problems

@@ -103,9 +103,9 @@ def test_data_of_a_larger_tokenizer_is_refused_even_when_allowed(base, rec_data_
     ("optim.lr=.nan", "optim.lr: must be a finite number"),
     ("optim.eps=0", "optim.eps: must be > 0"),
     ("optim.betas=[0.9, 1.5]", "optim.betas"),
-    ("loss.objective={terms: {smmd: -3}}", "term 'smmd' weight: must be >= 0"),
-    ("loss.objective={terms: {smmd: {sigmas: [0]}}}", "term 'smmd' option sigmas"),
-    ("loss.objective={terms: {smmd: {sigmas: 2.0}}}", "term 'smmd' option sigmas: expected a non-empty list"),
+    ("loss.objective={terms: {smmd: -3}}", "loss.objective.terms.smmd.weight: must be >= 0"),
+    ("loss.objective={terms: {smmd: {sigmas: [0]}}}", "loss.objective.terms.smmd.sigmas"),
+    ("loss.objective={terms: {smmd: {sigmas: 2.0}}}", "loss.objective.terms.smmd.sigmas: expected a non-empty list"),
 ])
 def test_non_finite_and_negative_settings_do_not_load(base, override, key):
     rep = _errors(base, override)
