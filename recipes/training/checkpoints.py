@@ -1,24 +1,41 @@
 """A run's checkpoint directories, whichever engine fills them: `<out>/checkpoints/step_XXXXXXXX`, the
 `latest` marker, the last `keep_last` kept.
 
-Restarts: `latest` is written only after every rank has finished its part of the save (a barrier, then
-an atomic rename), so a crash mid-save leaves the previous checkpoint in charge.
+A save is committed by `latest` alone. Every rank writes into a staging directory, `.step_XXXXXXXX.partial`
+(emptied first: a failed attempt's files never mix into a new one); after a barrier every file is read
+back, fsynced and hashed (the files split over the ranks), rank 0 writes `checkpoint.json` ({file: bytes,
+sha256}) and fsyncs it and the directories, renames the staging directory to `step_XXXXXXXX`, and only
+then writes, fsyncs and renames `latest` (and fsyncs its directory). So a crash mid-save leaves the
+previous checkpoint in charge, and a step directory is either committed or a leftover of a save that
+never completed.
 
-Verified: after that barrier every file of the step directory is read back, fsynced and hashed (the
-files split over the ranks), and rank 0 writes `checkpoint.json` ({file: bytes, sha256}), fsyncs it and
-the directories, and only then writes, fsyncs and renames `latest` (and fsyncs its directory). At
-resume the checkpoint `latest` names is checked the same way before anything loads it: a missing,
-truncated or changed file is reported by name, and the run falls back to the newest older step
-directory that is complete and intact, with a warning (the corrupt one is renamed `corrupt_<tag>` and
+Leftovers never shadow a good checkpoint. At the first start after a crash (`resume_tag`, before any
+engine is built) rank 0 removes, with a warning naming each, every staging directory and every step
+directory newer than the checkpoint the run resumes from (a crash between the rename and `latest`, or a
+partial directory of an older version): their steps are trained and saved again. Pruning after a save
+keeps the `keep_last` newest committed checkpoints (with `checkpoint.json`, at or before the new one)
+and removes only directories older than all of them, so the checkpoint just saved and the intact ones
+before it are never the ones deleted.
+
+A save that fails on any rank (a full disk, an I/O error, a permission) fails on every rank together
+(`recipes.training.checkpoint_writes`): one `CheckpointSaveFailed` naming each failed rank, file, error
+and the free space of its filesystem; the staging directory is removed, `latest` still names the
+previous checkpoint, and `python -m recipes.train` exits 74.
+
+Verified: at resume the checkpoint `latest` names is checked as at save before anything loads it: a
+missing, truncated or changed file is reported by name, and the run falls back to the newest older step
+directory that is complete and intact, with a warning (the corrupt ones are renamed `corrupt_<tag>` and
 `latest` rewritten); with `train.resume_fallback: false` it refuses instead and says how to fall back.
-Checkpoints saved before this (no `checkpoint.json`) load unchecked. The per-rank state files hold
-plain data and are read with `torch.load(weights_only=True)`: a file planted in a shared run directory
-cannot run code at resume. The engine writes its
-own state (model, optimizer, schedule) into the step directory; beside it each rank saves the data
-reader's position and its RNG state (`rank_XXXXX.pt`), and rank 0 the layout (`layout.json`) that the
-engine compares at resume. The reader's position is a count of samples of one global order, so it does
-not depend on the layout; ranks without a file of their own (more ranks than saved) take rank 0's
-(the same position, and rank 0's RNG state).
+Checkpoints saved before verification (no `checkpoint.json`) load unchecked when `latest` names them.
+The per-rank state files hold plain data and are read with `torch.load(weights_only=True)`: a file
+planted in a shared run directory cannot run code at resume.
+
+The engine writes its own state (model, optimizer, schedule) into the step directory; beside it each
+rank saves the data reader's position and its RNG state (`rank_XXXXX.pt`), and rank 0 the layout
+(`layout.json`) that the engine compares at resume and the recipe (`recipe.json`) that the resume policy
+compares (`recipes.training.resume_policy`). The reader's position is a count of samples of one global
+order, so it does not depend on the layout; ranks without a file of their own (more ranks than saved)
+take rank 0's (the same position, and rank 0's RNG state).
 """
 
 from __future__ import annotations
@@ -37,11 +54,16 @@ import torch.distributed as dist
 from data_prep.reader import ShardDataset
 from data_prep.shards import sha256_file
 
+from .checkpoint_writes import CheckpointSaveFailed, DeferredWrites, WriteFailure, free_space
 from .runtime import Runtime
 
 LATEST = "latest"
 MANIFEST = "checkpoint.json"
-STEP_DIR = re.compile(r"step_\d{8}")
+RECIPE = "recipe.json"
+STEP_DIR = re.compile(r"step_(\d{8,})")
+STAGING = re.compile(r"\.step_(\d{8,})\.partial")
+
+__all__ = ["CheckpointCorrupt", "CheckpointDirs", "CheckpointSaveFailed", "step_tag"]
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -52,11 +74,18 @@ def step_tag(step: int) -> str:
     return f"step_{step:08d}"
 
 
-class CheckpointDirs:
-    """The step directories of one run. Every method is called on every rank (they hold barriers)."""
+def tag_step(tag: str) -> int:
+    return int(tag.split("_")[1])
 
-    def __init__(self, root: Path, keep_last: int, runtime: Runtime, fallback: bool = True):
+
+class CheckpointDirs:
+    """The step directories of one run. Every method is called on every rank (they hold collectives).
+    `recipe`: the run's recipe as a dict, saved in every checkpoint as `recipe.json`."""
+
+    def __init__(self, root: Path, keep_last: int, runtime: Runtime, fallback: bool = True,
+                 recipe: dict | None = None):
         self.root, self.keep_last, self.runtime, self.fallback = Path(root), keep_last, runtime, fallback
+        self.recipe = recipe
         self._checked = False
 
     def latest_tag(self) -> str | None:
@@ -64,47 +93,156 @@ class CheckpointDirs:
         return marker.read_text().strip() if marker.is_file() else None
 
     def resume_tag(self) -> str | None:
-        """The checkpoint to resume from: `latest` once verified (the first call checks it, a collective),
-        or the newest intact older one after a warning (see the module docstring)."""
+        """The checkpoint to resume from: `latest` once verified (the first call checks it and removes
+        the leftovers of unfinished saves, a collective), or the newest intact older one after a warning
+        (see the module docstring)."""
         if not self._checked:
             self._select()
+            self._remove_unfinished(self.latest_tag())
             self._checked = True
         return self.latest_tag()
 
     def saved_layout(self) -> dict | None:
         """The layout the latest checkpoint was saved with (None: no checkpoint, or none recorded)."""
+        return self._saved_json("layout.json")
+
+    def saved_recipe(self) -> dict | None:
+        """The recipe the latest checkpoint was trained with (None: no checkpoint, or one saved before
+        checkpoints recorded it)."""
+        return self._saved_json(RECIPE)
+
+    def _saved_json(self, name: str) -> dict | None:
         tag = self.resume_tag()
-        path = self.root / tag / "layout.json" if tag else None
+        path = self.root / tag / name if tag else None
         return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+    # ---- saving --------------------------------------------------------------------------------------
 
     def save(self, step: int, dataset: ShardDataset, save_state: Callable[[Path], None], layout: dict) -> Path:
         """`save_state(directory)` writes the engine's state (every rank, collectively); then this rank's
-        reader position and RNG, rank 0's `layout.json`, and `latest` once every rank is done."""
+        reader position and RNG, rank 0's `layout.json` and `recipe.json`, the verification, and the
+        commit (module docstring). Raises `CheckpointSaveFailed` on every rank together."""
         tag = step_tag(step)
-        directory = self.root / tag
+        final, staging = self.root / tag, self.root / f".{tag}.partial"
+        writes = DeferredWrites(self.runtime.rank)
         if self.runtime.is_main:
-            directory.mkdir(parents=True, exist_ok=True)
+            with writes.holding(staging, "the staging directory"):
+                for stale in (staging, final, self.root / f"{tag}_universal"):  # a failed attempt's files
+                    if stale.exists() and stale.name != self.latest_tag():
+                        shutil.rmtree(stale)
+                staging.mkdir(parents=True)
+        self._agree(step, writes.failures, staging, final)
+        with writes.active():  # from here a failed write is held until the next exchange
+            with writes.holding(staging, "the engine's checkpoint state"):
+                save_state(staging)
+            torch.save({"step": step, "data": dataset.state_dict(), "rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
+                       staging / f"rank_{self.runtime.rank:05d}.pt")
+            if self.runtime.is_main:
+                write_text = writes.guarded(Path.write_text)
+                write_text(staging / "layout.json", json.dumps(layout))
+                if self.recipe is not None:
+                    write_text(staging / RECIPE, json.dumps(self.recipe, indent=1))
+        self._agree(step, writes.failures, staging, final)  # every rank's files are complete, or none commits
+        files = self._hash_share(staging, self._file_list(staging), fsync=True)
+        unreadable = [WriteFailure(entry["rank"], str(staging / name), entry["error"], free_space(staging))
+                      for name, entry in sorted(files.items()) if "error" in entry]
+        if self.runtime.is_main and not unreadable:
+            with writes.holding(staging, "the checkpoint's commit"):
+                self._commit(step, files, staging, final)
+            if not writes.failures:
+                self._prune(step)
+        self._agree(step, unreadable + writes.failures, staging, final)
+        return final
+
+    def _commit(self, step: int, files: dict, staging: Path, final: Path) -> None:
+        """Rank 0: checkpoint.json, fsyncs, the staging directory renamed to its step, then `latest`."""
+        _atomic_write(staging / MANIFEST, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
+        for sub in sorted({staging / Path(f).parent for f in files} | {staging}):
+            fsync_path(sub)
+        os.replace(staging, final)
+        fsync_path(self.root)
+        _atomic_write(self.root / LATEST, final.name)
+        fsync_path(self.root)
+
+    def _agree(self, step: int, failures: list[WriteFailure], staging: Path, final: Path) -> None:
+        """Every rank's failures (one all-gather); if any, rank 0 removes what the save left that
+        `latest` does not name, and every rank raises CheckpointSaveFailed with the same message."""
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, failures)
+        found = sorted({(f.rank, f.path): f for part in everyone for f in part}.values(), key=lambda f: f.rank)
+        if not found:
+            return
+        note = [""]
+        if self.runtime.is_main:
+            note = [self._discard(staging, final)]
+        dist.broadcast_object_list(note, src=0)
+        latest = self.latest_tag()
+        kept = (f"`latest` names {latest}: run the same command to resume from step {tag_step(latest)}" if latest
+                else "this run has no checkpoint yet: the same command starts it over")
+        raise CheckpointSaveFailed(f"checkpoint step {step} was not saved: " + "; ".join(f.describe() for f in found)
+                                   + f". {note[0]}{kept} (after freeing space or fixing the path)")
+
+    def _discard(self, staging: Path, final: Path) -> str:
+        """Rank 0, after a failed save: remove its staging directory (and its step directory when the
+        rename happened but `latest` does not name it). Returns what the message says about them."""
+        problems: list[str] = []
+        for path in (staging, final):
+            if path.exists() and not (path == final and self.latest_tag() == final.name):
+                shutil.rmtree(path, onerror=lambda _f, p, info: problems.append(f"{p}: {info[1]}"))
+        if problems:
+            return f"What it wrote could not all be removed ({'; '.join(problems[:3])}): remove {staging} by hand. "
+        return f"What it wrote ({staging}) was removed. "
+
+    def _prune(self, newest: int) -> None:
+        """Rank 0, after a commit: keep the `keep_last` newest committed checkpoints up to `newest`;
+        remove the step directories older than all of them (module docstring). A directory that cannot be
+        removed is a warning: the new checkpoint is committed."""
+        steps = self._step_dirs()
+        committed = [s for s, path in steps.items() if s <= newest and (path / MANIFEST).is_file()]
+        kept = sorted(committed)[-self.keep_last:]
+        problems: list[str] = []
+        for s, path in steps.items():
+            if s < kept[0]:
+                for old in (path, self.root / f"{path.name}_universal"):
+                    if old.exists():
+                        shutil.rmtree(old, onerror=lambda _f, p, info: problems.append(f"{p}: {info[1]}"))
+        if problems:
+            print(f"[numloss] warning: old checkpoints could not all be removed (keep_last {self.keep_last}): "
+                  + "; ".join(problems[:3]), file=sys.stderr, flush=True)
+
+    def _step_dirs(self) -> dict[int, Path]:
+        if not self.root.is_dir():
+            return {}
+        return {int(m.group(1)): p for p in self.root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))}
+
+    def _remove_unfinished(self, resume: str | None) -> None:
+        """Rank 0 clears what saves that never completed left (module docstring); a collective. A step
+        directory newer than the resume checkpoint that has its checkpoint.json (complete, but `latest`
+        never named it, or was pointed back by hand) is renamed `skipped_<tag>` rather than removed."""
+        if self.runtime.is_main and self.root.is_dir():
+            after = tag_step(resume) if resume else -1
+            for path in sorted(self.root.iterdir()):
+                step_dir = STEP_DIR.fullmatch(path.name.removesuffix("_universal"))
+                if STAGING.fullmatch(path.name):
+                    why = "the staging directory of a save that never completed"
+                elif step_dir and path.is_dir() and int(step_dir.group(1)) > after:
+                    why = (f"newer than {resume}, the checkpoint this run resumes from" if resume
+                           else "this run has no checkpoint to resume from (no `latest`)")
+                else:
+                    continue
+                if (path / MANIFEST).is_file():
+                    aside = _free_name(self.root / f"skipped_{path.name}")
+                    os.replace(path, aside)
+                    print(f"[numloss] warning: {path} is complete but {why}: kept as {aside}, not resumed from; "
+                          f"its steps are trained and saved again", file=sys.stderr, flush=True)
+                    continue
+                problems: list[str] = []
+                shutil.rmtree(path, onerror=lambda _f, p, info: problems.append(f"{p}: {info[1]}"))
+                print(f"[numloss] warning: removed {path}: {why}, and its save never completed; its steps are "
+                      f"trained and saved again" + (f" (not all of it could be removed: {'; '.join(problems[:3])})"
+                                                    if problems else ""), file=sys.stderr, flush=True)
         dist.barrier()
-        save_state(directory)
-        torch.save({"step": step, "data": dataset.state_dict(), "rng": torch.get_rng_state(),
-                    "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
-                   directory / f"rank_{self.runtime.rank:05d}.pt")
-        if self.runtime.is_main:
-            (directory / "layout.json").write_text(json.dumps(layout))
-        dist.barrier()  # every rank's files are complete before they are hashed and `latest` moves
-        files = self._hash_share(directory, self._file_list(directory), fsync=True)
-        if self.runtime.is_main:
-            _atomic_write(directory / MANIFEST, json.dumps({"step": step, "files": files}, indent=1, sort_keys=True))
-            for sub in sorted({directory / Path(f).parent for f in files} | {directory}):
-                fsync_path(sub)
-            _atomic_write(self.root / LATEST, tag)
-            fsync_path(self.root)
-            tags = sorted(p.name for p in self.root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name))
-            for old in tags[:-self.keep_last]:
-                shutil.rmtree(self.root / old, ignore_errors=True)
-                shutil.rmtree(self.root / f"{old}_universal", ignore_errors=True)
-        dist.barrier()
-        return directory
 
     def load(self, dataset: ShardDataset, load_state: Callable[[Path], None]) -> int:
         """Restore the latest checkpoint: `load_state(directory)` (the engine's state, every rank), then
@@ -121,7 +259,7 @@ class CheckpointDirs:
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
-        return int(state["step"]) if "step" in state else int(tag.split("_")[1])
+        return int(state["step"]) if "step" in state else tag_step(tag)
 
     # ---- verification ------------------------------------------------------------------------------
 
@@ -135,7 +273,8 @@ class CheckpointDirs:
         return names[0]
 
     def _hash_share(self, directory: Path, names: list[str], fsync: bool = False) -> dict[str, dict]:
-        """{file: {"bytes", "sha256"}} of every file, each rank reading every world-th one; a collective."""
+        """{file: {"bytes", "sha256"}} of every file ({"error", "rank"}: unreadable), each rank reading every
+        world-th one; a collective."""
         world, rank = dist.get_world_size(), self.runtime.rank
         mine = {}
         for name in names[rank::world]:
@@ -145,7 +284,7 @@ class CheckpointDirs:
                 if fsync:
                     fsync_path(path)
             except OSError as err:
-                mine[name] = {"error": f"{type(err).__name__}: {err.strerror or err}"}
+                mine[name] = {"error": f"{type(err).__name__}: {err.strerror or err}", "rank": rank}
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
         return {k: v for part in everyone for k, v in part.items()}
@@ -189,25 +328,42 @@ class CheckpointDirs:
         if not problems:
             return
         older = sorted((p.name for p in self.root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)
-                        and p.name < tag and (p / MANIFEST).is_file()), reverse=True)
+                        and tag_step(p.name) < tag_step(tag) and (p / MANIFEST).is_file()),
+                       key=tag_step, reverse=True)
         report = f"checkpoint {self.root / tag} is corrupt: " + "; ".join(problems[:5]) + (
             f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        corrupt = [tag]
         for candidate in older:
             if self._problems(candidate):
+                corrupt.append(candidate)
                 continue
             if not self.fallback:
                 raise CheckpointCorrupt(f"{report}. train.resume_fallback is false: to resume from the newest intact "
                                         f"one, {candidate}, run: echo {candidate} > {self.root / LATEST}")
             if self.runtime.is_main:
-                os.replace(self.root / tag, self.root / f"corrupt_{tag}")
-                shutil.rmtree(self.root / f"{tag}_universal", ignore_errors=True)
+                aside = [self._set_aside(bad) for bad in corrupt]
                 _atomic_write(self.root / LATEST, candidate)
                 fsync_path(self.root)
                 print(f"[numloss] warning: {report}. Resuming from {candidate}, the newest intact checkpoint; "
-                      f"the corrupt one is kept as {self.root / f'corrupt_{tag}'}", file=sys.stderr, flush=True)
+                      f"the corrupt ones are kept as {', '.join(map(str, aside))}", file=sys.stderr, flush=True)
             dist.barrier()
             return
         raise CheckpointCorrupt(f"{report}; no older checkpoint is intact either. Remove {self.root} to start over")
+
+    def _set_aside(self, tag: str) -> Path:
+        """Rank 0: a corrupt checkpoint renamed `corrupt_<tag>` (kept for a look), its conversion removed."""
+        aside = _free_name(self.root / f"corrupt_{tag}")
+        os.replace(self.root / tag, aside)
+        shutil.rmtree(self.root / f"{tag}_universal", ignore_errors=True)  # derived data, rebuilt from a good one
+        return aside
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ...: the first that does not exist (a directory set aside twice)."""
+    candidate, n = path, 1
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}.{n}"), n + 1
+    return candidate
 
 
 def fsync_path(path: Path) -> None:

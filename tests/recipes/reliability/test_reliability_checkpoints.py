@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,90 @@ def test_corrupt_checkpoints_are_named_and_fall_back_and_planted_files_do_not_ru
     run_ranks(2, _rank, str(tmp_path))
     err = capfd.readouterr().err
     assert "warning: checkpoint" in err and "model_rank0.pt: 100 bytes, " in err and "Resuming from step_00000002" in err
+
+
+def _engine_writing(rank, numel):
+    """A stand-in engine's save: this rank's shard, then a collective, as DeepSpeed's closing barrier."""
+    def save(directory: Path):
+        torch.save({"weights": torch.zeros(numel)}, directory / f"model_rank{rank}.pt")
+        dist.barrier()
+    return save
+
+
+def _failed_and_unfinished_saves(rank, world, root: str):
+    import resource
+    import signal
+
+    from recipes.training.checkpoints import MANIFEST, CheckpointDirs, CheckpointSaveFailed
+    from recipes.training.runtime import Runtime
+
+    root = Path(root)
+    runtime = Runtime(rank, world, rank, torch.device("cpu"))
+    _, load = _engine_state(rank)
+    data = FakeData()
+    dirs = CheckpointDirs(root, keep_last=1, runtime=runtime)
+    dirs.save(2, data, _engine_writing(rank, 64), {})
+
+    # rank 1's shard of step 4 passes its file-size limit: the kernel refuses the write (EFBIG) and torch's
+    # writer raises "unexpected pos ..." naming no file; before, rank 0 then waited in the engine's barrier
+    if rank == 1:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(CheckpointSaveFailed) as err:
+            dirs.save(4, data, _engine_writing(rank, 100_000), {})
+    finally:
+        if rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    message = str(err.value)
+    assert f"checkpoint step 4 was not saved: rank 1 could not write {root / '.step_00000004.partial'}" in message
+    assert "model_rank1.pt (RuntimeError: " in message and " GiB free of " in message, message
+    assert "rank 0 could not" not in message and "`latest` names step_00000002" in message, message
+    dist.barrier()
+    assert (root / "latest").read_text() == "step_00000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]  # nothing of step 4 left
+
+    # what saves killed half-way leave: a staging directory, a step directory without checkpoint.json
+    # (an older version's partial save: its name sorted after every good checkpoint, so pruning by name
+    # kept it and deleted the one just saved), and a complete one `latest` never named
+    if rank == 0:
+        (root / ".step_00000006.partial").mkdir()
+        (root / ".step_00000006.partial" / "model_rank0.pt").write_bytes(b"half")
+        (root / "step_00000005").mkdir()
+        (root / "step_00000005" / "model_rank0.pt").write_bytes(b"half")
+        shutil.copytree(root / "step_00000002", root / "step_00000007")
+    dist.barrier()
+    dirs = CheckpointDirs(root, keep_last=1, runtime=runtime)
+    assert dirs.load(data, load) == 2 and data.position == 0
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "skipped_step_00000007", "step_00000002"]
+    dirs.save(3, data, _engine_writing(rank, 64), {})  # keep_last 1: step 3 alone
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003"]
+    assert (root / "latest").read_text() == "step_00000003"
+
+    # a save of a step whose failed attempt left files: none of them enters the new checkpoint
+    if rank == 0:
+        (root / ".step_00000004.partial").mkdir()
+        (root / ".step_00000004.partial" / "stale.pt").write_bytes(b"from the failed attempt")
+    dist.barrier()
+    dirs = CheckpointDirs(root, keep_last=2, runtime=runtime)
+    dirs.save(4, data, _engine_writing(rank, 64), {})
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003", "step_00000004"]
+    recorded = json.loads((root / "step_00000004" / MANIFEST).read_text())["files"]
+    assert sorted(recorded) == ["layout.json", "model_rank0.pt", "model_rank1.pt", "rank_00000.pt", "rank_00001.pt"]
+    assert not (root / "step_00000004" / "stale.pt").exists()
+    resumed = FakeData()
+    assert CheckpointDirs(root, 2, runtime).load(resumed, load) == 4  # the next start: the newest, intact
+
+
+def test_a_failed_save_fails_on_every_rank_and_leftovers_never_shadow_a_good_checkpoint(tmp_path, capfd):
+    """A write that fails on rank 1 (a real kernel refusal) fails the save on both ranks with the file, the
+    rank and the free space; `latest` stays on step 2. Leftovers of saves killed half-way are cleared at
+    the next start (the complete one `latest` never named kept aside), and pruning with keep_last 1 and 2
+    keeps the newest intact checkpoints. Before: rank 0 hung in the barrier, and pruning by name deleted
+    the checkpoint just saved while keeping the partial step 5."""
+    run_ranks(2, _failed_and_unfinished_saves, str(tmp_path), timeout=120)
+    err = capfd.readouterr().err
+    assert f"removed {tmp_path / 'step_00000005'}: newer than step_00000002" in err, err[-3000:]
+    assert f"removed {tmp_path / '.step_00000006.partial'}: the staging directory" in err
+    assert f"{tmp_path / 'step_00000007'} is complete but newer than step_00000002" in err
