@@ -110,12 +110,15 @@ def _optimizer_sharded(optimizer, model_sharded: dict, loading: bool) -> dict:
 
 
 def _load_optimizer(optimizer, loaded: dict) -> None:
+    """The saved optimizer state and schedule, then this run's recipe's hyperparameters and schedule at
+    the saved step (a resume may change them: `recipes.training.resume_policy`)."""
     if hasattr(optimizer, "schedulers"):
         optimizer.optimizer.load_state_dict(loaded["optimizer"])
         for scheduler, state in zip(optimizer.schedulers, loaded["schedulers"]):
             scheduler.load_state_dict(state)
     else:
         _load_adamw(optimizer, loaded)
+    optimizer.apply_recipe_schedule()
 
 
 def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:

@@ -28,7 +28,7 @@ from numloss.adapters.megatron import numeric_loss_func, shift_labels
 from numloss.diagnostics import sum_keys
 from recipes.config import Recipe
 from recipes.training.parallel import DataParallel, step_counts
-from recipes.training.schedule import lr_lambda
+from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 
 
 def prepare_window(window: list[dict], pad_multiple: int = 1, ignore_index: int = -100) -> list[dict]:
@@ -156,6 +156,7 @@ class TorchAdamW:
         self.group = parallel_state.get_model_parallel_group()
         self.optimizer = torch.optim.AdamW(self.main_params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
+        self.recipe = recipe  # its schedule applies again after a checkpoint is loaded
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(recipe))
 
     def step(self) -> float:
@@ -184,7 +185,13 @@ class TorchAdamW:
         self.optimizer.zero_grad(set_to_none=True)
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The rate the next update uses: the optimizer's own, as the schedule set it."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def apply_recipe_schedule(self) -> None:
+        """After a checkpoint is loaded: this recipe's hyperparameters and LR schedule at the loaded
+        step count (`recipes.training.schedule.apply_recipe_schedule`); the moments stay loaded."""
+        apply_recipe_schedule(self.scheduler, self.recipe)
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -210,6 +217,7 @@ class MegatronAdam:
         self.name = f"megatron-core {'DistributedOptimizer' if m.distributed_optimizer else 'mixed-precision'} Adam"
         inner = [opt.optimizer for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe)) for opt in inner]
+        self.recipe = recipe  # its schedule applies again after a checkpoint is loaded
 
     def step(self) -> float:
         ok, norm, _ = self.optimizer.step()
@@ -225,7 +233,14 @@ class MegatronAdam:
         self.optimizer.zero_grad()
 
     def lr(self) -> float:
-        return self.schedulers[0].get_last_lr()[0]
+        """The rate the next update uses: the first inner optimizer's own."""
+        return self.schedulers[0].optimizer.param_groups[0]["lr"]
+
+    def apply_recipe_schedule(self) -> None:
+        """After a checkpoint is loaded: this recipe's hyperparameters and LR schedule, on every inner
+        optimizer (`recipes.training.schedule.apply_recipe_schedule`). Not run here (CUDA only)."""
+        for scheduler in self.schedulers:
+            apply_recipe_schedule(scheduler, self.recipe)
 
 
 def log_keys(objective: Objective, diagnostics: bool = False) -> list[str]:
