@@ -44,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from data_prep.reader import ShardDataset
+from data_prep.reader import DataError, ShardDataset
 
 from .config import Recipe, dump_recipe, load_recipe
 from .engines import build_engine
@@ -63,7 +63,7 @@ from .training.throughput import StepMeter
 
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
-EXIT_REFUSED = 2  # refused before training: a recipe, data, run-directory or checkpoint check failed
+EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 
@@ -101,7 +101,8 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     try:
         # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
         # then one run per out_dir (recipes.training.run_lock) ----
-        for line in preflight(recipe, runtime.world_size):
+        say = (lambda line: print(f"[numloss] {line}", flush=True)) if runtime.is_main else None
+        for line in preflight(recipe, runtime.world_size, say=say):
             if runtime.is_main:
                 print(f"[numloss] {line}", flush=True)
         note = lock.acquire()
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RecipeCheckError, RunLocked, CheckpointCorrupt) as err:  # refused before training
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt, DataError) as err:  # refused: the run cannot go on
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:

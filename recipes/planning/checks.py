@@ -1,10 +1,14 @@
 """What a recipe can get wrong statically, checked before any model is built: by `recipes.validate` (as
 report lines) and by `recipes.train` on every rank before its engine starts (`preflight`: one
-`RecipeCheckError` listing every error, exit status 2).
+`RecipeCheckError` listing every error, exit status 2). Only the recipe, the data's manifest, the model's
+config (AutoConfig: never the weights), the tokenizer and the run directory are read, so a 70B run is
+refused in seconds.
 
 Loading the recipe already refuses bad types, choices, non-finite or negative optimizer settings
 (`recipes.config.Recipe.validate`) and bad term weights and options (`numloss.ObjectiveConfig`). Here,
-what needs more than one section or the data:
+what needs more than one section, the data, the model's config or the run directory:
+- settings the engine would ignore: refused, or `model.gradient_checkpointing` mapped onto
+  `megatron.recompute` with a note (`recipes.planning.engine_settings`);
 - the objective against the numeric vocabulary: NTIL needs the digits policy;
 - the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
   at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
@@ -14,14 +18,22 @@ what needs more than one section or the data:
   tokenizer's ids, template and special tokens, `data_prep.tokenize.tokenizer_fingerprint`) must be the
   model tokenizer's (`data.allow_tokenizer_mismatch: true` makes it a warning, for the rare deliberate
   case), and the data's tokenizer may never be larger than the model's (its ids would index past the
-  embedding).
+  embedding);
+- the data's tokens against the recipe and the model, from the manifest's per-shard statistics
+  (`recipes.planning.data_checks`: row lengths, data.seq_len, positions, vocabulary, scored labels);
+- the model's config against the recipe (`recipes.planning.model_checks`: the tokenizer fits its
+  vocabulary, the parallel layout divides its heads and layers, the world divides the layout);
+- the run directory (`recipes.planning.run_dir_checks`: train.out_dir can be written; the checkpoint it
+  would resume from is of this engine and loads at this layout).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from data_prep.shards import MANIFEST
 
@@ -117,24 +129,73 @@ def data_problems(recipe, manifest: dict, where: str, data_parallel: int,
     return errors, warnings, notes
 
 
-def preflight(recipe, world_size: int, tokenizer=None) -> list[str]:
-    """Every static check of the module docstring for a run on `world_size` ranks; raises
-    RecipeCheckError listing the errors, returns the warnings and notes. `tokenizer`: the model's
-    (default: loaded as `model_tokenizer`)."""
-    errors = objective_problems(recipe)
-    warnings: list[str] = []
-    manifest = read_manifest(recipe.data.train)
+@dataclass
+class Findings:
+    """What the static checks found: errors (the run cannot start), warnings, and notes as (key, line)."""
+
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[tuple[str, str]] = field(default_factory=list)
+
+
+def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokenizer: dict | None = None,
+                  config=None, offline: bool = False, missing_data_is_error: bool = True, check_model: bool = True,
+                  say: Callable[[str], None] | None = None) -> Findings:
+    """Every check of the module docstring but the engine settings (`engine_setting_problems`, which
+    rewrites the recipe: call it once before). `world_size`: the run's (None: `recipes.validate`, which
+    checks the recipe's cluster section instead); `tokenizer`: the model tokenizer's `tokenizer_identity`
+    (None: not compared); `config`: the model's config (None: resolved here, `model_checks.model_config`);
+    `check_model`: false when the caller already reported that the config cannot be read; `say`: progress
+    lines (an old manifest's scan)."""
+    from recipes.planning import data_checks, model_checks, run_dir_checks
+
+    found = Findings(errors=objective_problems(recipe) + run_dir_checks.out_dir_problems(recipe))
+    if config is None and check_model:
+        try:
+            config, _, _ = model_checks.model_config(recipe, offline=offline)
+        except Exception as err:  # noqa: BLE001  (ValueError, OSError, transformers' own: one line each)
+            found.errors.append(f"model: cannot read the model's config: {type(err).__name__}: {err}")
+    vocab_size = positions = None
+    positions_how = ""
+    if config is not None:
+        vocab_size = getattr(model_checks.text_config(config), "vocab_size", None)
+        positions, positions_how = model_checks.context_limit(config)
+        found.errors += model_checks.layout_problems(recipe, config, world_size)
+        found.errors += model_checks.vocabulary_problems(config, tokenizer and tokenizer["length"])
+    where = recipe.data.train
+    manifest = read_manifest(where)
     if manifest is None:
-        errors.append(f"data.train: {recipe.data.train} is not a data_prep output directory (no {MANIFEST}); "
-                      f"build it with python -m data_prep build ... --out {recipe.data.train}")
+        if missing_data_is_error:
+            found.errors.append(f"data.train: {where} is not a data_prep output directory (no {MANIFEST}); "
+                                f"build it with python -m data_prep build ... --out {where}")
     else:
-        if tokenizer is None:
-            tokenizer = model_tokenizer(recipe)
-        e, w, notes = data_problems(recipe, manifest, recipe.data.train, data_parallel_size(recipe, world_size),
-                                    tokenizer_identity(tokenizer))
-        errors += e
-        warnings += [f"warning: {x}" for x in w] + notes
+        errors, warnings, notes = data_problems(recipe, manifest, where, data_parallel, tokenizer)
+        found.errors += errors
+        found.warnings += warnings
+        found.notes += [("epochs", n) for n in notes]
+        errors, warnings = data_checks.ensure_statistics(manifest, where, say=say)
+        found.errors += errors
+        found.warnings += warnings
+        if not errors:
+            found.errors += data_checks.token_problems(recipe, manifest, where, vocab_size=vocab_size,
+                                                       positions=positions, positions_how=positions_how)
+    found.errors += run_dir_checks.resume_problems(recipe, data_parallel)
+    return found
+
+
+def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None] | None = None) -> list[str]:
+    """Every static check of the module docstring for a run on `world_size` ranks; raises
+    RecipeCheckError listing the errors, returns the warnings (prefixed "warning: ") and notes.
+    `tokenizer`: the model's (default: loaded as `model_tokenizer`); `say`: progress lines."""
+    from recipes.planning.engine_settings import engine_setting_problems
+
+    errors, mapped = engine_setting_problems(recipe)
+    if tokenizer is None and read_manifest(recipe.data.train) is not None:
+        tokenizer = model_tokenizer(recipe)
+    found = static_checks(recipe, world_size, data_parallel_size(recipe, world_size),
+                          tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None, say=say)
+    errors += found.errors
     if errors:
         raise RecipeCheckError(f"recipe {recipe.name} cannot run ({len(errors)} error"
                                f"{'s' * (len(errors) != 1)}):\n" + "\n".join(f"  {e}" for e in errors))
-    return warnings
+    return mapped + [f"warning: {w}" for w in found.warnings] + [text for _, text in found.notes]

@@ -162,9 +162,16 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.add("name", recipe.name)
     m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
+    from recipes.planning import checks
+    from recipes.planning.engine_settings import engine_setting_problems
+
+    errors, mapped = engine_setting_problems(recipe)  # first: it may set megatron.recompute, which the plan reads
+    rep.errors.extend(errors)
+    for note in mapped:
+        rep.add("engine settings", note)
 
     # 2-4: model config, size, memory
-    hidden_size = None
+    hidden_size = cfg = None
     if size:
         try:
             cfg, source, notes = resolve_model_config(recipe, offline=offline)
@@ -261,11 +268,16 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
                                 "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
 
-    # 6: loss vs data policy (recipes.planning.checks: the checks recipes.train runs before its model)
-    from recipes.planning import checks
-
+    # 6: the static checks recipes.train runs before its model (recipes.planning.checks): objective,
+    # model config, data and its statistics, run directory; the layout's world is section 5's
+    tokenizer = _tokenizer_identity(recipe, offline, rep) if _manifest(recipe.data.train) else None
+    found = checks.static_checks(recipe, None, dp, tokenizer=tokenizer, config=cfg, offline=offline,
+                                 missing_data_is_error=False, check_model=not (size and cfg is None))
+    rep.errors.extend(found.errors)
+    rep.warnings.extend(found.warnings)
+    for key, note in found.notes:
+        rep.add(key, note)
     terms = set((recipe.loss.objective or {}).get("terms") or {})
-    rep.errors.extend(checks.objective_problems(recipe))
     rep.add("objective", "CE" + "".join(f" + {t}" for t in sorted(terms)) +
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
     chunked_head_note(rep, recipe, hidden_size)
@@ -287,14 +299,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         tok = man.get("tokenizer", {})
         rep.add(key, f"{where}: {man.get('totals', {}).get('rows', '?')} rows, numeric vocab "
                      f"{nv.get('policy')} (N={nv.get('size')}), tokenizer {tok.get('name')}")
-        if kind == "train":  # rows vs the global batch and the steps, policy, tokenizer fingerprint
-            errors, warnings, notes = checks.data_problems(recipe, man, where, dp, _tokenizer_identity(recipe, offline,
-                                                                                                       rep))
-            rep.errors.extend(errors)
-            rep.warnings.extend(warnings)
-            for note in notes:
-                rep.add("epochs", note)
-        elif nv.get("policy") and nv["policy"] != recipe.loss.numeric_policy:
+        # (the training data's own checks ran in section 6)
+        if kind == "eval" and nv.get("policy") and nv["policy"] != recipe.loss.numeric_policy:
             rep.errors.append(f"loss.numeric_policy: {recipe.loss.numeric_policy!r} but {where} was built "
                               f"with the {nv['policy']!r} policy (its numeric_mask would not match)")
         if man.get("packed") and kind == "eval":
@@ -302,6 +308,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         want = m.tokenizer or m.name_or_path
         if want and tok.get("name") and _same_source(tok["name"]) != _same_source(want):
             rep.warnings.append(f"{key}: built with tokenizer {tok['name']!r}, the recipe uses {want!r}")
+    rep.errors = list(dict.fromkeys(rep.errors))  # a layout error the plan and the checks both find: said once
     return rep
 
 

@@ -25,27 +25,53 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from recipes.training.checkpoint_writes import guarded_write
 from recipes.training.checkpoints import CheckpointDirs
+
+
+# the recipe key behind each entry of layout.json, for the messages
+_LAYOUT_KEYS = {"tensor_parallel": "deepspeed.tp_size", "zero_stage": "deepspeed.zero_stage", "lora": "model.lora"}
+
+
+def run_layout(recipe, data_parallel: int) -> dict:
+    """The layout a DeepSpeed run saves in each checkpoint's layout.json and compares at resume."""
+    layout = {"data_parallel": data_parallel, "tensor_parallel": recipe.deepspeed.tp_size,
+              "zero_stage": recipe.deepspeed.zero_stage}
+    if recipe.model.lora is not None:
+        layout["lora"] = True  # a LoRA checkpoint holds the adapters only: resume LoRA onto LoRA
+    return layout
+
+
+def resume_problem(saved: dict, layout: dict, where) -> str | None:
+    """Why a checkpoint saved with layout `saved` cannot resume at `layout` (None: it can, at another
+    data-parallel size through the universal conversion). `recipes.planning.checks` asks before any
+    model is built; `universal_tag_to_load` again at resume."""
+    for key, recipe_key in _LAYOUT_KEYS.items():
+        if saved.get(key) != layout.get(key):
+            return (f"{recipe_key}: {where} was saved with {key}={saved.get(key)}; this run has {layout.get(key)}: "
+                    f"resume with the same {recipe_key}, or train into a new train.out_dir")
+    if layout.get("lora") and saved.get("data_parallel") != layout.get("data_parallel"):
+        # ds_to_universal expects every parameter in the checkpoint (not run here)
+        return (f"model.lora: {where} was saved on {saved.get('data_parallel')} data-parallel ranks; a LoRA run "
+                f"resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')}): run "
+                f"it on {saved.get('data_parallel')} data-parallel ranks, or train into a new train.out_dir")
+    return None
 
 
 def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -> str | None:
     """Before `deepspeed.initialize`: when the latest checkpoint was saved at another data-parallel size,
     convert it to the universal format (rank 0, once), set `ds_config` to load that, and return the tag
-    to load (None: load the latest as it is). Refuses a changed tensor-parallel size or ZeRO stage.
-    Every rank calls it."""
+    to load (None: load the latest as it is). Refuses a changed tensor-parallel size or ZeRO stage, and
+    LoRA at another data-parallel size (`resume_problem`). Every rank calls it."""
     saved = dirs.saved_layout()
     if saved is None:
         return None
     tag = dirs.latest_tag()
-    for key in ("tensor_parallel", "zero_stage", "lora"):
-        if saved.get(key) != layout.get(key):
-            raise ValueError(f"{dirs.root / tag} was saved with {key}={saved.get(key)}; this run has"
-                             f" {layout.get(key)}: resume with the same {key}")
+    problem = resume_problem(saved, layout, dirs.root / tag)
+    if problem:
+        raise ValueError(problem)
     if saved.get("data_parallel") == layout.get("data_parallel"):
         return None
-    if layout.get("lora"):  # ds_to_universal expects every parameter in the checkpoint (not run here)
-        raise ValueError(f"{dirs.root / tag} was saved with data_parallel={saved.get('data_parallel')}; a LoRA run"
-                         f" resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')})")
     universal = f"{tag}_universal"
     convert_once(dirs.root / tag, dirs.root / universal, dirs.runtime.is_main)
     ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
@@ -111,9 +137,14 @@ def convert_once(src: Path, dst: Path, is_main: bool, *, command: Callable[[Path
 def save_state(engine, directory: Path, step: int, trainable_only: bool = False) -> None:
     """DeepSpeed's model, optimizer and schedule state into `directory` (a step directory).
     `trainable_only` (LoRA): the frozen base is left out, as it is rebuilt at every start; a 70B base
-    would otherwise add ~140 GB to every checkpoint."""
-    engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step}, save_latest=False,
-                           exclude_frozen_parameters=trainable_only)
+    would otherwise add ~140 GB to every checkpoint.
+
+    DeepSpeed writes through `torch.save` (a failure is held until every rank can agree:
+    `recipes.training.checkpoint_writes`), except rank 0's copy of its recovery scripts (shutil, between
+    its writes and its closing barrier), registered here to be held the same way."""
+    with guarded_write(engine, "_copy_recovery_script", "DeepSpeed's recovery scripts (zero_to_fp32.py)"):
+        engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step},
+                               save_latest=False, exclude_frozen_parameters=trainable_only)
 
 
 def load_state(engine, directory: Path, tag: str | None = None, trainable_only: bool = False) -> None:

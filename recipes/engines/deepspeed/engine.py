@@ -27,7 +27,7 @@ from recipes.config import Recipe
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime, clear_method_caches
-from recipes.training.schedule import lr_lambda
+from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
@@ -49,13 +49,12 @@ class DeepSpeedEngine:
         ds_config = deepspeed_config(recipe, runtime.world_size)
         tp = recipe.deepspeed.tp_size
         self.dp = DataParallel.tensor_parallel_first(runtime.rank, runtime.world_size, tp)
-        self.layout = {"data_parallel": self.dp.size, "tensor_parallel": tp, "zero_stage": recipe.deepspeed.zero_stage}
+        self.layout = checkpoints.run_layout(recipe, self.dp.size)
         self.tokenizer, self.processor = load_tokenizer(recipe)
         model, live_ds_config = build_model(recipe, ds_config, runtime.device)
         self.lora = recipe.model.lora
         self.peft_model = None
         if self.lora is not None:
-            self.layout["lora"] = True  # a LoRA checkpoint holds the adapters only: resume LoRA onto LoRA
             self.peft_model = apply_lora(model, self.lora, recipe.model.gradient_checkpointing)
         head = model.get_output_embeddings().weight
         logits_width = (head.ds_shape if hasattr(head, "ds_shape") else head.shape)[0]  # ZeRO-3 keeps the full shape aside
@@ -100,7 +99,8 @@ class DeepSpeedEngine:
         return sums
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The rate the next update uses: the optimizer's own group lr, as the schedule set it."""
+        return self.engine.get_lr()[0]
 
     def grad_norm(self) -> float | None:
         """DeepSpeed's global norm before clipping; None (JSON null) where it has none (ZeRO stage 0)."""
@@ -115,7 +115,10 @@ class DeepSpeedEngine:
         checkpoints.save_state(self.engine, directory, step, trainable_only=self.lora is not None)
 
     def load_state(self, directory: Path) -> None:
+        """The checkpoint's model, optimizer and schedule state; then this recipe's optimizer hyperparameters
+        and LR schedule at the loaded step (a resume may change them: `recipes.training.resume_policy`)."""
         checkpoints.load_state(self.engine, directory, self._load_tag, trainable_only=self.lora is not None)
+        apply_recipe_schedule(self.scheduler, self.recipe)
 
     def export(self, path: Path) -> None:
         tokenizer = self.processor or self.tokenizer

@@ -107,7 +107,8 @@ def test_batch_arithmetic_counts_data_parallel_ranks_after_tp():
 
 def test_built_data_is_checked_against_the_recipe(rec_data_dir, rec_tokenizer_dir):
     base = [f"data.train={rec_data_dir}", f"data.eval={rec_data_dir}", f"model.tokenizer={rec_tokenizer_dir}",
-            "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=3"]  # 24 rows: 3 steps of 8
+            "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=3",  # 24 rows: 3 steps of 8
+            "model.config.vocab_size=512"]  # the test tokenizer's 388 tokens fit
     rep = V.validate_recipe(DEMO, base, offline=True, strict=True, size=False)
     assert rep.ok and not rep.warnings, rep.render()
     rep = V.validate_recipe(DEMO, base + ["loss.numeric_policy=integers"], offline=True, size=False)

@@ -28,9 +28,10 @@ DEMO = REPO / "recipes" / "configs" / "demo.yaml"
 
 @pytest.fixture(scope="module")
 def base(rec_data_dir, rec_tokenizer_dir):
-    """The demo recipe on the 24-row test data: 2 ranks x 4 rows = a global batch of 8, 3 steps an epoch."""
+    """The demo recipe on the 24-row test data: 2 ranks x 4 rows = a global batch of 8, 3 steps an epoch; the
+    model's vocabulary sized to the test tokenizer (388 tokens)."""
     return [f"data.train={rec_data_dir}", f"model.tokenizer={rec_tokenizer_dir}", "train.micro_batch_size=4",
-            "train.global_batch_size=8", "train.steps=3", "data.eval=null"]
+            "train.global_batch_size=8", "train.steps=3", "data.eval=null", "model.config.vocab_size=512"]
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_train_refuses_a_used_out_dir_before_building_anything(tmp_path, holder,
     env.pop("NUMLOSS_RUN_ID", None)
     started = time.time()
     proc = subprocess.run([sys.executable, "-m", "recipes.train", str(demo), f"data.train={rec_data_dir}",
-                           f"model.tokenizer={rec_tokenizer_dir}", "train.micro_batch_size=4",
+                           f"model.tokenizer={rec_tokenizer_dir}", "model.config.vocab_size=512", "train.micro_batch_size=4",
                            "train.global_batch_size=null", "train.steps=2", f"train.out_dir={tmp_path / 'run'}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

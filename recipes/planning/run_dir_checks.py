@@ -1,0 +1,66 @@
+"""The run directory against the recipe, before any model is built: `train.out_dir` can be made and written,
+and the checkpoint the run would resume from was saved by this engine at a layout it can load.
+
+- `train.out_dir` (or a part of its path) naming a file, or a directory the run may not write, is
+  refused (it would fail at the lock or the first save, after the model was built).
+- Resume: the checkpoint `checkpoints/latest` names is read for its `layout.json` only (it is verified
+  byte for byte later, at resume: `recipes.training.checkpoints`). A checkpoint of the other engine
+  (Megatron's layout has `pipeline_parallel`) is refused; a DeepSpeed one is asked
+  `recipes.engines.deepspeed.checkpoints.resume_problem` (the same tensor-parallel size, ZeRO stage and
+  LoRA, and for LoRA the same data-parallel size: a 70B base would otherwise load before the refusal).
+  Megatron's checkpoints reshard onto any layout. When `latest` turns out corrupt and the run falls back
+  to an older checkpoint, that one's layout is compared at resume only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def out_dir_problems(recipe) -> list[str]:
+    out = Path(recipe.train.out_dir)
+    if out.exists() and not out.is_dir():
+        return [f"train.out_dir: {out} is a file, not a directory: name a directory for the run"]
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"train.out_dir: {existing} is a file, so {out} cannot be created: name a directory for the run"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"train.out_dir: {existing} is not writable by this user, so the run cannot {'write into' if existing == out else 'create'} {out}"]
+    return []
+
+
+def latest_layout(out_dir: str | Path) -> tuple[Path, dict] | None:
+    """(the checkpoint `latest` names, its layout.json) of a run directory; None without either."""
+    root = Path(out_dir) / "checkpoints"
+    marker = root / "latest"
+    if not marker.is_file():
+        return None
+    directory = root / marker.read_text().strip()
+    try:
+        return directory, json.loads((directory / "layout.json").read_text())
+    except (OSError, ValueError):  # missing or unreadable: the resume's verification names the file
+        return None
+
+
+def resume_problems(recipe, data_parallel: int) -> list[str]:
+    """Errors of resuming `recipe` on `data_parallel` data-parallel ranks from its run directory's latest
+    checkpoint (module docstring); none without a checkpoint."""
+    found = latest_layout(recipe.train.out_dir)
+    if found is None:
+        return []
+    directory, saved = found
+    engine = "megatron" if "pipeline_parallel" in saved else "deepspeed"
+    if engine != recipe.train.engine:
+        return [f"train.engine: {recipe.train.engine}, but the checkpoint this run would resume from, {directory}, was "
+                f"saved by the {engine} engine, which the other cannot load: resume with train.engine: {engine}, or "
+                f"train into a new train.out_dir"]
+    if engine == "deepspeed":
+        from recipes.engines.deepspeed.checkpoints import resume_problem, run_layout
+
+        problem = resume_problem(saved, run_layout(recipe, data_parallel), directory)
+        return [problem] if problem else []
+    return []
