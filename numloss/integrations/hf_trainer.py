@@ -14,33 +14,34 @@ transformers nor TRL before that); `numeric_trainer_class(base)` makes the same 
 Trainer subclass (the trainers of tools built on the Trainer). Everything else (arguments, datasets,
 collators, PEFT models, callbacks, checkpoints) is the base trainer's own.
 
-What the subclass changes, through the Trainer's public API only:
+What the subclass changes, through the Trainer's documented overrides only (`Trainer.compute_loss` with
+`loss_is_scaled_for_ga`, `get_batch_samples`, `evaluation_loop`, `log`; no `compute_loss_func`, which
+TRL deprecates and removes in 2.0):
 - `get_batch_samples`: the Trainer reads each optimizer step's micro-batches ahead with it. After its
   own reading, the step's loss counts (valid tokens, numeric positions, sequences, ...) are taken from
   the micro-batches' labels alone and summed over the processes in one SUM all-reduce
   (`numloss.normalization.reduce_counts`); they replace the Trainer's token count as the step's
-  `num_items_in_batch`.
-- `compute_loss_func` (a Trainer argument, so this is the loss both trainers compute with, and TRL's
-  completion-only / assistant-only labels are the labels it sees): the objective on `outputs.logits`
-  with those counts, so each micro-batch's loss is its share of the global batch's loss.
+  `num_items_in_batch`. At the first step the Trainer's layout is checked against the process group
+  (`trainer_layout.check_first_step`).
+- `compute_loss`: one forward of the model without labels, the objective on its logits with those
+  counts (each micro-batch's share of the global batch's loss) times the number of processes (which
+  undoes DDP's, or DeepSpeed's, mean over ranks); `loss_is_scaled_for_ga = True` tells the Trainer not
+  to divide it by the accumulation steps. The labels it sees are the batch's: TRL's completion-only /
+  assistant-only labels under SFTTrainer. Under SFTTrainer the same logits also give TRL's metrics
+  (entropy, mean_token_accuracy, num_tokens), so a micro-batch costs one forward, as in SFTTrainer.
+- `evaluation_loop`: `eval_loss` (and `eval_ce`, `eval_term/<name>`, ...) is the objective of the
+  whole evaluation set (`trainer_loss.EvalSums`), the same at any evaluation batch size.
 - `log`: adds `ce`, `term/<name>` and `numeric_positions` of the global batch, averaged over the steps
-  since the last log as the Trainer averages its `loss`.
-
-Scaling, read from transformers 5.24's and TRL 1.16's source and checked by the tests: a loss from a
-`compute_loss_func` counts as normalised over the accumulated batch (the Trainer does not divide it by
-the accumulation steps), and with `average_tokens_across_devices` (the default) the Trainer multiplies
-it by the number of processes, which undoes DDP's (or DeepSpeed's) mean over the ranks. The update is
-then the gradient of the global batch's loss, and the Trainer's logged `loss` is that loss.
+  since the last log as the Trainer averages its `loss` (and TRL's metrics under SFTTrainer).
 
 Parallel contract: every process is one data-parallel rank (DDP, or DeepSpeed ZeRO through the
 Trainer) holding full logits; the counts' all-reduce runs once per optimizer step on every rank, the
-logged sums' once per log. Tensor, context and sequence parallelism (ranks that share a batch) are
-refused, as is torch's single-process `DataParallel` (`n_gpu > 1`).
+logged sums' once per log, the layout check's all-gather once, at the first step, and evaluation adds
+one all-gather per evaluated batch. Tensor, context and sequence parallelism (ranks that share a
+batch) are refused, as is torch's single-process `DataParallel` (`n_gpu > 1`).
 
 Not covered: NTIL averages over sequences, and under TRL's packing a packed row counts as one sequence
 (the loss function sees labels, not where packed examples start); every other term is exact there.
-SFTTrainer with a `compute_loss_func` runs one more forward without gradients for its own metrics
-(entropy, token accuracy): TRL's choice, not this module's.
 """
 
 from __future__ import annotations
@@ -49,78 +50,35 @@ import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..adapters.deepspeed_autotp import causal_lm_objective, shift_labels
+from ..adapters.deepspeed_autotp import shift_labels
 from ..logit_stats import IGNORE_INDEX
 from ..normalization import LossCounts, reduce_counts
 from ..objective import Objective, ObjectiveConfig
 from ..vocab import NumericVocab
+from .trainer_layout import check_construction, check_first_step
+from .trainer_loss import EvalSums, StepLoss, input_tokens
 
-# The versions whose Trainer behaviour (above) this module relies on, and the major versions accepted.
-TESTED = {"transformers": "5.24.0", "trl": "1.16.0"}
-SUPPORTED_MAJOR = {"transformers": 5, "trl": 1}
-
-
-def check_version(package: str) -> None:
-    """Refuse a major version of `package` other than the tested one: the scaling above is the Trainer's
-    behaviour, not a documented contract, and changed between transformers 4.4x and 5."""
-    from importlib.metadata import version
-
-    found = version(package)
-    if int(found.split(".")[0]) != SUPPORTED_MAJOR[package]:
-        raise RuntimeError(f"numloss.integrations.hf_trainer is tested with {package}=={TESTED[package]} and"
-                           f" accepts {package} {SUPPORTED_MAJOR[package]}.x; found {found}: how the trainer"
-                           " scales a compute_loss_func's loss over accumulation and processes may differ")
+# The versions the tests ran, and the oldest transformers whose Trainer reads `loss_is_scaled_for_ga`.
+TESTED = {"transformers": "5.25.0", "trl": "1.16.0"}
+MIN_TRANSFORMERS = (5, 19)
+INSTALL = "pip install 'numloss[hf]'"  # transformers' Trainer, TRL's SFTTrainer, PEFT
 
 
-class NumericTrainerLoss:
-    """The trainer's `compute_loss_func`: `(outputs, labels, num_items_in_batch=None) -> loss`.
+def check_transformers() -> None:
+    """Refuse a transformers without the Trainer behaviour this module relies on: `compute_loss`'s loss
+    used as is when `loss_is_scaled_for_ga` is True (5.19 on), and multiplied by nothing else."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    - `num_items_in_batch` a `LossCounts` (training: the step's, from `get_batch_samples`): the
-      objective divided by them, this micro-batch's share of the step's loss; its values are added to
-      the sums `take_logged` returns.
-    - a number (evaluation: the Trainer's token count of the evaluated batch over the processes): the
-      objective on the batch's own counts, weighted by its share of those tokens, so the processes'
-      losses combine as the Trainer's own CE does; None: the batch's own objective.
-    """
-
-    def __init__(self, objective: Objective):
-        self.objective = objective
-        self.keys = ["ce", *(f"term/{name}" for name in objective.config.terms), "numeric_positions"]
-        self._sums: torch.Tensor | None = None
-
-    def __call__(self, outputs, labels: torch.Tensor | None, num_items_in_batch=None, **_) -> torch.Tensor:
-        if labels is None:
-            raise ValueError("numloss: the batch has no labels (the numeric objective needs them)")
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        counts = num_items_in_batch if isinstance(num_items_in_batch, LossCounts) else None
-        if counts is None and torch.is_grad_enabled() and logits.requires_grad:
-            raise RuntimeError("numloss: a training micro-batch came without the step's LossCounts: the trainer"
-                               " did not read its batches through get_batch_samples (a trainer change not"
-                               f" covered by this integration; tested with {TESTED})")
-        out = causal_lm_objective(self.objective, logits, labels.to(logits.device), counts=counts)
-        if counts is not None:
-            values = torch.stack([out.ce.detach(), *(v.detach() for v in out.terms.values())]).double()
-            values = torch.cat([values, values.new_tensor([out.numeric_positions])])
-            self._sums = values if self._sums is None else self._sums + values
-            return out.loss
-        if num_items_in_batch is None:
-            return out.loss
-        valid = (shift_labels(labels, self.objective.config.ignore_index) != self.objective.config.ignore_index).sum()
-        total = torch.as_tensor(num_items_in_batch, device=out.loss.device, dtype=out.loss.dtype).clamp_min(1)
-        return out.loss * valid.to(out.loss.dtype) / total
-
-    def take_logged(self, steps: int) -> dict[str, float]:
-        """The global batch's `ce`, `term/*`, `numeric_positions` summed over the steps since the last
-        call, summed over the processes (one SUM all-reduce: every rank calls it at the same log) and
-        divided by `steps`; then the sums start again."""
-        if self._sums is None or steps == 0:
-            return {}
-        sums, self._sums = self._sums, None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        return {key: value / steps for key, value in zip(self.keys, sums.tolist())}
+    try:
+        found = version("transformers")
+    except PackageNotFoundError as err:
+        raise ImportError(f"numloss.integrations.hf_trainer needs transformers: {INSTALL}") from err
+    major_minor = tuple(int(part) for part in found.split(".")[:2])
+    if not (MIN_TRANSFORMERS <= major_minor < (MIN_TRANSFORMERS[0] + 1, 0)):
+        raise RuntimeError(f"numloss.integrations.hf_trainer needs transformers {MIN_TRANSFORMERS[0]}.x from"
+                           f" {MIN_TRANSFORMERS[0]}.{MIN_TRANSFORMERS[1]} (tested with {TESTED['transformers']});"
+                           f" found {found}: how the Trainer scales compute_loss's loss may differ")
 
 
 def step_counts(objective: Objective, batches: list[dict], group=None) -> LossCounts:
@@ -145,46 +103,97 @@ class NumericTrainerMixin:
     `NumericVocab.from_tokenizer`, `objective` an `Objective` spec (`{"terms": {"smmd": {}}}`, an
     `ObjectiveConfig`; None: plain CE); every other argument is the base trainer's."""
 
+    # the loss compute_loss returns is already the step's share (transformers >= 5.19 reads this)
+    loss_is_scaled_for_ga = True
+    # TRL's SFTTrainer: its forward inputs, its metrics from our logits (set by numeric_trainer_class)
+    numeric_sft = False
+
     def __init__(self, *args, numeric_vocab: NumericVocab, objective: ObjectiveConfig | dict | None = None,
                  **kwargs):
-        check_version("transformers")
-        if any(klass.__module__.startswith("trl.") for klass in type(self).__mro__):
-            check_version("trl")
+        check_transformers()
         if kwargs.get("compute_loss_func") is not None:
-            raise ValueError("numloss: the trainer's compute_loss_func is the numeric objective; do not pass one")
+            raise ValueError("numloss: the trainer's loss is the numeric objective; do not pass compute_loss_func")
         objective = objective if isinstance(objective, ObjectiveConfig) else ObjectiveConfig.from_dict(objective or {})
         if objective.ignore_index != IGNORE_INDEX:
             raise ValueError(f"numloss: the Trainer's labels ignore {IGNORE_INDEX}; objective.ignore_index is"
                              f" {objective.ignore_index}")
-        self.numeric_loss = NumericTrainerLoss(Objective(numeric_vocab, objective))
+        self.numeric_loss = StepLoss(Objective(numeric_vocab, objective), token_metrics=self.numeric_sft)
         self._numeric_steps = 0  # optimizer steps whose values wait for the next log
-        super().__init__(*args, compute_loss_func=self.numeric_loss, **kwargs)
-        self._check_layout()
-
-    def _check_layout(self) -> None:
-        args = self.args
-        if args.n_gpu > 1:
-            raise ValueError("numloss: torch DataParallel (n_gpu > 1 in one process) is not supported; launch"
-                             " one process per device (torchrun, accelerate launch)")
-        shared = {"tensor": self.get_tp_size(), "context": self.get_cp_size(), "sequence": self.get_sp_size()}
-        if any(size > 1 for size in shared.values()):
-            raise ValueError(f"numloss: ranks that share a batch ({shared}) are not supported by the Trainer"
-                             " integration; use data parallelism (DDP, DeepSpeed ZeRO)")
-        if args.world_size > 1 and not args.average_tokens_across_devices:
-            raise ValueError("numloss: average_tokens_across_devices must be True with several processes: the"
-                             " Trainer then multiplies the loss by the number of processes, which undoes"
-                             " DDP's mean over the ranks")
-        if args.label_smoothing_factor:
-            raise ValueError("numloss: label_smoothing_factor is not applied by the numeric objective; set it to 0")
+        self._numeric_layout_checked = False
+        self._numeric_eval: EvalSums | None = None  # set while evaluation_loop runs
+        super().__init__(*args, **kwargs)
+        check_construction(self, sft=self.numeric_sft)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The Trainer's reading of one optimizer step's micro-batches, with the step's `LossCounts` (over
-        every process) in place of its token count. Collective: one SUM all-reduce per step."""
+        every process) in place of its token count. Collective: one SUM all-reduce per step (and the
+        layout check's all-gather at the first)."""
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not self._numeric_layout_checked:
+            check_first_step(self, len(batches))
+            self._numeric_layout_checked = True
         if not batches:
             return batches, None
         self._numeric_steps += 1
         return batches, step_counts(self.numeric_loss.objective, batches)
+
+    def _numeric_forward(self, model, inputs: dict) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward without labels (the objective is computed from the logits): (outputs, logits, labels)."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError("numloss: the batch has no labels (the numeric objective needs them)")
+        if "shift_labels" in inputs:
+            raise ValueError("numloss: batches with `shift_labels` are not supported; give `labels` only")
+        if self.numeric_sft:
+            inputs["use_cache"] = False  # as SFTTrainer: no cache in a loss forward
+            if getattr(self, "aux_loss_enabled", False):
+                inputs["output_router_logits"] = True  # as SFTTrainer: MoE models return their aux loss
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        return outputs, logits, labels
+
+    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
+        """Training (`model.training`): this micro-batch's share of the step's objective, over the step's
+        `LossCounts` from `get_batch_samples`, times the number of processes. Evaluation: the batch's
+        own objective (inside `evaluation_loop`, its rows are also kept for the whole set's)."""
+        outputs, logits, labels = self._numeric_forward(model, inputs)
+        if not model.training:
+            evaluated = EvalSums(self.numeric_loss.objective, token_metrics=self.numeric_sft) \
+                if self._numeric_eval is None else self._numeric_eval
+            rows = evaluated.rows(logits, labels)
+            if self._numeric_eval is not None:
+                self._numeric_eval.add(self.accelerator.gather_for_metrics(rows))
+            loss = torch.tensor(evaluated.result(rows.sum(0))["loss"], dtype=torch.float32, device=logits.device)
+            return (loss, outputs) if return_outputs else loss
+        if not isinstance(num_items_in_batch, LossCounts):
+            raise RuntimeError("numloss: a training micro-batch came without the step's LossCounts: the trainer"
+                               " did not read its batches through get_batch_samples (a trainer change not"
+                               f" covered by this integration; tested with {TESTED})")
+        loss = self.numeric_loss.micro_batch(logits, labels, num_items_in_batch).loss
+        loss = loss * self.accelerator.num_processes  # undo the mean over data-parallel ranks
+        if self.numeric_sft:
+            self.numeric_loss.add_token_metrics(logits, labels, input_tokens(inputs))
+            aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+            if aux is not None and getattr(self, "aux_loss_enabled", False):
+                # SFTTrainer's MoE load-balancing loss: a per-micro-batch mean, averaged over the step
+                loss = loss + self.router_aux_loss_coef * aux / self.current_gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):
+        """The Trainer's loop, with `<prefix>_loss` replaced by the objective of the whole evaluated set
+        and `<prefix>_ce`, `<prefix>_term/<name>`, `<prefix>_numeric_positions` (and TRL's entropy and
+        mean_token_accuracy under SFTTrainer) added, all over every process's rows."""
+        self._numeric_eval = EvalSums(self.numeric_loss.objective, token_metrics=self.numeric_sft)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only=prediction_loss_only,
+                                             ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+            evaluated = self._numeric_eval.result()
+        finally:
+            self._numeric_eval = None
+        output.metrics.update({f"{metric_key_prefix}_{key}": value for key, value in evaluated.items()})
+        return output
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's log, with the numeric objective's values added to its training logs."""
@@ -192,6 +201,10 @@ class NumericTrainerMixin:
             logs.update(self.numeric_loss.take_logged(self._numeric_steps))
             self._numeric_steps = 0
         super().log(logs, start_time)
+
+
+def _is_sft_trainer(base: type) -> bool:
+    return any(klass.__name__ == "SFTTrainer" and klass.__module__.startswith("trl.") for klass in base.__mro__)
 
 
 @functools.cache
@@ -202,18 +215,21 @@ def numeric_trainer_class(base: type) -> type:
                for klass in base.__mro__):
         raise TypeError(f"{base.__name__} is not a transformers.Trainer subclass")
     return type(f"Numeric{base.__name__}", (NumericTrainerMixin, base),
-                {"__doc__": f"{base.__name__} trained with the numloss objective (numloss.integrations.hf_trainer)."})
+                {"__doc__": f"{base.__name__} trained with the numloss objective (numloss.integrations.hf_trainer).",
+                 "numeric_sft": _is_sft_trainer(base)})
 
 
 def __getattr__(name: str):
     """`NumericTrainer` and `NumericSFTTrainer`, made (and their framework imported) on first use."""
-    if name == "NumericTrainer":
-        from transformers import Trainer
-
-        return numeric_trainer_class(Trainer)
-    if name == "NumericSFTTrainer":
-        check_version("trl")
-        from trl import SFTTrainer
-
-        return numeric_trainer_class(SFTTrainer)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in ("NumericTrainer", "NumericSFTTrainer"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    what = "TRL's SFTTrainer" if name == "NumericSFTTrainer" else "transformers' Trainer"
+    try:
+        if name == "NumericTrainer":
+            from transformers import Trainer as base
+        else:
+            from trl import SFTTrainer as base
+    except ImportError as err:
+        raise ImportError(f"numloss.integrations.hf_trainer.{name} needs {what}, which is not installed"
+                          f" ({err}): {INSTALL}") from err
+    return numeric_trainer_class(base)

@@ -1,13 +1,21 @@
-"""One rank of the 2-process Trainer test (run by torchrun on CPU, gloo): the README's Trainer snippet
-at micro-batch 1 x gradient accumulation 2 per rank, one optimizer step over the 4 rows.
+"""The 2-process Trainer runs of tests/integrations/test_hf_trainer.py and test_hf_trainer_layout.py.
+
+As torchrun runs it (CPU, gloo): the README's Trainer snippet at micro-batch 1 x gradient accumulation 2
+per rank, one optimizer step over 4 rows, then an evaluation of 5 rows at batch 1 per rank (accelerate
+repeats a row to even out the last batch).
 
     torchrun --nproc_per_node 2 tests/integrations/hf_trainer_ranks.py TOKENIZER_DIR OUT_DIR
 
-Rank 0 writes the initial weights (`init.pt`) and the Trainer's log history (`log_history.json`)."""
+Rank 0 writes the initial and the trained weights (`init.pt`, `trained.pt`), the Trainer's log history
+(`log_history.json`) and the evaluation's metrics (`eval.json`).
+
+`layout_rank` is the same snippet on ranks that `tests.distributed.run_ranks` started: a process group
+made by hand, with or without the variables the Trainer reads its layout from."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -16,32 +24,54 @@ import torch
 from tests.integrations import hf_trainer_helpers as H
 
 
-def main(tok_dir: str, out: str) -> None:
+def _train(tok_dir: str, out_dir: Path):
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq, TrainingArguments
 
     from numloss import NumericVocab  # noqa: F401  (the snippet imports it too)
 
     torch.set_num_threads(1)
-    out_dir = Path(out)
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model = H.model(tokenizer)
     args = TrainingArguments(output_dir=str(out_dir / "trainer"), per_device_train_batch_size=1,
-                             gradient_accumulation_steps=2, max_steps=1, logging_steps=1, learning_rate=1e-3,
-                             report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
-                             log_level="error")
+                             per_device_eval_batch_size=1, gradient_accumulation_steps=2, max_steps=1,
+                             logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+                             seed=0, disable_tqdm=True, log_level="error")
     if args.process_index == 0:
         torch.save(model.state_dict(), out_dir / "init.pt")
     namespace = {"tokenizer": tokenizer, "model": model, "args": args, "dataset": H.rows(tokenizer, 4),
                  "collator": DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)}
     exec(H.readme_snippets()[0], namespace)  # the README's Trainer snippet, as a user runs it
-    trainer = namespace["trainer"]
-    if args.process_index == 0:
+    return namespace["trainer"], tokenizer
+
+
+def main(tok_dir: str, out: str) -> None:
+    out_dir = Path(out)
+    trainer, tokenizer = _train(tok_dir, out_dir)
+    evaluated = trainer.evaluate(eval_dataset=H.rows(tokenizer, 5))
+    if trainer.args.process_index == 0:
         (out_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        (out_dir / "eval.json").write_text(json.dumps(evaluated))
+        torch.save(trainer.model.state_dict(), out_dir / "trained.pt")
     # end the process group before exit: left to interpreter shutdown, gloo's threads sometimes abort the
     # process ("terminate called without an active exception", exit -6) after a run that succeeded
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def layout_rank(rank: int, world: int, tok_dir: str, out: str, launched: bool) -> None:
+    """One rank under `run_ranks` (its gloo group already made by hand). `launched`: set WORLD_SIZE, RANK
+    and LOCAL_RANK first, as torchrun would. Writes `rank<r>.json`: the log history, or the error."""
+    if launched:
+        os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    out_dir = Path(out)
+    (out_dir / f"rank{rank}").mkdir()
+    try:
+        trainer, _ = _train(tok_dir, out_dir / f"rank{rank}")
+        result = {"log_history": trainer.state.log_history, "world_size": trainer.args.world_size}
+    except RuntimeError as err:
+        result = {"error": str(err)}
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

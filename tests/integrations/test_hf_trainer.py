@@ -3,8 +3,10 @@ tiny random Llama). The first optimizer step's logged values are checked against
 whole global batch computed by hand in one forward, at the initial weights:
 
 - the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
-  evaluation loss afterwards;
-- the same snippet on 2 processes (torchrun, gloo; micro-batch 1 x accumulation 2 per rank);
+  evaluation afterwards: `eval_loss`, `eval_ce`, `eval_term/*` are the objective of the whole evaluated
+  set at evaluation batch 1 and 4 alike;
+- the same snippet on 2 processes (torchrun, gloo; micro-batch 1 x accumulation 2 per rank), and its
+  evaluation of 5 rows at batch 1 per rank (accelerate repeats one row to even the ranks out);
 - the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
 - every term weight 0 changes nothing: bit-identical losses and weights to the integration's plain CE,
@@ -55,6 +57,10 @@ def _collator(tok):
     return DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)
 
 
+def _unprefixed(metrics: dict, prefix: str = "eval_") -> dict:
+    return {key[len(prefix):]: value for key, value in metrics.items() if key.startswith(prefix)}
+
+
 def _assert_logged(logged: dict, want: dict) -> None:
     for key in LOGGED:
         assert logged[key] == pytest.approx(want[key], rel=REL), (key, logged[key], want[key])
@@ -87,10 +93,13 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
     assert abs(sum(h["loss"] for h in halves) / 2 - want["loss"]) > 100 * REL * want["loss"]
     # the updated weights moved: the loss trained the model
     assert any(not torch.equal(a, b) for a, b in zip(initial.parameters(), trainer.model.parameters()))
-    # evaluation goes through the same loss: one batch of the 4 rows is their objective at the new weights
-    trainer.args.per_device_eval_batch_size = 4
-    trained = H.whole_batch_objective(trainer.model, vocab, H.SPEC, _collator(tok)(copy.deepcopy(dataset)))
-    assert trainer.evaluate(eval_dataset=dataset)["eval_loss"] == pytest.approx(trained["loss"], rel=REL)
+    # evaluation: the objective of the whole evaluated set at the new weights, at any eval batch size (5
+    # rows: batches of 1, and of 4 + 1, whose own objectives weigh their numeric positions differently)
+    evaluated = H.rows(tok, 5)
+    trained = H.whole_batch_objective(trainer.model, vocab, H.SPEC, _collator(tok)(copy.deepcopy(evaluated)))
+    for batch_size in (1, 4):
+        trainer.args.per_device_eval_batch_size = batch_size
+        _assert_logged(_unprefixed(trainer.evaluate(eval_dataset=evaluated)), trained)
 
 
 def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
@@ -110,6 +119,12 @@ def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
     vocab = NumericVocab.from_tokenizer(tok, policy="digits")
     want = H.whole_batch_objective(initial, vocab, H.SPEC, _collator(tok)(H.rows(tok, 4)))
     _assert_logged(logged, want)
+    # the evaluation of 5 rows at batch 1 per rank (3 batches each: accelerate repeats a row on rank 1, which
+    # counts once) is the whole set's objective at the trained weights
+    trained = H.model(tok)
+    trained.load_state_dict(torch.load(tmp_path / "trained.pt"))
+    want = H.whole_batch_objective(trained, vocab, H.SPEC, _collator(tok)(H.rows(tok, 5)))
+    _assert_logged(_unprefixed(json.loads((tmp_path / "eval.json").read_text())), want)
 
 
 def test_sft_trainer_completion_only_equals_the_objective_on_its_labels(tok, tmp_path):

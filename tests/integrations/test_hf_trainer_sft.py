@@ -1,0 +1,62 @@
+"""`NumericSFTTrainer` against TRL's own `SFTTrainer` on the same tiny random Llama, rows and seed (CPU,
+fp32): one decoder forward per micro-batch, as SFTTrainer (before, TRL's `compute_loss_func` path ran
+a second forward without gradients for its metrics: 2 per micro-batch), and with every term at weight 0
+the same logged loss, gradient norm and TRL metrics (entropy, mean_token_accuracy, num_tokens), which
+SFTTrainer computes in its own fused head and the integration from its logits; evaluation likewise."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+
+from tests.integrations import hf_trainer_helpers as H  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+TRL_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _run(tok, tmp_path, numeric: bool) -> tuple[dict, list[dict], dict]:
+    """Two optimizer steps (micro-batch 2, accumulation 1, so TRL's per-micro-batch metrics and the
+    integration's per-step ones are over the same tokens) and one evaluation of 4 rows in one batch.
+    Returns the decoder's forward counts, the training logs and the evaluation's metrics."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericSFTTrainer
+
+    model = H.model(tok)
+    forwards = {"train": 0, "eval": 0}
+
+    def count(module, args, out):  # the decoder (LlamaModel): every forward of the model runs it once
+        forwards["train" if module.training else "eval"] += 1
+
+    model.model.register_forward_hook(count)
+    config = SFTConfig(output_dir=str(tmp_path / str(numeric)), per_device_train_batch_size=2,
+                       per_device_eval_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-3, report_to=[],
+                       save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, log_level="error", bf16=False)
+    kwargs = dict(model=model, args=config, train_dataset=Dataset.from_list(H.chat_rows(4)), processing_class=tok)
+    if numeric:
+        trainer = NumericSFTTrainer(**kwargs, numeric_vocab=NumericVocab.from_tokenizer(tok, policy="digits"),
+                                    objective={"terms": {"ntl_was": {"weight": 0}}})
+    else:
+        trainer = SFTTrainer(**kwargs)
+    trainer.train()
+    evaluated = trainer.evaluate(eval_dataset=Dataset.from_list(H.chat_rows(4)))
+    return forwards, [h for h in trainer.state.log_history if "grad_norm" in h], evaluated
+
+
+def test_one_forward_per_micro_batch_and_trls_own_metrics(tmp_path):
+    tok = H.tokenizer(tmp_path / "tok")
+    stock_forwards, stock_logs, stock_eval = _run(tok, tmp_path, numeric=False)
+    forwards, logs, evaluated = _run(tok, tmp_path, numeric=True)
+    assert stock_forwards == {"train": 2, "eval": 1}  # 2 micro-batches, 1 evaluated batch
+    assert forwards == stock_forwards
+    assert len(logs) == len(stock_logs) == 2
+    for mine, stock in zip(logs, stock_logs):
+        for key in TRL_METRICS:
+            assert mine[key] == pytest.approx(stock[key], rel=1e-5), (key, mine[key], stock[key])
+        assert mine["term/ntl_was"] > 0 and mine["numeric_positions"] > 0  # the numeric values beside them
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert evaluated[key] == pytest.approx(stock_eval[key], rel=1e-5), (key, evaluated[key], stock_eval[key])
