@@ -70,6 +70,10 @@ class DataConfig:
     train: str = ""
     eval: str | None = None
     seq_len: int | None = None  # pad every batch to this length (None: the longest row)
+    # sort each global batch's rows by length before dealing them to ranks and micro-batches (each
+    # micro-batch then pads to similar lengths); a step trains on the same rows, its loss and gradient
+    # equal up to float summation order (data_prep.reader). false: the seeded order as it is
+    length_bucketing: bool = True
     shuffle_window: int = 8192
     pad_to_multiple_of: int = 8
     # the shards' manifest records the tokenizer they were built with; a run refuses data whose tokenizer

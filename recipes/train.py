@@ -66,6 +66,9 @@ from .training.throughput import StepMeter
 EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
+# padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
+# batch. Counted from the loop's batches, unless the engine's train_step returns this key: the positions it ran
+TOKENS_RUN = "tokens_run"
 
 
 def batches(dataset: ShardDataset):
@@ -135,7 +138,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id,
-                           verify=recipe.data.verify)
+                           verify=recipe.data.verify, length_bucketing=recipe.data.length_bucketing)
     step = dirs.load(dataset, engine.load_state)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
@@ -151,18 +154,21 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
         while step < recipe.train.steps:
             started = time.perf_counter()
             lr = engine.lr()  # the rate this step's update uses
-            window, tokens = [], 0
+            window, tokens, tokens_run = [], 0, 0
             for _ in range(recipe.train.grad_accum):  # the step's micro-batches, read ahead to count them
                 inputs, batch_tokens = model_inputs(next(stream), **engine.batch_options)
                 window.append({k: v.to(runtime.device) if torch.is_tensor(v) else v for k, v in inputs.items()})
                 tokens += batch_tokens
+                tokens_run += int(inputs["input_ids"].numel())  # padding included
             meter.data_read(started)
             sums = engine.train_step(window, diagnostics=diagnosed(recipe, step + 1))
             step += 1
+            # an engine that pads further than the loop's batches (Megatron's pipeline shapes) says so itself
+            sums.setdefault(TOKENS_RUN, tokens_run)
             sums["tokens"], sums["model_flops"] = tokens, meter.flops(tokens, window)
             reduced = reduce_sum(sums, runtime.device, dp.group)  # every rank, every step: one small all-reduce
             elapsed = time.perf_counter() - started
-            row = {"step": step, **{k: v for k, v in reduced.items() if k not in ("tokens", "model_flops")},
+            row = {"step": step, **{k: v for k, v in reduced.items() if k not in ("tokens", "model_flops", TOKENS_RUN)},
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
                    **meter.row(reduced, elapsed)}
             row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values

@@ -7,6 +7,8 @@ Per logged step (`StepMeter.row`):
   summed over the data-parallel group, / world size / the step's wall time. On CPU too.
 - `mfu`: tflops_per_rank / the GPU's dense peak for model.dtype (step_model.GPU_PEAKS_BF16 by
   torch.cuda.get_device_name(), or cluster.gpu_peak_tflops); null on CPU and on GPUs not in the table.
+- `padding_ratio`: token positions the model ran, padding included, / real tokens, over the global batch
+  (`tokens_run` of the loop's sums: its batches' shapes, or the engine's own count when it pads further).
 - `data_s` (reading and preparing the step's micro-batches), `fwd_bwd_s` and `optimizer_s` where the
   engine exposes them (`engine.timings`, each part ended by a device synchronisation; DeepSpeed: up to
   the last backward, then the optimizer step; Megatron: the forward-backward schedule, then the
@@ -74,10 +76,12 @@ class StepMeter:
         return sm.model_flops_per_token(self.shape, tokens / rows) * tokens
 
     def row(self, reduced: dict, elapsed: float) -> dict:
-        """The step's throughput fields (`reduced`: the loop's sums over data parallel, with model_flops)."""
+        """The step's throughput fields (`reduced`: the loop's sums over data parallel, with model_flops,
+        tokens and tokens_run)."""
         tflops = reduced["model_flops"] / self.runtime.world_size / elapsed / 1e12
         out = {"tflops_per_rank": tflops, "mfu": tflops / self.peak if self.peak else None,
-               "step_s": elapsed, "data_s": self._data_s}
+               "padding_ratio": reduced["tokens_run"] / max(1, reduced["tokens"]), "step_s": elapsed,
+               "data_s": self._data_s}
         out.update(getattr(self.engine, "timings", None) or {})
         self.rows.append(out)
         return out
