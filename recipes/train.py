@@ -140,6 +140,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id,
                            verify=recipe.data.verify, length_bucketing=recipe.data.length_bucketing)
     step = dirs.load(dataset, engine.load_state)
+    first_step = step + 1  # this run's first: no update of this run before it (NonFiniteTraining's advice)
     if runtime.is_main and step:
         print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
     if runtime.is_main:
@@ -179,7 +180,8 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 row = {**row, **meter.peak_memory()}  # a collective: on logged steps, on every rank
                 metrics.log(row)
             if nonfinite:
-                raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag())
+                raise NonFiniteTraining(step, nonfinite_keys(row) or ["a value on another rank"], dirs.latest_tag(),
+                                        before_any_update=step == first_step)
             warning = zero_grad.update(step, row["grad_norm"])
             if warning and runtime.is_main:
                 print(f"[numloss] {warning}", file=sys.stderr, flush=True)

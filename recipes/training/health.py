@@ -26,14 +26,29 @@ ZERO_GRAD_STEPS = 3  # this many steps in a row with a gradient norm of exactly 
 
 
 class NonFiniteTraining(RuntimeError):
-    """Training produced NaN or inf; nothing was saved after the last good checkpoint."""
+    """Training produced NaN or inf; nothing was saved after the last good checkpoint. The message's advice
+    follows what can have caused it (`nonfinite_hint`)."""
 
-    def __init__(self, step: int, keys: list[str], last_checkpoint: str | None):
+    def __init__(self, step: int, keys: list[str], last_checkpoint: str | None, before_any_update: bool = False):
         self.step, self.keys, self.last_checkpoint = step, keys, last_checkpoint
         kept = f"the last checkpoint is {last_checkpoint} (finite)" if last_checkpoint else "no checkpoint was written"
         super().__init__(f"step {step}: {', '.join(keys)} not finite; stopped without saving or exporting "
-                         f"({kept}). Lower optim.lr (or raise optim.warmup_steps), check the data, "
-                         f"and resume from the last checkpoint")
+                         f"({kept}). {nonfinite_hint(keys, before_any_update)}")
+
+
+def nonfinite_hint(keys: list[str], before_any_update: bool) -> str:
+    """What can help, given which values were not finite and whether this run had updated the weights yet.
+    A lower learning rate only helps values that the updates made non-finite."""
+    terms = [k[len("term/"):] for k in keys if k.startswith("term/")]
+    if terms and "ce" not in keys:  # the numeric term alone: its math on the vocabulary's values
+        return (f"Cross-entropy is finite, so the numeric term{'s' * (len(terms) > 1)} {', '.join(terms)} overflowed "
+                f"on the numeric vocabulary's values, whatever the learning rate: lower loss.numeric_max_value or use "
+                f"a bounded term (ntl_was, smmd, dist2) for numbers this large, or check the term's options")
+    if before_any_update:
+        return ("This run had applied no update yet, so the learning rate is not the cause: the weights it started "
+                "from (the model, or the checkpoint it resumed) or the step's inputs are; check the data "
+                "(python -m data_prep inspect) and the model's weights")
+    return ("Lower optim.lr (or raise optim.warmup_steps), check the data, and resume from the last checkpoint")
 
 
 def any_rank(flags: list[bool], device: torch.device) -> list[bool]:

@@ -134,6 +134,21 @@ def convert_once(src: Path, dst: Path, is_main: bool, *, command: Callable[[Path
         raise RuntimeError(f"rank 0: {message}")
 
 
+# torch's load_state_dict when the module is not the one saved (another width, depth or LoRA targets)
+_OTHER_MODEL = ("size mismatch", "Missing key(s)", "Unexpected key(s)")
+
+
+def load_failure_hint(err: BaseException, directory: Path) -> str:
+    """What can help after a failed load: an older checkpoint helps a damaged one, never one of another
+    model (every checkpoint of the run holds that model)."""
+    if any(marker in str(err) for marker in _OTHER_MODEL):
+        return (f"The checkpoint holds another model than this recipe builds (model.config, model.name_or_path or "
+                f"model.lora changed since it was saved; {directory.parent.parent / 'recipe.yaml'} is the recipe it "
+                f"trained with): start again with that recipe, or train this one into a new train.out_dir")
+    return (f"If the checkpoint is damaged, an older one can be loaded: echo step_XXXXXXXX > "
+            f"{directory.parent / 'latest'}")
+
+
 def save_state(engine, directory: Path, step: int, trainable_only: bool = False) -> None:
     """DeepSpeed's model, optimizer and schedule state into `directory` (a step directory).
     `trainable_only` (LoRA): the frozen base is left out, as it is rebuilt at every start; a 70B base
@@ -157,7 +172,6 @@ def load_state(engine, directory: Path, tag: str | None = None, trainable_only: 
     except Exception as err:  # DeepSpeed's own errors name no file (`PytorchStreamReader failed ...`)
         files = sorted(p.name for p in source.glob("*") if p.is_file())
         raise RuntimeError(f"DeepSpeed could not load the checkpoint {source} ({type(err).__name__}: {err}); its "
-                           f"files: {', '.join(files) or 'none'}. An older checkpoint: point "
-                           f"{directory.parent / 'latest'} at it") from err
+                           f"files: {', '.join(files) or 'none'}. {load_failure_hint(err, directory)}") from err
     if path is None:
         raise RuntimeError(f"checkpoint {source} could not be loaded by DeepSpeed (no files for this layout)")
