@@ -60,11 +60,15 @@ def readme_snippets() -> list[str]:
 
 
 def whole_batch_objective(model, vocab, spec: dict, batch: dict) -> dict[str, float]:
-    """The objective of the whole global batch in one forward, divided by its own counts: what the
-    integration's step must log, computed without it."""
+    """The objective of the whole global batch in one forward, divided by its own counts, and the norm
+    of its gradient (`grad_norm`): what the integration's step must log, computed without it."""
     from numloss import Objective
     from numloss.adapters.deepspeed_autotp import shift_labels
 
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return Objective(vocab, spec)(logits, shift_labels(batch["labels"])).log_dict()
+    model.zero_grad()
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    out = Objective(vocab, spec)(logits, shift_labels(batch["labels"]))
+    out.loss.backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad()
+    return {**out.log_dict(), "grad_norm": float(norm)}

@@ -36,6 +36,7 @@ from tests.integrations import hf_trainer_helpers as H  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 REL = 1e-5
 LOGGED = ("loss", "ce", "term/smmd", "term/ntl_was", "numeric_positions")
+TRAINED = (*LOGGED, "grad_norm")  # the gradient's norm too: its scale over accumulation and processes
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +62,8 @@ def _unprefixed(metrics: dict, prefix: str = "eval_") -> dict:
     return {key[len(prefix):]: value for key, value in metrics.items() if key.startswith(prefix)}
 
 
-def _assert_logged(logged: dict, want: dict) -> None:
-    for key in LOGGED:
+def _assert_logged(logged: dict, want: dict, keys=LOGGED) -> None:
+    for key in keys:
         assert logged[key] == pytest.approx(want[key], rel=REL), (key, logged[key], want[key])
 
 
@@ -80,7 +81,7 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
     logged = trainer.state.log_history[0]
     vocab = NumericVocab.from_tokenizer(tok, policy="digits")
     want = H.whole_batch_objective(initial, vocab, H.SPEC, _collator(tok)(copy.deepcopy(dataset)))
-    _assert_logged(logged, want)
+    _assert_logged(logged, want, TRAINED)
     # the Trainer's own reporters get the terms: TensorBoard's event file has them as train/term/*
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -118,7 +119,7 @@ def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
     initial.load_state_dict(torch.load(tmp_path / "init.pt"))
     vocab = NumericVocab.from_tokenizer(tok, policy="digits")
     want = H.whole_batch_objective(initial, vocab, H.SPEC, _collator(tok)(H.rows(tok, 4)))
-    _assert_logged(logged, want)
+    _assert_logged(logged, want, TRAINED)
     # the evaluation of 5 rows at batch 1 per rank (3 batches each: accelerate repeats a row on rank 1, which
     # counts once) is the whole set's objective at the trained weights
     trained = H.model(tok)

@@ -7,7 +7,7 @@ of a missing TRL.
   the Trainer's world size and index and torch.distributed's (before the check each process trained on
   its own and logged the loss over the other's counts too, with no error);
 - with the variables set (what torchrun sets) the same script trains and logs the objective of the
-  whole global batch, computed by hand in one forward at the initial weights.
+  whole global batch and its gradient's norm, computed by hand in one forward at the initial weights.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_the_same_script_launched_with_its_layout_trains_on_the_whole_global_bat
     for result in results:
         assert result.get("world_size") == 2, result
         logged = result["log_history"][0]
-        for key in ("loss", "ce", "term/smmd", "term/ntl_was", "numeric_positions"):
+        for key in ("loss", "ce", "term/smmd", "term/ntl_was", "numeric_positions", "grad_norm"):
             assert logged[key] == pytest.approx(want[key], rel=1e-5), (key, logged[key], want[key])
 
 
