@@ -84,7 +84,8 @@ assert ops['fused_adam'] and ops['cpu_adam'] and acc == 'cuda', (acc, ops)"
 # image can be a cluster's head: `python -m launch.ray submit` and the SLURM template use them.
 RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 
-# The project, installed the way the README says: `pip install -e ".[train,ray,megatron]"`. Its deepspeed
+# The project, installed the way the README says: `pip install -e ".[train,ray,megatron,hf]"` (hf: TRL and
+# PEFT, for NumericSFTTrainer and the recipes' LoRA). Its deepspeed
 # and ray pins are already satisfied by the layers above, so this only adds the light dependencies
 # (transformers, tokenizers, datasets, pyarrow, ..., megatron-core, whose GPU kernels come from the base
 # image: apex and Transformer Engine, which the Megatron engine uses when they import). The GPU defaults for DeepSpeed apply here: the
@@ -92,8 +93,8 @@ RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 WORKDIR /workspace/numloss
 COPY . /workspace/numloss
 # hadolint ignore=DL3013
-RUN pip install -e ".[train,ray,megatron]" \
- && python -c "import torch, numloss, deepspeed, ray, transformers, megatron.core; \
+RUN pip install -e ".[train,ray,megatron,hf]" \
+ && python -c "import torch, numloss, deepspeed, ray, transformers, trl, peft, megatron.core; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.distributed.is_nccl_available()); \
 print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" \
  && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \
