@@ -137,6 +137,12 @@ class MegatronSection:
     overlap_grad_reduce: bool = True  # GPUs only: overlap the DP reduce-scatter with backward
     overlap_param_gather: bool = True  # GPUs only: overlap the param all-gather with the next forward
     recompute: str | None = None  # None | full | selective: activation recomputation (Megatron's names)
+    # auto: the Transformer Engine layer spec and its fusions where TE imports on CUDA, else megatron's local
+    # spec; local | transformer_engine force one (Megatron-LM's --transformer-impl; kernels.py)
+    transformer_impl: str = "auto"
+    # a `python -m recipes.convert` output: a fresh run loads its weights (any TP / PP) instead of converting
+    # the HF checkpoint on every rank; a resume loads the run's checkpoint and reads neither
+    load_converted: str | None = None
 
 
 @dataclass
@@ -235,6 +241,7 @@ class Recipe:
             "train.engine": (self.train.engine, ("deepspeed", "megatron")),
             "data.verify": (self.data.verify, ("size", "full", "none")),
             "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
+            "megatron.transformer_impl": (self.megatron.transformer_impl, ("auto", "transformer_engine", "local")),
             "deepspeed.reduce_dtype": (self.deepspeed.reduce_dtype, ("fp32", "bf16")),
         }
         for key, (value, allowed) in choices.items():

@@ -22,6 +22,7 @@ from recipes.engines.megatron.convert import (
     padded_vocab_size,
     rope_inv_freq,
     split_qkv,
+    te_name,
     transformer_config_from_hf,
 )
 from tests.engine_megatron.helpers import VOCAB, save_tiny
@@ -102,16 +103,30 @@ def test_round_trip_bit_exact(checkpoints, kind, tp, pp, vp):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
 
 
-def test_te_names_round_trip(checkpoints):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_te_spec_state_is_the_local_one_renamed_and_exports_bit_exact(checkpoints, tp, pp):
+    """The Transformer Engine spec's state dict is the local spec's under `te_name` (the two norms move
+    into linear_qkv / linear_fc1 as `layer_norm_weight`), the same tensors bit for bit, on every (TP, PP)
+    rank; exported back from the TE names it is the HF checkpoint bit for bit."""
     path = checkpoints["qwen2"]
     hf_config, reader = _hf_config(path), SafetensorsReader(path)
-    config = transformer_config_from_hf(hf_config, tp_size=2)
-    states = [hf_to_megatron(reader, config, hf_config, tp_rank=r, tp_size=2, pp_rank=0, pp_size=1, te_names=True)
-              for r in range(2)]
-    assert "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight" in states[0]
-    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in states[0]
-    assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in states[0])
-    back = megatron_to_hf({k: [s[k] for s in states] for k in states[0]}, config, hf_config)
+    config = transformer_config_from_hf(hf_config, tp_size=tp, pp_size=pp)
+    gathered: dict[str, list] = {}
+    for pp_rank in range(pp):
+        offset = layer_range(config, pp_rank).start
+        for tp_rank in range(tp):
+            where = {"tp_rank": tp_rank, "tp_size": tp, "pp_rank": pp_rank, "pp_size": pp}
+            local = hf_to_megatron(reader, config, hf_config, **where)
+            te = hf_to_megatron(reader, config, hf_config, te_names=True, **where)
+            assert {te_name(k) for k in local} == set(te) and len(te) == len(local)
+            assert all(torch.equal(te[te_name(k)], v) for k, v in local.items())
+            layer = "decoder.layers.0."
+            fused_norms = {layer + "self_attention.linear_qkv.layer_norm_weight", layer + "mlp.linear_fc1.layer_norm_weight"}
+            assert fused_norms <= set(te)
+            assert not any("input_layernorm" in k or "pre_mlp_layernorm" in k for k in te)
+            for name, t in global_layer_names(te, offset).items():
+                gathered.setdefault(name, []).append(t)
+    back = megatron_to_hf(gathered, config, hf_config)
     assert sorted(back) == sorted(reader.keys())
     assert all(torch.equal(back[k], reader(k)) for k in back)
 

@@ -148,8 +148,12 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def _close(got: dict, want: dict, rtol: float, where: str) -> None:
+    """Every logged value equal within `rtol`; the positions run (`tokens_run`) depend on the layout's
+    micro-batch split and padding and are checked on their own."""
     assert set(got) == set(want), where
     for key, value in want.items():
+        if key == "tokens_run":
+            continue
         assert got[key] == pytest.approx(value, rel=rtol, abs=1e-12), f"{where} {key}: {got[key]} != {value}"
 
 

@@ -37,9 +37,19 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix
+# the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix (megatron's local spec
+# saves its norms under these names too: its `sharded_state_dict_keys_map`)
 _TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def te_name(name: str) -> str:
+    """A local-spec parameter name under the Transformer Engine spec: the two per-layer norms move into
+    the linear layers they are fused with; every other name is the same."""
+    m = _LAYER.match(name)
+    if m is None or m.group(2) not in _TE_NORMS:
+        return name
+    return f"decoder.layers.{m.group(1)}.{_TE_NORMS[m.group(2)]}"
 
 
 # ---- configuration -----------------------------------------------------------------------------------
@@ -116,13 +126,22 @@ def check_supported(hf_config) -> None:
 def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
                                virtual_pp_size: int | None = None, sequence_parallel: bool = False,
                                dtype: torch.dtype = torch.float32, recompute: str | None = None,
-                               perform_initialization: bool = True, use_cpu_initialization: bool | None = None):
+                               perform_initialization: bool = True, use_cpu_initialization: bool | None = None,
+                               fusions: Mapping[str, bool] | None = None):
     """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral config and a layout.
 
-    No dropout (fine-tuning), no fusions that need apex/TE, fp32 softmax. `perform_initialization=False`
-    skips the random init when weights are loaded right after (large models build faster). Pure: no
-    communication. RoPE and the vocabulary are GPTModel arguments: see `gpt_model_kwargs`."""
+    No dropout (fine-tuning), fp32 softmax. `fusions`: the fused kernels to use, TransformerConfig field ->
+    bool (`kernels.KernelPlan.fusions`); every one left out is off (default: all off, plain torch ops).
+    `perform_initialization=False` skips the random init when weights are loaded right after (large models
+    build faster). Pure: no communication. RoPE and the vocabulary are GPTModel arguments: see
+    `gpt_model_kwargs`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .kernels import FUSION_FLAGS, NO_FUSIONS
+
+    unknown = set(fusions or {}) - set(FUSION_FLAGS)
+    if unknown:
+        raise ValueError(f"fusions: unknown flags {sorted(unknown)}; known: {list(FUSION_FLAGS)}")
 
     check_supported(hf_config)
     groups = hf_config.num_key_value_heads or hf_config.num_attention_heads
@@ -149,10 +168,7 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
         virtual_pipeline_model_parallel_size=virtual_pp_size, sequence_parallel=sequence_parallel and tp_size > 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
-        # fusions need apex / TE kernels: plain torch ops everywhere
-        apply_rope_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, cross_entropy_loss_fusion=False,
-        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+        **{**NO_FUSIONS, **(fusions or {})}, attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
         use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None else use_cpu_initialization,
         perform_initialization=perform_initialization, **recompute_args)
 
@@ -176,7 +192,10 @@ class SafetensorsReader:
     says which), reads that tensor alone (safetensors memory-maps), so a rank reads only its stage's
     share; `read_range` reads one TP rank's slice of a tensor and nothing else (at 70B, TP 8, a full
     bf16 embedding is 2.1 GB per rank where the slice is 0.26 GB). `files_opened` and `bytes_read`
-    record what was read."""
+    record what was read; `bytes_read_in_process` what every reader of this process read (a resume or a
+    start from a conversion reads none)."""
+
+    bytes_read_in_process = 0
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -217,6 +236,7 @@ class SafetensorsReader:
 
     def _counted(self, t: torch.Tensor) -> torch.Tensor:
         self.bytes_read += t.numel() * t.element_size()
+        SafetensorsReader.bytes_read_in_process += t.numel() * t.element_size()
         return t
 
     def __call__(self, name: str) -> torch.Tensor:
@@ -339,7 +359,7 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
         norm_in, norm_mlp = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
         if te_names:
-            norm_in, norm_mlp = _TE_NORMS[norm_in], _TE_NORMS[norm_mlp]
+            norm_in, norm_mlp = _TE_NORMS[norm_in], _TE_NORMS[norm_mlp]  # `te_name`
         put(mg + norm_in, source(hf + "input_layernorm.weight"))
         put(mg + norm_mlp, source(hf + "post_attention_layernorm.weight"))
         for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):

@@ -9,8 +9,10 @@ global batch. The shared training loop drives it (the DeepSpeed engine has the s
 
 Ranks are ordered TP fastest, then DP, then PP (`MegatronSection`); the TP and PP ranks of one
 data-parallel replica read the same rows. Devices: CUDA uses megatron-core's optimizer (DistributedOptimizer
-per the recipe) and overlapped grad reduce / param gather; CPU (gloo, `cpu_shim`) uses torch AdamW with
-the grad norm and clip computed in `step.py`, and no overlap (it needs CUDA streams).
+per the recipe), overlapped grad reduce / param gather, and where Transformer Engine imports its layer
+spec, fused kernels and THD packing (`kernels.py` decides; the run log names what is on); CPU (gloo,
+`cpu_shim`) uses megatron's local spec, torch AdamW with the grad norm and clip computed in `step.py`,
+and no overlap (it needs CUDA streams).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime, clear_method_caches
 
 from . import checkpoints, step
+from .converted import load_converted
+from .kernels import KernelPlan, plan_kernels
 from .model import build_model_chunks, initialize_model_parallel
 
 
@@ -37,10 +41,18 @@ class MegatronEngine:
     name = "megatron"
     processor = None  # text models only (Recipe.validate refuses model.vision on this engine)
 
-    def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs | None = None):
+    def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs | None = None,
+                 kernels: KernelPlan | None = None):
         """Parallel state, model chunks, numeric vocabulary (at the padded vocab size), objective, DDP
-        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1). `dirs` is
-        not needed: every layout loads every checkpoint (the format reshards)."""
+        and optimizer. Collective over the world (group set-up; tied embeddings at PP > 1; `dirs`'s
+        checkpoint verification).
+
+        Where the weights come from, decided here and named in the run log: a run that will resume
+        (`dirs` holds a checkpoint to resume from; every layout loads every checkpoint, the format
+        reshards) builds its model uninitialised and reads no HF weight (`recipes.train` loads the
+        checkpoint next); else `megatron.load_converted` (a `recipes.convert` output, loaded here at
+        this layout); else the HF checkpoint, each rank converting its share. `kernels`: the layer spec
+        and fusions (default `kernels.plan_kernels(recipe.megatron)`; the CPU tests pass their own)."""
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -64,7 +76,17 @@ class MegatronEngine:
                               "max_length": recipe.data.seq_len}
         self._grad_norm: float | None = None
         cuda = torch.cuda.is_available()
-        chunks = build_model_chunks(recipe)
+        self.kernels = kernels if kernels is not None else plan_kernels(m)
+        resuming = dirs is not None and dirs.resume_tag() is not None
+        converted = None if resuming else m.load_converted
+        self.weights_from = ("the run's checkpoint" if resuming else f"converted {converted}" if converted
+                             else "random init" if recipe.model.name_or_path is None
+                             else f"HF {recipe.model.name_or_path}")
+        chunks = build_model_chunks(recipe, self.kernels, read_hf_weights=not (resuming or converted))
+        if converted:
+            load_converted(converted, chunks)  # before DDP and the optimizer copy the weights
+        if runtime.is_main:
+            print(f"[numloss] megatron: {self.kernels.describe()}; weights from {self.weights_from}", flush=True)
         for chunk in chunks:  # (build_gpt_model marks TP-split weights and turns batched p2p off on gloo)
             # Before DDP: with it DDP sums gradients over DP and the schedules keep per-micro-batch sums.
             chunk.config.calculate_per_token_loss = True
@@ -81,11 +103,8 @@ class MegatronEngine:
                                             max_value=recipe.loss.numeric_max_value,
                                             space_variants=recipe.loss.space_variants, vocab_size=padded)
         self.objective = Objective(vocab, recipe.objective_config())
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, average_in_collective=False,
-            overlap_grad_reduce=cuda and m.overlap_grad_reduce,
-            overlap_param_gather=cuda and m.distributed_optimizer and m.overlap_param_gather,
-            use_distributed_optimizer=cuda and m.distributed_optimizer)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, average_in_collective=False,
+                                                   **self.kernels.ddp)
         # Bucketing only for the first chunk, as Megatron-LM does (later chunks' grads reduce as one).
         self.model = [DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=i > 0)
                       for i, chunk in enumerate(chunks)]
@@ -104,7 +123,8 @@ class MegatronEngine:
             chunk.train()
         sums = step.train_step(self.model, self.optimizer, self.objective, window,
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
-                               real_vocab_size=self.real_vocab_size, diagnostics=diagnostics)
+                               real_vocab_size=self.real_vocab_size, diagnostics=diagnostics,
+                               packing=self.kernels.packing, te=self.kernels.te)
         self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
         self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums

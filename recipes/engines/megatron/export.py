@@ -10,12 +10,14 @@ Contract (`export_hf`):
   files, starting a new file past `max_shard_bytes`. So one rank per pipeline stage writes, and no rank
   ever holds more than its stage's share of the model (at 70B, PP 8, bf16: ~18 GB) plus one full tensor.
 - Rank 0 then numbers the shards `model-0000i-of-0000N.safetensors` (pipeline order), writes
-  `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}) and `config.json` (the
-  original HF config, dtype set to the export's), all inside a temporary directory beside the target
+  `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}), `config.json` (the
+  original HF config, dtype set to the export's) and `generation_config.json` (the backbone's, as
+  transformers loaded it: an Instruct model's end-of-turn ids and sampling defaults; the DeepSpeed
+  export writes the same), all inside a temporary directory beside the target
   (`.<name>.tmp-export`), and renames it to `path` when complete (an existing `path` is replaced). A
   crash mid-export leaves the previous export, or nothing, at `path`, never a partial one.
 - A failure on one rank fails every rank, promptly: the steps that can fail locally (rank 0 preparing
-  the directory, a writer's disk, rank 0's assembly) end in an agreement (`_agree`, an all-gather of
+  the directory, a writer's disk, rank 0's assembly) end in an agreement (`agree`, an all-gather of
   each rank's error) instead of a barrier, and a writer whose disk failed keeps joining its TP group's
   gathers without writing. Every rank then raises the same RuntimeError naming the failed ranks, where
   it would otherwise wait in the next collective until the process group's timeout (60 min by default).
@@ -58,14 +60,14 @@ def _chunk_tensors(chunk) -> dict[str, torch.Tensor]:
     return global_layer_names(state, offset)
 
 
-def _agree(step: str, error: Exception | None) -> None:
-    """Collective: raise on every rank if `step` failed on any (each rank contributes its own error or
-    None); the message names each failed rank and its error."""
+def agree(step: str, error: Exception | None, what: str = "export_hf") -> None:
+    """Collective: raise on every rank if `step` of `what` failed on any (each rank contributes its own
+    error or None); the message names each failed rank and its error."""
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
-        raise RuntimeError(f"export_hf: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from error
+        raise RuntimeError(f"{what}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from error
 
 
 class _ShardWriter:
@@ -96,17 +98,19 @@ class _ShardWriter:
 
 
 def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, generation_config=None) -> dict:
     """Write the HF export of a GPTModel trained under any TP x PP (x VP) x DP layout; see the module
-    docstring for the contract. `model_chunks`: this rank's chunk or list of chunks; `hf_config`: the
-    backbone's HF config (default: the `hf_config` that `build_gpt_model` attached to the chunk);
-    `dtype`: the tensors' dtype on disk (default: the model's)."""
+    docstring for the contract. `model_chunks`: this rank's chunk or list of chunks; `hf_config` and
+    `generation_config`: the backbone's (default: the ones `build_gpt_model` attached to the chunk; no
+    generation_config.json when neither is there); `dtype`: the tensors' dtype on disk (default: the
+    model's)."""
     from megatron.core import parallel_state
 
     chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
     hf_config = hf_config if hf_config is not None else getattr(chunks[0], "hf_config", None)
     if hf_config is None:
         raise ValueError("export_hf: no hf_config given and the model has none attached")
+    generation_config = generation_config or getattr(chunks[0], "generation_config", None)
     config = chunks[0].config
     dtype = dtype or config.params_dtype
     path = Path(path)
@@ -127,7 +131,7 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
             tmp.mkdir(parents=True)
         except OSError as e:
             error = e
-    _agree("preparing the directory", error)  # it exists (shared storage) before anyone writes into it
+    agree("preparing the directory", error)  # it exists (shared storage) before anyone writes into it
 
     writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}", max_shard_bytes) if writes else None
     error = None
@@ -144,7 +148,7 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
                     try:
                         for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
                             writer.add(hf_name, hf_tensor.to(dtype))
-                    except Exception as e:  # noqa: BLE001  (any error: _agree re-raises it on every rank)
+                    except Exception as e:  # noqa: BLE001  (any error: agree re-raises it on every rank)
                         error = e
                 del shards
         if writes and error is None:
@@ -152,7 +156,7 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
                 writer.flush()
             except Exception as e:  # noqa: BLE001
                 error = e
-    _agree("writing the shards", error)
+    agree("writing the shards", error)
     mine = {"stage": pp_rank, "parts": writer.files if writer else []}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)  # past this point every shard is on disk
@@ -160,16 +164,16 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
     error = None
     if rank == 0:
         try:
-            _assemble(everyone, tmp, path, hf_config, dtype)
+            _assemble(everyone, tmp, path, hf_config, dtype, generation_config)
         except Exception as e:  # noqa: BLE001
             error = e
-    _agree("assembling the export", error)  # on success the export is complete at `path` for every rank
+    agree("assembling the export", error)  # on success the export is complete at `path` for every rank
     return {"keys": sorted(k for _, keys, _ in mine["parts"] for k in keys),
             "bytes": sum(n for _, _, n in mine["parts"])}
 
 
-def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: torch.dtype) -> None:
-    """Rank 0: number the shards, write the index and config into `tmp`, and switch it in at `path`."""
+def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: torch.dtype, generation_config) -> None:
+    """Rank 0: number the shards, write the index and configs into `tmp`, and switch it in at `path`."""
     parts = sorted((info["stage"], file, keys, nbytes) for info in everyone for file, keys, nbytes in info["parts"])
     count = len(parts)
     weight_map: dict[str, str] = {}
@@ -187,6 +191,8 @@ def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: tor
     out_config = copy.deepcopy(hf_config)
     out_config.dtype = dtype
     out_config.save_pretrained(str(tmp))
+    if generation_config is not None:
+        generation_config.save_pretrained(str(tmp))
     if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
         old = path.parent / f".{path.name}.old-export"
         shutil.rmtree(old, ignore_errors=True)

@@ -9,7 +9,6 @@ stage at build time).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from .convert import (
     tp_split_dim,
     transformer_config_from_hf,
 )
+from .kernels import LOCAL_SPEC, KernelPlan, plan_kernels
 
 
 def initialize_model_parallel(recipe: Recipe) -> None:
@@ -96,15 +96,11 @@ class RMSNorm(torch.nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def transformer_engine_available() -> bool:
-    """TE is used when it imports and there is a GPU (it has no CPU kernels)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def layer_spec(config, pp_rank: int, vp_stage: int | None = None, use_te: bool | None = None):
-    """The decoder block spec: megatron's Transformer Engine spec when TE is usable (its norms are fused
-    into linear_qkv / linear_fc1), else its local spec with `RMSNorm` (above) as every norm, including
-    the final one. Returns `(spec, te)`."""
+def layer_spec(config, pp_rank: int, vp_stage: int | None = None, plan: KernelPlan | None = None):
+    """This chunk's decoder block spec for `plan.spec` (`kernels.py`): megatron's Transformer Engine spec
+    (its norms fused into linear_qkv / linear_fc1, `TENorm` as the final norm), else its local spec with
+    `RMSNorm` (above) as every norm, including the final one, and `plan.core_attention` as its attention
+    when given."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -114,15 +110,20 @@ def layer_spec(config, pp_rank: int, vp_stage: int | None = None, use_te: bool |
         get_num_layers_to_build,
     )
 
-    te = transformer_engine_available() if use_te is None else use_te
-    if te:
+    plan = plan if plan is not None else KernelPlan(spec=LOCAL_SPEC, fusions={}, ddp={}, packing="mask")
+    if plan.te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
-                                          vp_stage=vp_stage, pp_rank=pp_rank), True
+                                          vp_stage=vp_stage, pp_rank=pp_rank)
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
-    sub = dataclasses.replace(local.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm)
+    attention = local.submodules.self_attention
+    if plan.core_attention is not None:
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, core_attention=plan.core_attention))
+    sub = dataclasses.replace(local.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
+                              self_attention=attention)
     layer = dataclasses.replace(local, submodules=sub)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm), False
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
 def hf_config_for(recipe: Recipe):
@@ -166,14 +167,34 @@ def load_hf_weights(model, reader, hf_config, *, tp_rank: int, tp_size: int, pp_
     return state
 
 
-def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_stage: int | None = None):
+def generation_config_for(recipe: Recipe, hf_config):
+    """The backbone's generation defaults, as transformers gives a loaded model them: the checkpoint's
+    `generation_config.json` (an Instruct model's end-of-turn token ids, its sampling defaults), else the
+    ones derived from its config. The export writes it back (`export.export_hf`)."""
+    from transformers import GenerationConfig
+
+    if recipe.model.name_or_path is not None:
+        try:
+            return GenerationConfig.from_pretrained(recipe.model.name_or_path,
+                                                    trust_remote_code=recipe.model.trust_remote_code)
+        except OSError:  # no generation_config.json in the checkpoint: transformers derives one too
+            pass
+    return GenerationConfig.from_model_config(hf_config)
+
+
+def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_stage: int | None = None,
+                    plan: KernelPlan | None = None, read_hf_weights: bool = True):
     """This rank's GPTModel chunk for the recipe's backbone (megatron's model-provider signature).
 
     Logits stay vocab-parallel (`parallel_output=True`: `[s, b, V'/tp]`, V' the padded vocabulary).
+    The layer spec and fused kernels are `plan`'s (default: `kernels.plan_kernels(recipe.megatron)`).
     From `model.name_or_path` (an HF dir or hub name) the HF weights are read, only this rank's share,
-    and converted for its (TP rank, PP rank, chunk); from `model.config` the weights are megatron's random
-    init. dtype: `model.dtype`; activation recomputation: `megatron.recompute`. RoPE frequencies are the
-    HF model's (`rope_inv_freq`, Llama-3 scaling included).
+    and converted for its (TP rank, PP rank, chunk), unless `read_hf_weights` is False: then the weights
+    are left uninitialised for a checkpoint to fill (a resume, `megatron.load_converted`), and no byte of
+    the HF weights is read (only its config.json and generation_config.json). From `model.config` the
+    weights are megatron's random init. dtype: `model.dtype`; activation recomputation:
+    `megatron.recompute`. RoPE frequencies are the HF model's (`rope_inv_freq`, Llama-3 scaling included).
+    Attached for later: `hf_config` and `generation_config` (the export writes them), `kernel_plan`.
 
     Parallel contract: `initialize_model_parallel(recipe)` first; every rank calls it (a collective when
     embeddings are tied and PP > 1). No weights cross ranks: each rank reads its own from disk."""
@@ -182,6 +203,7 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
 
     cpu_shim.apply()
     m, mg = recipe.model, recipe.megatron
+    plan = plan if plan is not None else plan_kernels(mg)
     hf_config = hf_config_for(recipe)
     tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     pp_rank, pp_size = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
@@ -190,7 +212,8 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
                          f"PP {mg.pp_size}: call initialize_model_parallel(recipe) first")
     config = transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, virtual_pp_size=mg.virtual_pp_size,
                                         sequence_parallel=mg.sequence_parallel, dtype=getattr(torch, m.dtype),
-                                        recompute=mg.recompute, perform_initialization=m.name_or_path is None)
+                                        recompute=mg.recompute, perform_initialization=m.name_or_path is None,
+                                        fusions=plan.fusions)
     if (pre_process, post_process) != stage_ends(config, pp_rank, vp_stage):
         raise ValueError(f"pre_process/post_process {pre_process}/{post_process} do not match pipeline rank {pp_rank}"
                          f" chunk {vp_stage}: expected {stage_ends(config, pp_rank, vp_stage)}")
@@ -198,30 +221,33 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
         # gloo: megatron's batched p2p (`batch_isend_irecv`) delivered wrong activations to interleaved
         # 1F1B from the third micro-batch on (found by the engine's layout tests); unbatched p2p is right
         config.batch_p2p_comm = False
-    spec, te = layer_spec(config, pp_rank, vp_stage)
+    spec = layer_spec(config, pp_rank, vp_stage, plan)
     model = GPTModel(config, spec, pre_process=pre_process, post_process=post_process, parallel_output=True,
                      vp_stage=vp_stage, **gpt_model_kwargs(hf_config, tp_size))
     mark_tensor_parallel(model)
     set_rope_frequencies(model, hf_config)
-    if m.name_or_path is not None:
+    if m.name_or_path is not None and read_hf_weights:
         reader = SafetensorsReader(local_checkpoint_dir(m.name_or_path))
         load_hf_weights(model, reader, hf_config, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                        vp_stage=vp_stage, te=te)
+                        vp_stage=vp_stage, te=plan.te)
     model.hf_config = hf_config  # what export writes back as config.json
+    model.generation_config = generation_config_for(recipe, hf_config)  # and as generation_config.json
+    model.kernel_plan = plan
     return model
 
 
-def build_model_chunks(recipe: Recipe) -> list:
+def build_model_chunks(recipe: Recipe, plan: KernelPlan | None = None, read_hf_weights: bool = True) -> list:
     """Every GPTModel chunk of this rank: one, or `megatron.virtual_pp_size` with interleaving (chunk v
-    holds the v-th of its stage's layer groups), each with its own pre/post-process flags. Same
-    contract as `build_gpt_model`."""
+    holds the v-th of its stage's layer groups), each with its own pre/post-process flags, all with one
+    kernel plan. Same contract as `build_gpt_model`."""
     from megatron.core import parallel_state
 
+    plan = plan if plan is not None else plan_kernels(recipe.megatron)
     pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), recipe.megatron.pp_size
     vp = recipe.megatron.virtual_pp_size
     stages = [None] if vp is None else list(range(vp))
     return [build_gpt_model(recipe, pp_rank == 0 and v in (None, 0), pp_rank == pp - 1 and v in (None, len(stages) - 1),
-                            vp_stage=v) for v in stages]
+                            vp_stage=v, plan=plan, read_hf_weights=read_hf_weights) for v in stages]
 
 
 def mark_tensor_parallel(model) -> None:

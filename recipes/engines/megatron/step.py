@@ -24,62 +24,13 @@ import torch
 import torch.distributed as dist
 
 from numloss import Objective
-from numloss.adapters.megatron import numeric_loss_func, shift_labels
+from numloss.adapters.megatron import numeric_loss_func
 from numloss.diagnostics import sum_keys
 from recipes.config import Recipe
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 
-
-def prepare_window(window: list[dict], pad_multiple: int = 1, ignore_index: int = -100) -> list[dict]:
-    """The loop's micro-batches -> what the schedule feeds GPTModel. Local; no communication.
-
-    In: dicts of `[b, s]` tensors `input_ids`, `labels` (Hugging Face style: unshifted, `ignore_index`
-    where not scored), `attention_mask` (1: a real token), optional `position_ids`, `sequence_ids`
-    (packed rows' segment ids). Out: `labels` shifted once (logit-aligned), every micro-batch padded on
-    the right to one length (a multiple of `pad_multiple`: the pipeline's p2p shapes are fixed per
-    step, and sequence parallelism splits the sequence over TP), `position_ids` (0.. per row unless
-    given), and `attention_mask` in Megatron's form: None (Megatron's causal mask) when rows are
-    right-padded and unpacked (padding then sits after every real token, and its labels are ignored),
-    else a `[b, 1, s, s]` bool mask, True where attention is NOT allowed: causal, within a segment,
-    never onto padding (a padded query attends to itself only, so no row is empty)."""
-    longest = max(m["input_ids"].shape[1] for m in window)
-    length = -(-longest // pad_multiple) * pad_multiple
-    return [_prepare_micro_batch(m, length, ignore_index) for m in window]
-
-
-def _prepare_micro_batch(m: dict, length: int, ignore_index: int) -> dict:
-    """One micro-batch of `prepare_window`, right-padded to `length`."""
-    b, s = m["input_ids"].shape
-    device = m["input_ids"].device
-    pad = length - s
-
-    def right(x: torch.Tensor, value: int) -> torch.Tensor:
-        return torch.nn.functional.pad(x, (0, pad), value=value)
-
-    real = m.get("attention_mask")
-    real = torch.ones(b, s, dtype=torch.long, device=device) if real is None else real
-    if real.dim() != 2:
-        raise ValueError(f"the Megatron engine takes a [b, s] attention_mask (1: a real token) and sequence_ids"
-                         f" for packed rows; got a {real.dim()}-D mask")
-    real = right(real.long(), 0).bool()
-    positions = m.get("position_ids")
-    positions = torch.arange(s, device=device).expand(b, s) if positions is None else positions
-    out = {"input_ids": right(m["input_ids"], 0),
-           "labels": right(shift_labels(m["labels"], ignore_index), ignore_index),
-           "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=device)], 1)}
-    segments = m.get("sequence_ids")
-    if segments is not None:
-        out["sequence_ids"] = right(segments, 0)
-    if segments is None and bool((real[:, 1:] <= real[:, :-1]).all()):  # unpacked, right-padded
-        out["attention_mask"] = None
-        return out
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril() & real[:, None, :]
-    if segments is not None:
-        allowed &= out["sequence_ids"][:, :, None] == out["sequence_ids"][:, None, :]
-    allowed |= torch.eye(length, dtype=torch.bool, device=device)
-    out["attention_mask"] = ~allowed[:, None]
-    return out
+from .batches import check_attention, prepare_window
 
 
 def configure_schedule(config, model_chunks: list, overlap_grad_reduce: bool = False,
@@ -252,18 +203,25 @@ def log_keys(objective: Objective, diagnostics: bool = False) -> list[str]:
 
 def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
                sequence_parallel: bool = False, real_vocab_size: int | None = None,
-               diagnostics: bool = False) -> dict[str, float]:
-    """Forward, backward and update for this replica's micro-batches `window` (see `prepare_window`).
+               diagnostics: bool = False, packing: str = "mask", te: bool = False) -> dict[str, float]:
+    """Forward, backward and update for this replica's micro-batches `window`, prepared in the model's
+    `packing` ("mask" or "thd": `batches.py`; `te`: the model has the Transformer Engine spec, whose
+    attention `batches.check_attention` guards). Each micro-batch runs at its own length (padded to a
+    multiple of TP under sequence parallelism); with PP and lengths that differ within the step, the
+    schedule exchanges each p2p tensor's shape first (megatron's `variable_seq_lengths`). Interleaved
+    1F1B (several model chunks) runs the step's micro-batches at one length (`prepare_window`'s
+    `one_length`: its shape exchange is not safe).
     `real_vocab_size`: the vocabulary before Megatron's padding, whose padded columns the objective
     leaves out (`numeric_loss_func`). `diagnostics`: the last stage also computes the gradient sums
     (`numloss.diagnostics`), logged and broadcast with the other values.
 
     Returns this rank's share of the logged values (`log_keys`, summed over the window; a SUM over the
-    data-parallel group gives the global batch's), "grad_norm" (the global norm before clipping,
-    the same on every rank) and this rank's time split, "fwd_bwd_s" (the schedule: every micro-batch's
-    forward and backward, with its p2p and gradient reduction) and "optimizer_s" (clip and update), each
-    ended by a device synchronisation. Every rank returns the same keys: the last pipeline stage computes the
-    values and broadcasts them over the pipeline group."""
+    data-parallel group gives the global batch's), "tokens_run" (the token positions the replica ran,
+    padding included: a SUM over data parallel gives the step's), "grad_norm" (the global norm before
+    clipping, the same on every rank) and this rank's time split, "fwd_bwd_s" (the schedule: every
+    micro-batch's forward and backward, with its p2p and gradient reduction) and "optimizer_s" (clip and
+    update), each ended by a device synchronisation. Every rank returns the same keys: the last pipeline
+    stage computes the values and broadcasts them over the pipeline group."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -272,21 +230,28 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         raise ValueError("the numloss step needs calculate_per_token_loss=True and no context parallelism")
     ignore = objective.config.ignore_index
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    batches = prepare_window(window, pad_multiple=tp if sequence_parallel else 1, ignore_index=ignore)
+    batches = prepare_window(window, pad_multiple=tp if sequence_parallel else 1, ignore_index=ignore,
+                             packing=packing, one_length=len(model_chunks) > 1)
+    for m in batches:
+        check_attention(m, te, packing)
     dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                       parallel_state.get_data_parallel_group())
     counts = step_counts(objective.counts, batches, dp)  # the step's global counts, as the DeepSpeed engine
 
     def forward_step(data_iterator, model):
         m = next(data_iterator)
-        output = model(m["input_ids"], m["position_ids"], m["attention_mask"])  # last stage: [b, s, V/tp]
+        output = model(m["input_ids"], m["position_ids"], m["attention_mask"],  # last stage: [b, s, V/tp]
+                       packed_seq_params=m.get("packed_seq_params"))
         return output, partial(numeric_loss_func, objective, counts, m["labels"],
                                sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size,
                                diagnostics=diagnostics)
 
-    b, s = batches[0]["input_ids"].shape
-    if any(m["input_ids"].shape[0] != b for m in batches):
+    shapes = {tuple(m["input_ids"].shape) for m in batches}
+    if len({b for b, _ in shapes}) > 1:
         raise ValueError("every micro-batch of a step must have the same number of rows")
+    b, s = batches[0]["input_ids"].shape[0], max(length for _, length in shapes)
+    for chunk in model_chunks:  # read by the schedule's p2p: exchange shapes only when they differ
+        chunk.config.variable_seq_lengths = len(shapes) > 1
     # Interleaved 1F1B: one iterator per model chunk, each walking the whole window.
     iterators = [iter(batches) for _ in model_chunks]
     started = time.perf_counter()
@@ -310,7 +275,8 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         values = values.to(device)
         dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return {**dict(zip(keys, values.tolist())), "grad_norm": grad_norm, **timings}
+    return {**dict(zip(keys, values.tolist())), "tokens_run": float(sum(m["tokens_run"] for m in batches)),
+            "grad_norm": grad_norm, **timings}
 
 
 def _synchronize() -> None:

@@ -1,0 +1,137 @@
+"""A backbone converted once from Hugging Face safetensors into a megatron-core distributed checkpoint
+(`python -m recipes.convert`), and a run's start from it (`megatron.load_converted`).
+
+Without it every rank of every start converts its share of the HF checkpoint again (the whole 140 GB
+read at 70B, at each start and before this change at each resume too). The converted directory holds
+the model's weights in `megatron.core.dist_checkpointing` form (the same sharded tensors as a run
+checkpoint's model part: global layer numbers, full shapes), so it loads at any TP / PP / VP layout,
+whatever layout converted it; the vocabulary padding, which depends on TP, reshards as in a run
+checkpoint (megatron loads the embedding's overlap and zero-fills the rest). `CONVERTED_JSON` records
+what was converted (source, model type and shape, dtype, layout, layer spec); it is written last, so a
+directory without it is not a finished conversion. The conversion is written into `<out>.partial` and
+renamed to `<out>` when complete.
+
+Parallel contract: `save_converted` and `load_converted` are collectives over the world (every rank
+with its own chunks, the same directory on storage every rank sees); each rank writes or reads its
+shards only. `converted_problems` reads two small JSON files, no collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+CONVERTED_JSON = "numloss_converted.json"
+FORMAT = 1
+# what must match between the converted backbone and the recipe's (the weights' shapes and meaning)
+HF_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def _hf_fields(hf_config) -> dict:
+    return {key: getattr(hf_config, key, None) for key in HF_FIELDS}
+
+
+def _model_request(model_chunks: list) -> dict:
+    from .export import unwrap
+
+    return {f"chunk{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def partial_dir(out: Path) -> Path:
+    return out.parent / f"{out.name}.partial"
+
+
+def save_converted(out: str | Path, model_chunks: list, recipe, hf_config) -> dict:
+    """Write this rank's chunks into `<out>.partial`, then (rank 0) `CONVERTED_JSON` and the rename to
+    `out`. Refuses an existing `out`. Returns what `CONVERTED_JSON` holds. Collective."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from .export import agree
+
+    out = Path(out)
+    staging = partial_dir(out)
+    started = time.perf_counter()
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            if out.exists():
+                raise FileExistsError(f"{out} exists; remove it or convert into another directory")
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed conversion's leftovers
+            staging.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    agree("preparing the directory", error, what="save_converted")  # every rank fails with rank 0, none waits
+    dist_checkpointing.save({"model": _model_request(model_chunks)}, str(staging))
+    info = {"format": FORMAT, "source": recipe.model.name_or_path, "dtype": recipe.model.dtype,
+            "hf_config": _hf_fields(hf_config),
+            "layout": {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+                       "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "vp": recipe.megatron.virtual_pp_size},
+            "layer_spec": getattr(getattr(model_chunks[0], "kernel_plan", None), "spec", None),
+            "seconds": round(time.perf_counter() - started, 1)}
+    dist.barrier()  # every rank's shards are written
+    if dist.get_rank() == 0:
+        (staging / CONVERTED_JSON).write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(staging, out)
+    dist.barrier()
+    return info
+
+
+def load_converted(directory: str | Path, model_chunks: list) -> None:
+    """Load a `save_converted` directory into this rank's built chunks (any layout: dist_checkpointing
+    reshards). Every parameter must be filled: a missing one raises naming it. Transformer Engine's
+    `_extra_state` (FP8 metadata; none in a conversion made without TE) may be absent. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from .export import unwrap
+
+    loaded, unexpected = dist_checkpointing.load({"model": _model_request(model_chunks)}, str(directory),
+                                                 strict=StrictHandling.RETURN_UNEXPECTED)
+    absent = sorted(key for key in unexpected if not key.endswith("_extra_state"))
+    if absent:
+        raise RuntimeError(f"{directory}: the converted checkpoint lacks {len(absent)} tensor(s) this model needs: "
+                           f"{absent[:5]}")
+    for i, chunk in enumerate(model_chunks):
+        result = unwrap(chunk).load_state_dict(loaded["model"][f"chunk{i}"], strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"{directory}: chunk {i} left {missing} unloaded, got {result.unexpected_keys} extra")
+
+
+def converted_problems(recipe, hf_config=None) -> list[str]:
+    """What stops `megatron.load_converted` from starting this recipe, before any model is built: the
+    directory is missing or not a finished conversion, or it holds another backbone or dtype. `hf_config`:
+    the recipe's (default: read as the engine reads it)."""
+    where = recipe.megatron.load_converted
+    path = Path(where)
+    key = "megatron.load_converted"
+    if not path.is_dir():
+        return [f"{key}: {where} does not exist; make it with python -m recipes.convert RECIPE.yaml --out {where}"]
+    info_path = path / CONVERTED_JSON
+    if not info_path.is_file():
+        return [f"{key}: {where} is not a finished conversion (no {CONVERTED_JSON}); convert again"]
+    info = json.loads(info_path.read_text())
+    if info.get("format") != FORMAT:
+        return [f"{key}: {where} has format {info.get('format')}, this version reads {FORMAT}; convert again"]
+    if hf_config is None:
+        from .model import hf_config_for
+
+        hf_config = hf_config_for(recipe)
+    problems = []
+    mine = _hf_fields(hf_config)
+    for field, value in info["hf_config"].items():
+        if mine.get(field) != value:
+            problems.append(f"{key}: {where} holds a backbone with {field} {value!r}, the recipe's model has "
+                            f"{mine.get(field)!r} ({info.get('source')} was converted)")
+    if info["dtype"] != recipe.model.dtype:
+        problems.append(f"{key}: {where} was converted in {info['dtype']}, the recipe trains in {recipe.model.dtype}"
+                        f"; convert again with model.dtype={recipe.model.dtype}")
+    return problems
+
