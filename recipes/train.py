@@ -8,9 +8,10 @@ G = micro_batch_size x grad_accum x data-parallel ranks rows in all. Layouts com
 samples [s*G, (s+1)*G) of one seeded order whatever the layout (`data_prep.reader`), and its loss is
 normalised over the whole global batch (`recipes.training.parallel`), so the same recipe logs the same losses and
 gradient norms on 1 rank or 8, with or without accumulation, tensor parallelism or packing.
-The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe), `metrics.jsonl` (one line per
-optimizer step), `tb/` (TensorBoard), `checkpoints/` (the engine's checkpoints + `latest`), `final/` (a
-Hugging Face safetensors model, sharded, with its index, and its tokenizer or processor).
+The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe in effect), `recipe_history.jsonl`
+(every recipe the run trained with, from which step), `metrics.jsonl` (one line per optimizer step),
+`tb/` (TensorBoard), `checkpoints/` (the engine's checkpoints + `latest`), `final/` (a Hugging Face
+safetensors model, sharded, with its index, and its tokenizer or processor).
 
 Batches become model inputs in `recipes.inputs.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
@@ -21,13 +22,17 @@ Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: mod
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
 uninterrupted one to the bit. It may resume onto another number of data-parallel ranks or another
 micro-batch x grad_accum split of the same global batch (`recipes.training.checkpoints`, and each
-engine's own rules: `recipes.engines.*`).
+engine's own rules: `recipes.engines.*`), and with another lr, schedule, length, term weights, cadences
+(`recipes.training.resume_policy`: applied from the next step, logged and recorded; what the checkpoint
+depends on is refused before any model is built).
 
 Reliability (docs/reliability.md): before anything is built the recipe and its data are checked
 (`recipes.planning.checks`) and `train.out_dir` is locked for this run (`recipes.training.run_lock`);
 a NaN/inf step stops the run without saving (`recipes.training.health`); SIGTERM/SIGUSR1 save the
 current step and stop (`recipes.training.preemption`); checkpoints are checksummed and verified at
-resume (`recipes.training.checkpoints`). Exit status: 0 done, 2 refused, 3 non-finite, 75 preempted.
+resume (`recipes.training.checkpoints`); a save that fails on any rank fails on all of them together
+(`recipes.training.checkpoint_writes`). Exit status: 0 done, 2 refused, 3 non-finite, 74 a checkpoint
+could not be written, 75 preempted.
 
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
 its shared parts are in `recipes.training`, the engines in `recipes.engines`.
@@ -46,16 +51,18 @@ import torch
 
 from data_prep.reader import DataError, ShardDataset
 
-from .config import Recipe, dump_recipe, load_recipe
+from .config import Recipe, load_recipe
 from .engines import build_engine
 from .inputs.batches import model_inputs
 from .planning.checks import RecipeCheckError, preflight
-from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, step_tag
+from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
 from .training.preemption import Preempted, PreemptionWatch
+from .training.recipe_history import HISTORY, record_start, saved_recipe_fallback
+from .training.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
@@ -65,6 +72,7 @@ from .training.throughput import StepMeter
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
 EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written on some rank; `latest` names the previous one
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 # padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
 # batch. Counted from the loop's batches, unless the engine's train_step returns this key: the positions it ran
@@ -114,13 +122,20 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         preemption = PreemptionWatch(recipe.train.out_dir, runtime.is_main)  # from here a SIGTERM saves, not kills
         preemption.clear_stale_file()
         out = Path(recipe.train.out_dir)
+        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback,
+                              recipe=recipe.to_dict())
+        # ---- reliability: what this recipe may change on resume, before any model is built
+        # (recipes.training.resume_policy); recipe.yaml and the history are written once it loaded ----
+        plan = plan_resume(recipe, dirs, runtime, saved_recipe_fallback(out))
+        if plan.finished:
+            if runtime.is_main:
+                print(f"[numloss] {plan.message}", flush=True)
+            return {}
         if runtime.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            dump_recipe(recipe, out / "recipe.yaml")
         torch.manual_seed(recipe.train.seed)
-        dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback)
         engine = build_engine(recipe, runtime, dirs)
-        return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption)
+        return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption, plan)
     finally:
         if preemption is not None:
             preemption.close()
@@ -129,7 +144,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
 
 
 def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
-           preemption: PreemptionWatch) -> dict:
+           preemption: PreemptionWatch, plan: ResumePlan) -> dict:
     out = Path(recipe.train.out_dir)
     dp = engine.dp
     global_batch = recipe.train.micro_batch_size * recipe.train.grad_accum * dp.size
@@ -141,8 +156,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            verify=recipe.data.verify, length_bucketing=recipe.data.length_bucketing)
     step = dirs.load(dataset, engine.load_state)
     first_step = step + 1  # this run's first: no update of this run before it (NonFiniteTraining's advice)
-    if runtime.is_main and step:
-        print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
+    if step != plan.step:  # the checkpoint the plan compared with is the one loaded
+        raise RuntimeError(f"resumed from step {step}, but the resume policy decided on {plan.tag}")
+    if runtime.is_main:
+        if step:
+            print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
+        record_start(out, recipe, plan)  # recipe.yaml, recipe_history.jsonl
+        for line in plan.change_lines(out / HISTORY):
+            print(f"[numloss] {line}", flush=True)
     if runtime.is_main:
         print(f"[numloss] engine {engine.name}, optimizer {engine.optimizer_name}, layout {engine.layout}", flush=True)
     metrics = MetricsLog(recipe, out, runtime, step)
@@ -176,7 +197,9 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.training.health, recipes.training.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
-            if logged(recipe, step) or nonfinite:
+            if plan.changes and step == plan.first_step:  # the first step of a changed recipe is always logged
+                row["recipe_changed"] = plan.changed()
+            if logged(recipe, step) or nonfinite or "recipe_changed" in row:
                 row = {**row, **meter.peak_memory()}  # a collective: on logged steps, on every rank
                 metrics.log(row)
             if nonfinite:
@@ -235,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RecipeCheckError, RunLocked, CheckpointCorrupt, DataError) as err:  # refused: the run cannot go on
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt, DataError, ResumeRefused) as err:  # refused: the run cannot go on
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:
@@ -244,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     except Preempted as err:
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_PREEMPTED)
+    except CheckpointSaveFailed as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_SAVE_FAILED)
     if last:
         print(json.dumps(last), flush=True)
 

@@ -196,6 +196,15 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         hw = _hardware(recipe, gpu_tflops=hardware.get("gpu_tflops"), peak_tflops=hardware.get("gpu_peak_tflops"),
                        nic_gbps=hardware.get("net_gbps"), nics_per_node=hardware.get("nics_per_node"),
                        nvlink_gbps=hardware.get("nvlink_gbps"), mem_gib=gpu_mem_gb)
+        from dataclasses import replace
+
+        from recipes.planning.device_memory import device_memory
+
+        memory = device_memory(hw.mem_gib)
+        if cl.gpus_per_node > 0:
+            rep.add("GPU memory", memory.line())
+        rep.numbers["gpu_usable_bytes"] = int(memory.usable_gib * 2**30)
+        hw = replace(hw, mem_gib=memory.usable_gib)  # every plan below fits what it may fill, not the device
         rows = row_tokens(recipe, seq_len, mean_row_tokens)
         adapter = None
         if total is not None and m.lora is not None:  # a frozen base and a trainable adapter

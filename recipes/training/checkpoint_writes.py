@@ -15,6 +15,10 @@ collectives. Then every rank exchanges what it holds (`recipes.training.checkpoi
 one all-gather) and all raise `CheckpointSaveFailed` together, naming each failed rank, file, error and
 free space; `python -m recipes.train` exits 74 (EX_IOERR).
 
+A write in a process forked during the save (dist_checkpointing's writer processes) raises as usual:
+a held failure there would be lost with the process, and dist_checkpointing gathers its writers' errors
+and raises them on every rank itself, which the save then holds as a whole.
+
 Parallel contract: holding a failure is local; the exchange is a collective every rank reaches, since no
 rank raised in between. An exception raised inside an engine's save by something other than a write
 (a collective, a bug) is not held: every rank that raises it reaches the exchange, but a rank that did
@@ -82,7 +86,7 @@ class DeferredWrites:
     may write from several threads."""
 
     def __init__(self, rank: int):
-        self.rank = rank
+        self.rank, self.pid = rank, os.getpid()
         self.failures: list[WriteFailure] = []
         self._lock = threading.Lock()
 
@@ -97,6 +101,8 @@ class DeferredWrites:
         """`write`, whose failure is held instead of raised, and which is skipped after one."""
 
         def guarded_call(*args, **kwargs):
+            if os.getpid() != self.pid:  # a forked writer (dist_checkpointing's): its parent collects its errors
+                return write(*args, **kwargs)
             if self.failures:
                 return None
             try:

@@ -27,7 +27,7 @@ from recipes.config import Recipe
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime, clear_method_caches
-from recipes.training.schedule import lr_lambda
+from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
@@ -99,7 +99,8 @@ class DeepSpeedEngine:
         return sums
 
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        """The rate the next update uses: the optimizer's own group lr, as the schedule set it."""
+        return self.engine.get_lr()[0]
 
     def grad_norm(self) -> float | None:
         """DeepSpeed's global norm before clipping; None (JSON null) where it has none (ZeRO stage 0)."""
@@ -114,7 +115,10 @@ class DeepSpeedEngine:
         checkpoints.save_state(self.engine, directory, step, trainable_only=self.lora is not None)
 
     def load_state(self, directory: Path) -> None:
+        """The checkpoint's model, optimizer and schedule state; then this recipe's optimizer hyperparameters
+        and LR schedule at the loaded step (a resume may change them: `recipes.training.resume_policy`)."""
         checkpoints.load_state(self.engine, directory, self._load_tag, trainable_only=self.lora is not None)
+        apply_recipe_schedule(self.scheduler, self.recipe)
 
     def export(self, path: Path) -> None:
         tokenizer = self.processor or self.tokenizer

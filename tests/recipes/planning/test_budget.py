@@ -73,7 +73,7 @@ def test_70b_4x8_memory_with_the_hpz_copy_and_the_refusal_without_checkpointing(
     assert 60 * GiB < n["gpu_total_bytes"] < 65 * GiB
     assert V.main([str(R70), "model.gradient_checkpointing=false", "--offline", "--seq-len", "1024"]) == 1
     out = capsys.readouterr().out
-    assert "ERROR    memory:" in out and "does not fit 80 GiB" in out
+    assert "ERROR    memory:" in out and "does not fit 71.19 GiB" in out  # 80 GB: 79.1 GiB seen, 90 % of it usable
     assert "hpZ copy 16.4 GiB" in out and "turn on model.gradient_checkpointing" in out
     # it fits a 141 GiB GPU
     assert V.validate_recipe(R70, ["model.gradient_checkpointing=false"], offline=True, seq_len=1024,

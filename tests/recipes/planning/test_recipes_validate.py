@@ -146,3 +146,27 @@ def test_chunked_head_note_names_the_head_to_use():
         rep = V.Report("r")
         V.chunked_head_note(rep, recipe(head, micro, seq), hidden_size=8192)
         assert rep.warnings == [], (head, micro, seq)
+
+
+def test_memory_is_planned_against_the_usable_part_of_the_device():
+    """An 80 GB GPU shows torch 79.1 GiB, and 10 % of that is kept for fragmentation: a plan between 71.2
+    and 79.1 GiB (about 75 GiB: the 8B Megatron recipe at 2 rows of 1280-1400 tokens) fits the device
+    but is refused, naming the usable 71.19 GiB; a 141 GB H200 (139.8 GiB, 125.8 usable) takes it."""
+    from recipes.planning.device_memory import device_memory
+
+    assert device_memory(80).usable_gib == pytest.approx(79.1 * 0.9)  # 71.19
+    assert device_memory(141).usable_gib == pytest.approx(139.8 * 0.9)  # 125.82
+    assert device_memory(100).usable_gib == pytest.approx(90.0)  # any other size: what torch shows
+    meg8 = CONFIGS / "llama3-8b-gsm8k" / "megatron.yaml"
+    two_rows = ["train.micro_batch_size=2", "train.grad_accum=4"]
+    for seq in range(1024, 2049, 64):  # the plan's memory grows with the rows: find one between the two
+        rep = V.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=80)
+        if 71.19 * 2**30 < rep.numbers["gpu_total_bytes"] < 79.1 * 2**30:
+            break
+    else:
+        pytest.fail("no row length gives a plan between 71.19 and 79.1 GiB")
+    assert any(e.startswith("memory:") and "71.19 GiB" in e for e in rep.errors), rep.render()
+    assert dict(rep.info)["GPU memory"].startswith("a GPU sold as 80 GB: torch sees 79.1 GiB; the plan may fill "
+                                                   "71.2 GiB (10% kept for allocator fragmentation")
+    assert rep.numbers["gpu_usable_bytes"] == int(79.1 * 0.9 * 2**30)
+    assert V.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=141).ok
