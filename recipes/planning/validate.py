@@ -21,7 +21,8 @@ What is checked, in order:
    shards over the data-parallel group (nodes * gpus_per_node / T ranks). Then the plan
    (recipes.planning.budget, printed by recipes.planning.deepspeed_report; shared arithmetic in
    recipes.planning.step_model): memory by part (model states, hpZ copy, buffers, activations, head; a
-   total above `--gpu-mem-gb` / cluster.gpu_mem_gb (80) is an error naming the part), host RAM per node at
+   total above what a GPU may fill is an error naming the part: `--gpu-mem-gb` / cluster.gpu_mem_gb (80: an
+   80 GB GPU, which torch sees as 79.1 GiB) less 10 % (recipes.planning.device_memory), host RAM per node at
    load and at export (an error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the
    bytes each GPU moves per step by collective over the network and NVLink, step time, MFU, the limiting
    part and the changes that shorten it. Rows: --seq-len, data.seq_len, the data's manifest, or 1024
@@ -31,10 +32,12 @@ What is checked, in order:
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
    micro_batch_size * grad_accum, and the quotient is reported as the implied rank count.
-6. Loss vs data (`recipes.planning.checks`, which recipes.train also runs before building its model):
-   NTIL needs the digits policy; a built data dir's numeric vocabulary policy must match
-   loss.numeric_policy; the training data must hold one global batch (and the steps must fit
-   train.max_epochs when given); its manifest's tokenizer fingerprint must be the model tokenizer's.
+6. The static checks recipes.train runs before building its model (`recipes.planning.checks`): settings
+   the engine ignores (refused, or mapped and said: first, as they may set megatron.recompute), NTIL
+   needs the digits policy; the training data: numeric policy, one global batch, steps within
+   train.max_epochs, the tokenizer fingerprint, and from the manifest's per-shard statistics row lengths,
+   data.seq_len, positions, vocabulary and scored labels; the model config's heads and layers against
+   the layout (on CPU recipes too); train.out_dir and the checkpoint it would resume from.
 7. Data: data.train / data.eval / eval.data must be data_prep directories (manifest.json). A missing one
    is a warning ("data missing: build it with ...", the command from a `# data_prep train: ...` /
    `# data_prep eval: ...` comment in the recipe file), an error with --strict.
@@ -339,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key.path=value (YAML value)")
     p.add_argument("--strict", action="store_true", help="missing data is an error, not a warning")
     p.add_argument("--offline", action="store_true", help="never contact the hub (cache, then the fallback table)")
-    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in GiB (cluster.gpu_mem_gb, else 80)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory: 80 or 141 (GB, as sold: torch sees 79.1 / 139.8 GiB) or "
+                   "the GiB torch shows; 10%% of it is kept free (cluster.gpu_mem_gb, else 80)")
     p.add_argument("--seq-len", type=int, default=None, help="rows of this many tokens (default: data.seq_len, else "
                    "the data's manifest, else 1024 assumed)")
     p.add_argument("--mean-row-tokens", type=float, default=None, help="mean tokens per row for compute and traffic")
