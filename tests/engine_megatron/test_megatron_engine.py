@@ -4,17 +4,24 @@ A tiny tied-embedding Llama (`engine_helpers`) trains 3 steps (CE + SMMD + NTL +
 LR schedule active) at TP 1 (the reference, one process), TP 2, PP 2 (1F1B), DP 2, TP 2 x PP 2 with
 sequence parallelism and PP 2 x VP 2 (interleaved) x DP 2, each with another micro-batch x accumulation
 split of the same global batch: every layout logs the reference's loss, CE, terms, numeric positions,
-grad norm and lr at every step (relative 1e-4, fp32). Checkpoints (`dist_checkpointing`): saved at
-step 2 and resumed in a fresh engine at the same layout, step 3 is bit-identical; saved at TP 2 and
-resumed at PP 2 (and the reverse), step 3 equals the uninterrupted one within 1e-5. Two examples
-packed into one row (segment ids, restarting positions) log what they log as two rows, and the
-trained model exports to a directory transformers loads.
+grad norm and lr at every step (relative 1e-4, fp32). Each micro-batch runs at its own length: at PP 2
+with one row per micro-batch the lengths differ within a step (13 to 16 tokens: the p2p shapes are
+exchanged) and step 1 equals the reference within 1e-5; every layout reports the positions it ran
+(`tokens_run`), counted here from the rows. The THD path of the Transformer Engine spec runs with
+megatron's own attention per sequence in place of TE's kernel (`thd_attention.py`) at TP 2 + SP and
+PP 2 and logs the reference too. Checkpoints (`dist_checkpointing`): saved at step 2 and resumed in a
+fresh engine at the same layout, step 3 is bit-identical; saved at TP 2 and resumed at PP 2 (and the
+reverse), step 3 equals the uninterrupted one within 1e-5. Two examples packed into one row (segment
+ids, restarting positions) log what they log as two rows (1e-5), with the block mask at TP 1, TP 2 + SP
+and PP 2 and as THD sequences at TP 1 and PP 2, and the trained model exports to a directory
+transformers loads.
 
 Three spawns (1, 2 and 4 processes) run everything once (module fixture); the tests read the results.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,19 +30,20 @@ import torch
 from tests.engine_megatron import engine_helpers as H
 from tests.distributed import run_ranks
 
-TWO_RANK_RUNS = ("tp2", "pp2", "dp2")
+TWO_RANK_RUNS = ("tp2", "pp2", "dp2", "tp2_sp_thd", "pp2_thd")
+PACKED_RUNS = ("packed", "packed_thd", "packed_tp2_sp", "packed_pp2", "packed_pp2_thd")
 FOUR_RANK_RUNS = ("tp2_pp2_sp", "pp2_vp2_dp2")
 
 
-def _engine(rank: int, world: int, assets: dict, **layout):
-    return _engine_for(H.make_recipe(assets, **layout), rank, world)
+def _engine(rank: int, world: int, assets: dict, thd: bool = False, **layout):
+    return _engine_for(H.make_recipe(assets, **layout), rank, world, thd)
 
 
 def _train(rank: int, world: int, assets: dict, out: Path, name: str, save_at: int | None = None,
-           export: bool = False, **layout):
+           export: bool = False, thd: bool = False, **layout):
     """3 steps at a layout (saving after step `save_at` into out/ckpt_<name>, exporting to
-    out/final_<name>); rank 0 writes the rows."""
-    engine = _engine(rank, world, assets, **layout)
+    out/final_<name>; `thd`: packed as THD sequences); rank 0 writes the rows."""
+    engine = _engine(rank, world, assets, thd, **layout)
     rows = H.run_steps(engine, assets, 1, save_at or 3)
     if save_at:
         engine.save_state(out / f"ckpt_{name}", step=save_at)
@@ -58,16 +66,17 @@ def _resume(rank: int, world: int, assets: dict, out: Path, name: str, checkpoin
         H.write(out / f"{name}.json", rows)
 
 
-def _packed_step(rank, world, assets, out):
-    """Step 1 on two examples packed into one row (segments, restarting positions) and on the same two
-    examples as two padded rows, each from fresh weights: rank 0 writes both rows' logged values."""
+def _packed_step(rank, world, assets, out, name: str = "packed", thd: bool = False, **layout):
+    """Step 1 on two examples packed into one row (segments, restarting positions; as THD sequences with
+    `thd`) and on the same two examples as two padded rows under the block mask, each from fresh
+    weights: rank 0 writes both rows' logged values into out/<name>.json."""
     rows = {}
     for form, window in H.packed_and_unpacked(assets["tokenizer"]).items():
-        engine = _engine(rank, world, assets)
+        engine = _engine(rank, world, assets, thd and form == "packed", **layout)
         rows[form] = engine.train_step(window)
         engine.close()
     if rank == 0:
-        H.write(out / "packed.json", [rows["packed"], rows["unpacked"]])
+        H.write(Path(out) / f"{name}.json", [rows["packed"], rows["unpacked"]])
 
 
 def _bf16_optimizer(rank, world, assets, out):
@@ -102,16 +111,24 @@ def _bf16_optimizer(rank, world, assets, out):
     engine.close()
 
 
-def _engine_for(recipe, rank: int, world: int):
+def _engine_for(recipe, rank: int, world: int, thd: bool = False):
+    """The engine for `recipe`; `thd`: the Transformer Engine spec's packing (THD sequences), with
+    megatron's attention run per sequence in place of TE's kernel (`thd_attention.py`)."""
     from recipes.engines.megatron.engine import MegatronEngine
+    from recipes.engines.megatron.kernels import plan_kernels
     from recipes.training.runtime import Runtime
+    from tests.engine_megatron.thd_attention import PerSequenceAttention
 
-    return MegatronEngine(recipe, Runtime(rank, world, 0, torch.device("cpu")))
+    kernels = None
+    if thd:
+        kernels = dataclasses.replace(plan_kernels(recipe.megatron), packing="thd", core_attention=PerSequenceAttention)
+    return MegatronEngine(recipe, Runtime(rank, world, 0, torch.device("cpu")), kernels=kernels)
 
 
 def _one_rank(rank, world, assets, out):
     _train(rank, world, assets, Path(out), "reference", export=True, micro=2, accum=4)
     _packed_step(rank, world, assets, Path(out))
+    _packed_step(rank, world, assets, Path(out), "packed_thd", thd=True)
     _bf16_optimizer(rank, world, assets, out)
 
 
@@ -127,6 +144,11 @@ def _two_ranks(rank, world, assets, out):
     _train(rank, world, assets, out, "tp2_bf16", save_at=1, tp=2, micro=4, accum=2, dtype="bfloat16")
     _resume(rank, world, assets, out, "tp2_bf16_from_tp2_bf16", "tp2_bf16", first=2, tp=2, micro=4, accum=2,
             dtype="bfloat16")
+    _train(rank, world, assets, out, "tp2_sp_thd", tp=2, sp=True, micro=4, accum=2, thd=True)
+    _train(rank, world, assets, out, "pp2_thd", pp=2, micro=2, accum=4, thd=True)
+    _packed_step(rank, world, assets, out, "packed_tp2_sp", tp=2, sp=True)
+    _packed_step(rank, world, assets, out, "packed_pp2", pp=2)
+    _packed_step(rank, world, assets, out, "packed_pp2_thd", thd=True, pp=2)
 
 
 def _four_ranks(rank, world, assets, out):
@@ -167,6 +189,33 @@ def test_every_layout_logs_the_reference(results):
         assert len(results[name]) == 3, name
         for step, (got, want) in enumerate(zip(results[name], reference), start=1):
             _close(got, want, 1e-4, f"{name} step {step}")
+
+
+def _tokens_run(step: int, assets_dir: Path, micro: int, dp: int = 1, multiple: int = 1,
+                thd: bool = False) -> int:
+    """The positions a layout runs in a step, counted from the rows: each micro-batch padded to its own
+    longest row (mask) or holding its real tokens (THD), rounded up to `multiple`."""
+    rows = H.global_batch(step, str(assets_dir / "tokenizer"))
+    real = [int(row["attention_mask"].sum()) for row in rows]
+    groups = [real[i:i + micro] for i in range(0, len(real), micro)]
+    per = [sum(g) if thd else len(g) * max(g) for g in groups]
+    return sum(-(-n // multiple) * multiple for n in per)
+
+
+def test_each_micro_batch_runs_at_its_own_length(results):
+    """At PP 2 with one row per micro-batch the step's micro-batches have different lengths (the shapes
+    exchanged between stages), and step 1 equals the reference within 1e-5; every layout reports the
+    positions it ran."""
+    assets = Path(results["dir"]).parent
+    pp2 = results["pp2"]
+    assert len({int(row["attention_mask"].sum()) for row in H.global_batch(1, str(assets / "tokenizer"))}) > 1
+    _close(pp2[0], results["reference"][0], 1e-5, "pp2 step 1")
+    for step in (1, 2, 3):
+        assert pp2[step - 1]["tokens_run"] == _tokens_run(step, assets, micro=1) < H.ROWS * H.SEQ
+        assert results["reference"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=2)
+        assert results["tp2_sp_thd"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=4,
+                                                                            multiple=2, thd=True)
+        assert results["pp2_thd"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=2, thd=True)
 
 
 def test_resume_at_the_same_layout_is_bit_identical(results):
@@ -211,9 +260,11 @@ def test_resume_at_another_layout(results):
         _close(results[resumed][0], results[uninterrupted][2], 1e-5, resumed)
 
 
-def test_packed_rows_train_as_separate_rows(results):
-    packed, unpacked = results["packed"]
-    _close(packed, unpacked, 1e-5, "packed vs unpacked")
+@pytest.mark.parametrize("name", PACKED_RUNS)
+def test_packed_rows_train_as_separate_rows(results, name):
+    """A packed example that attended to the other one (across its boundary) would change the loss."""
+    packed, unpacked = results[name]
+    _close(packed, unpacked, 1e-5, f"{name}: packed vs unpacked")
 
 
 def test_export_loads_in_transformers(results):
