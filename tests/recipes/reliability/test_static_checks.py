@@ -265,3 +265,26 @@ def test_train_refuses_all_of_them_at_once_with_status_2_before_building_anythin
     assert "Traceback" not in proc.stderr and "[numloss] engine" not in proc.stdout
     assert (tmp_path / "out").read_text() == "a file\n"
     assert time.time() - started < 120
+
+
+def test_a_manifest_without_statistics_is_scanned_or_refused_with_the_command(real, tmp_path, monkeypatch):
+    """Data built before the statistics: scanned at start-up (a line per shard) and checked the same; above
+    the scan limit, refused naming the one command that records them."""
+    from recipes.planning import data_checks
+
+    data = tmp_path / "old"
+    shutil.copytree(real["data"], data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["stats"]
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    said: list[str] = []
+    lines = checks.preflight(_recipe(real, data=data), 2, tokenizer=real["tokenizer"], say=said.append)
+    shards = len(manifest["shards"])
+    assert any("no per-shard token statistics" in line and f"scanned its {shards} shards" in line
+               and f"`python -m data_prep stats {data}` records them once" in line for line in lines), lines
+    assert len(said) == shards and all(line.startswith(f"scanning {data}/shard-") for line in said)
+    assert "data.seq_len: 8 is shorter than the longest row" in _refused(real, _recipe(real, "data.seq_len=8", data=data))
+    monkeypatch.setattr(data_checks, "SCAN_LIMIT_BYTES", 0)
+    assert f"run `python -m data_prep stats {data}` once" in _refused(real, _recipe(real, data=data))
+    assert "stats" not in json.loads((data / "manifest.json").read_text())["shards"][0]  # never written here
