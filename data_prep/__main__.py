@@ -44,8 +44,9 @@ def _config_from_args(a: argparse.Namespace) -> BuildConfig:
     src = SourceConfig(kind=a.source, path=a.path, hub=a.hub, hub_config=a.hub_config, split=a.split,
                        revision=a.revision, options=dict(a.opt or []), limit=a.limit)
     tok = TokenizeConfig(tokenizer=a.tokenizer, template=a.template, system_prompt=a.system_prompt,
-                         max_length=a.max_length, numeric_policy=a.numeric_policy,
-                         numeric_max_value=a.numeric_max_value, space_variants=a.space_variants)
+                         plain_separator=a.plain_separator, max_length=a.max_length, numeric_policy=a.numeric_policy,
+                         numeric_max_value=a.numeric_max_value, space_variants=a.space_variants,
+                         allow_unk=a.allow_unk)
     shards = ShardConfig(shard_bytes=int(a.shard_mb * (1 << 20)), row_group_rows=a.row_group_rows,
                          pack_length=a.pack_length)
     return BuildConfig(sources=[src], tokenize=tok, shards=shards, max_reject_fraction=a.max_reject_fraction)
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tokenizer", help="hub name or local directory")
     b.add_argument("--template", default="auto", choices=["auto", "chat", "plain"])
     b.add_argument("--system-prompt")
+    b.add_argument("--plain-separator", default="\n", help="plain template: text between prompt and answer")
+    b.add_argument("--allow-unk", action="store_true",
+                   help="build although the template's own text becomes the unknown token (refused by default)")
     b.add_argument("--max-length", type=int, default=4096)
     b.add_argument("--numeric-policy", default="digits", choices=["digits", "integers", "float"])
     b.add_argument("--numeric-max-value", type=int, default=999)

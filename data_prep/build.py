@@ -57,7 +57,9 @@ class BuildConfig:
     max_reject_fraction: float = 0.5
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["tokenize"].pop("allow_unk")  # decides whether a build runs, not its bytes: not its identity
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "BuildConfig":

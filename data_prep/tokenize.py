@@ -27,6 +27,15 @@ Decisions (what a reader of a shard can rely on):
 - Too long: a record longer than `max_length` tokens is rejected ("too_long"), never truncated:
   truncating would cut off the answer the numeric losses score.
 - Only fast (Rust) tokenizers are supported: offsets and batch encoding need them.
+- The template's own text (plain: the separator; chat: what the template writes around the prompt and
+  the answer) must survive the tokenizer. A character of it that becomes the unknown token is refused
+  when the Encoder is made, before any record is read: a tokenizer without "\n" (SentencePiece without
+  byte fallback, WordPiece) turns the plain separator into `<unk>` in every row, which the model learns
+  as part of every answer's context and never sees at inference; refused rather than warned, because
+  the build would otherwise finish with the damage in every row and the warning long scrolled past.
+  `allow_unk` (`--allow-unk`) builds anyway. A character that a tokenizer without an unknown token
+  drops (a BPE with neither byte fallback nor that character; real tokenizers are byte-level or have
+  one) is warned about: nothing stands in for it, and the tiny tokenizers of tests and demos are such.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +90,9 @@ class TokenizeConfig:
     numeric_max_value: int = 999
     space_variants: bool = False
     template_fast_path: bool = True
+    # build although the template's own text becomes the unknown token (or is dropped): decides whether a
+    # build runs, not its bytes, so BuildConfig leaves it out of the build's identity
+    allow_unk: bool = False
 
 
 def load_tokenizer(cfg: TokenizeConfig):
@@ -114,6 +127,10 @@ class PlainTemplate:
 
     def render(self, prompt: str, target: str, check: bool = False) -> tuple[str, str, int]:
         return (prompt + self.sep if prompt else ""), target, 0
+
+    def own_text(self) -> dict[str, str]:
+        """The text this template adds to every record, by what it is."""
+        return {"separator": self.sep} if self.sep else {}
 
     def render_batch(self, prompts: list[str], targets: list[str]) -> tuple[list[str], list[str], list[int] | None]:
         """(prefixes, rests, offsets of each target in its rest or None when all are 0)."""
@@ -195,6 +212,17 @@ class ChatTemplate:
             return self._render_slow(prompt, target)
         return out
 
+    def own_text(self) -> dict[str, str]:
+        """The text this template adds to every record, by where it stands (the system prompt included)."""
+        if self.fast is not None:
+            pieces = self.fast
+        else:  # a template that reacts to its content: the text around a probe's prompt and answer
+            prompt, target = "What is 2+3?", "5"
+            prefix, rest, at = self._render_slow(prompt, target)
+            pieces = (*prefix.split(prompt, 1), rest[:max(at, 0)], rest[max(at, 0) + len(target):])
+        names = ("before the prompt", "after the prompt", "before the answer", "after the answer")
+        return {name: text for name, text in zip(names, pieces) if text}
+
     def render_batch(self, prompts: list[str], targets: list[str]) -> tuple[list[str], list[str], list[int] | None]:
         """(prefixes, rests, offsets of each target in its rest); the first record is checked."""
         rendered = [self.render(p, t, check=(i == 0)) for i, (p, t) in enumerate(zip(prompts, targets))]
@@ -210,6 +238,45 @@ def make_template(tok, cfg: TokenizeConfig):
     if cfg.template in ("plain", "auto"):
         return PlainTemplate(tok, cfg)
     raise ValueError(f"unknown template {cfg.template!r}; expected 'auto', 'chat' or 'plain'")
+
+
+def lost_template_text(tok, template) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """({where: characters} that the tokenizer turns into its unknown token, {where: characters} that it
+    drops: no token's offsets cover them) of the template's own text, each piece encoded alone as the
+    encoder encodes a prefix or a rest; both empty when every character is kept."""
+    unk = tok.unk_token_id
+    unknown: dict[str, list[str]] = {}
+    dropped: dict[str, list[str]] = {}
+    for where, text in template.own_text().items():
+        enc = tok.backend_tokenizer.encode(text, add_special_tokens=False)
+        kept = [None] * len(text)  # per character: the token that holds it, if any
+        for token, (start, end) in zip(enc.ids, enc.offsets):
+            kept[start:end] = [token] * (end - start)
+        for found, chars in ((unknown, {c for c, t in zip(text, kept) if t is not None and t == unk}),
+                             (dropped, {c for c, t in zip(text, kept) if t is None})):
+            if chars:
+                found[where] = sorted(chars)
+    return unknown, dropped
+
+
+def check_template_text(tok, template, cfg: TokenizeConfig) -> None:
+    """Refuse (ValueError) a template whose own text becomes the unknown token, unless `cfg.allow_unk`;
+    warn about characters of it that the tokenizer drops (one without an unknown token)."""
+    unknown, dropped = lost_template_text(tok, template)
+
+    def listed(lost: dict) -> str:
+        return "; ".join(f"{where}: {', '.join(map(repr, chars))}" for where, chars in lost.items())
+
+    fix = ("set plain_separator (--plain-separator) to text the tokenizer has, e.g. ' '"
+           if template.kind == "plain" else "give the tokenizer those characters, or use template='plain'")
+    if dropped:
+        warnings.warn(f"data_prep: tokenizer {cfg.tokenizer!r} drops characters of the {template.kind} template's"
+                      f" own text in every row ({listed(dropped)}); to keep them, {fix}", stacklevel=3)
+    if unknown and not cfg.allow_unk:
+        raise ValueError(
+            f"data_prep: tokenizer {cfg.tokenizer!r} turns the {template.kind} template's own text into its unknown"
+            f" token {tok.unk_token!r} ({listed(unknown)}) in every row, around the prompt and the answer. Either"
+            f" {fix}, or pass allow_unk=True (--allow-unk) to build anyway")
 
 
 # ---- the encoder -------------------------------------------------------------------------------
@@ -232,6 +299,7 @@ class Encoder:
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg)
         self.backend = self.tok.backend_tokenizer
         self.template = make_template(self.tok, cfg)
+        check_template_text(self.tok, self.template, cfg)
         self.vocab = NumericVocab.from_tokenizer(self.tok, policy=cfg.numeric_policy,
                                                  max_value=cfg.numeric_max_value,
                                                  space_variants=cfg.space_variants)
