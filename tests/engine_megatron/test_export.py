@@ -7,7 +7,9 @@ megatron weights perturbed (so an export of the untouched checkpoint could not p
   directory is left;
 - its weights, converted back for each (TP rank, PP rank), equal every rank's megatron weights
   bit for bit (vocabulary padding aside), and the tied model has no lm_head in the files;
-- the loaded HF model's logits equal the TP 2 x PP 2 megatron model's (1e-5).
+- the loaded HF model's logits equal the TP 2 x PP 2 megatron model's (1e-5);
+- `generation_config.json` is the backbone's: an Instruct-style one (two end-of-turn ids, sampling
+  defaults) for the Llama, the one transformers derives from the config for the Qwen2, which has none.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import zlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,7 +52,7 @@ def _perturb(chunks, tied: bool) -> None:
 
 def _export_and_check(rank, path, model_dir, kind):
     from megatron.core import parallel_state
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from recipes.engines.megatron.convert import (
         SafetensorsReader,
@@ -87,6 +90,11 @@ def _export_and_check(rank, path, model_dir, kind):
     assert len(shards) >= 4 and shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                                            for i in range(1, len(shards) + 1)]
     assert set(shards) <= set(files) and "config.json" in files
+    source = Path(model_dir) / "generation_config.json"
+    want = (GenerationConfig.from_pretrained(str(model_dir)) if source.is_file()
+            else GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(model_dir))))
+    got = GenerationConfig.from_pretrained(str(path))
+    assert got.to_diff_dict() == want.to_diff_dict(), (got, want)
     assert ("lm_head.weight" in index["weight_map"]) == (not tied)
     tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -126,8 +134,14 @@ def _four_ranks(rank, world, llama_dir, qwen_dir, out):
 
 
 def test_export_tp2_pp2_loads_in_transformers(tmp_path):
+    from transformers import GenerationConfig
+
     llama = save_tiny("llama", tmp_path / "llama")
     qwen = save_tiny("qwen2", tmp_path / "qwen2")
+    # an Instruct model's generation defaults (end of turn and end of text, sampling) that an export must keep
+    GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=0, do_sample=True, temperature=0.6,
+                     top_p=0.9).save_pretrained(str(llama))
+    (qwen / "generation_config.json").unlink(missing_ok=True)
     out = tmp_path / "exports"
     out.mkdir()
     run_ranks(4, _four_ranks, llama, qwen, out, timeout=420)

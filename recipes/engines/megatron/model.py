@@ -175,8 +175,8 @@ def generation_config_for(recipe: Recipe, hf_config):
 
     if recipe.model.name_or_path is not None:
         try:
-            return GenerationConfig.from_pretrained(recipe.model.name_or_path,
-                                                    trust_remote_code=recipe.model.trust_remote_code)
+            # (no trust_remote_code: GenerationConfig keeps unknown keyword arguments as settings)
+            return GenerationConfig.from_pretrained(recipe.model.name_or_path)
         except OSError:  # no generation_config.json in the checkpoint: transformers derives one too
             pass
     return GenerationConfig.from_model_config(hf_config)
