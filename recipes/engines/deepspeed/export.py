@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.training.checkpoints import fsync_path
+from recipes.training.file_modes import give_default_mode
 from recipes.training.runtime import Runtime
 
 from .lora import is_lora_layer, merged_weight
@@ -221,6 +222,7 @@ def _finish(everyone: list, count: int, model, tokenizer, staging: Path, path: P
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
+    give_default_mode(staging)  # safetensors writes its shards 0600, the rest is 0644
     for f in staging.iterdir():
         if f.is_file():
             fsync_path(f)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.config import LoraSection
+from recipes.training.file_modes import give_default_mode
 
 ADAPTER = "default"  # PEFT's name for the one adapter a recipe trains
 
@@ -81,4 +82,5 @@ def save_adapter(peft_model, path: Path, tokenizer, is_main: bool, zero_stage: i
             path.mkdir(parents=True, exist_ok=True)
             peft_model.save_pretrained(str(path), safe_serialization=True)
             tokenizer.save_pretrained(str(path))
+            give_default_mode(path)  # safetensors writes the adapter 0600, the rest is 0644
     dist.barrier()

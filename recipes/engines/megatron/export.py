@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from recipes.training.file_modes import give_default_mode
+
 from .convert import global_layer_names, layer_range, megatron_to_hf, tp_split_dim
 
 INDEX = "model.safetensors.index.json"
@@ -193,6 +195,7 @@ def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: tor
     out_config.save_pretrained(str(tmp))
     if generation_config is not None:
         generation_config.save_pretrained(str(tmp))
+    give_default_mode(tmp)  # safetensors writes its shards 0600, the rest is 0644
     if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
         old = path.parent / f".{path.name}.old-export"
         shutil.rmtree(old, ignore_errors=True)

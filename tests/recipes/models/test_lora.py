@@ -95,6 +95,12 @@ def test_zero3_lora_trains_the_adapter_only_and_exports_adapter_and_merged_model
     assert sum(f.stat().st_size for f in step_dir.iterdir()) < (root / "base" / "model.safetensors").stat().st_size / 2
     _check_merged_export(root, zero3_run)
     assert json.loads((zero3_run / "final" / "adapter" / "adapter_config.json").read_text())["r"] == R
+    # every file of final/ (merged weights, config, tokenizer, adapter) has the default mode; safetensors
+    # alone would leave the weights 0600 (tests/recipes/training/test_export_modes.py)
+    from recipes.training.file_modes import default_file_mode
+
+    modes = {p.relative_to(zero3_run): p.stat().st_mode & 0o777 for p in (zero3_run / "final").rglob("*") if p.is_file()}
+    assert set(modes.values()) == {default_file_mode()}, modes
     # transformers loads the merged model; PEFT's adapter on the base computes the same logits
     merged = AutoModelForCausalLM.from_pretrained(str(zero3_run / "final"))
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(root / "base")),
