@@ -183,6 +183,22 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
     return found
 
 
+def megatron_start_problems(recipe) -> list[str]:
+    """The Megatron engine's start: `megatron.transformer_impl: transformer_engine` where TE cannot run, and a
+    `megatron.load_converted` directory that is missing, unfinished, or holds another backbone or dtype."""
+    from recipes.engines.megatron.converted import converted_problems
+    from recipes.engines.megatron.kernels import plan_kernels
+
+    problems = []
+    try:
+        plan_kernels(recipe.megatron)
+    except ValueError as err:
+        problems.append(str(err))
+    if recipe.megatron.load_converted:
+        problems += converted_problems(recipe)
+    return problems
+
+
 def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None] | None = None) -> list[str]:
     """Every static check of the module docstring for a run on `world_size` ranks; raises
     RecipeCheckError listing the errors, returns the warnings (prefixed "warning: ") and notes.
@@ -190,6 +206,8 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
     from recipes.planning.engine_settings import engine_setting_problems
 
     errors, mapped = engine_setting_problems(recipe)
+    if recipe.train.engine == "megatron":
+        errors += megatron_start_problems(recipe)
     if tokenizer is None and read_manifest(recipe.data.train) is not None:
         tokenizer = model_tokenizer(recipe)
     found = static_checks(recipe, world_size, data_parallel_size(recipe, world_size),

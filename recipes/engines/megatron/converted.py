@@ -92,8 +92,9 @@ def load_converted(directory: str | Path, model_chunks: list) -> None:
 
     from .export import unwrap
 
-    loaded, unexpected = dist_checkpointing.load({"model": _model_request(model_chunks)}, str(directory),
-                                                 strict=StrictHandling.RETURN_UNEXPECTED)
+    # "unexpected": asked for but not in the checkpoint (megatron's naming); returned, not raised
+    loaded, _, unexpected = dist_checkpointing.load({"model": _model_request(model_chunks)}, str(directory),
+                                                    strict=StrictHandling.RETURN_UNEXPECTED)
     absent = sorted(key for key in unexpected if not key.endswith("_extra_state"))
     if absent:
         raise RuntimeError(f"{directory}: the converted checkpoint lacks {len(absent)} tensor(s) this model needs: "

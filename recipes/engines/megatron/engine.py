@@ -27,12 +27,12 @@ from recipes.config import Recipe
 from recipes.inputs.tokenizer import load_tokenizer
 from recipes.training.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel
-from recipes.training.runtime import Runtime, clear_method_caches
+from recipes.training.runtime import Runtime
 
 from . import checkpoints, step
 from .converted import load_converted
 from .kernels import KernelPlan, plan_kernels
-from .model import build_model_chunks, initialize_model_parallel
+from .model import build_model_chunks, initialize_model_parallel, release_model_parallel
 
 
 class MegatronEngine:
@@ -181,15 +181,5 @@ class MegatronEngine:
         """Destroy megatron's model-parallel state and drop the model and optimizer, which hold its groups
         (`recipes.training.runtime.teardown`). The default process group stays: the loop owns it. The
         engine cannot be used afterwards."""
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        # destroy_model_parallel misses some of its globals (the intra-partial data-parallel groups with
-        # context parallelism, megatron-core 0.16): a group left there lives until interpreter exit.
-        for name, value in list(vars(parallel_state).items()):
-            if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
-                setattr(parallel_state, name, None)
-        # RotaryEmbedding.forward is an lru_cache on the class (megatron-core 0.16), keyed by the module:
-        # it keeps the module, and the context-parallel group it holds, alive until exit.
-        clear_method_caches({type(module) for chunk in self.model for module in chunk.modules()})
+        release_model_parallel(self.model)
         self.model = self.optimizer = None

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.config import Recipe
+from recipes.training.runtime import clear_method_caches
 
 from . import cpu_shim
 from .convert import (
@@ -248,6 +249,23 @@ def build_model_chunks(recipe: Recipe, plan: KernelPlan | None = None, read_hf_w
     stages = [None] if vp is None else list(range(vp))
     return [build_gpt_model(recipe, pp_rank == 0 and v in (None, 0), pp_rank == pp - 1 and v in (None, len(stages) - 1),
                             vp_stage=v, plan=plan, read_hf_weights=read_hf_weights) for v in stages]
+
+
+def release_model_parallel(model_chunks: list) -> None:
+    """Destroy megatron's model-parallel state and empty the caches that would keep its groups alive
+    through `model_chunks` (`recipes.training.runtime.teardown` then frees the groups). Local; the
+    default process group stays."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    # destroy_model_parallel misses some of its globals (the intra-partial data-parallel groups with
+    # context parallelism, megatron-core 0.16): a group left there lives until interpreter exit.
+    for name, value in list(vars(parallel_state).items()):
+        if name.startswith("_") and isinstance(value, torch.distributed.ProcessGroup):
+            setattr(parallel_state, name, None)
+    # RotaryEmbedding.forward is an lru_cache on the class (megatron-core 0.16), keyed by the module:
+    # it keeps the module, and the context-parallel group it holds, alive until exit.
+    clear_method_caches({type(module) for chunk in model_chunks for module in chunk.modules()})
 
 
 def mark_tensor_parallel(model) -> None:
