@@ -268,8 +268,11 @@ def steps_section(sizes: Sizes, work: Path, seqs: list[int]) -> dict:
                 rows.append({"engine": engine, "row_tokens": seq, "error": f"exit {status}: {output[-1500:]}"})
                 continue
             m, p = result["measured"], result.get("predicted") or {}
-            spec = next((line.split("layout", 1)[1].strip() for line in output.splitlines()
-                         if line.startswith("[numloss] engine ")), "")
+            # the engine's own account of what ran: the Megatron engine names its layer spec and fusions
+            spec = next((line.split(":", 1)[1].strip() for line in output.splitlines()
+                         if line.startswith("[numloss] megatron: ")), "")
+            spec = spec or next((line.split("layout", 1)[1].strip() for line in output.splitlines()
+                                 if line.startswith("[numloss] engine ")), "")
             rows.append({"engine": engine, "row_tokens": seq, "tokens_per_micro_batch": micro * seq,
                          "measured_step_s": m.get("step_s"), "predicted_step_s": p.get("step_s"),
                          "measured_tflops": m.get("tflops_per_rank"), "measured_mfu": m.get("mfu"),
