@@ -17,16 +17,21 @@ EXIT_REPORT = Path(__file__).parent / "exit_report"  # its sitecustomize prints 
 
 
 def launch(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2, log: Path | None = None,
-           exit_report: bool = False) -> subprocess.Popen:
+           exit_report: bool = False, site: Path | None = None, env: dict | None = None) -> subprocess.Popen:
     """torchrun of `recipes.train`. Its output goes to a pipe (read it with `communicate`) or, for a run
     that is watched rather than read, to the file `log`: an unread pipe fills up and blocks the ranks.
     With `exit_report` each rank ends its output with the threads it still has at exit
-    (`exit_threads` reads them)."""
+    (`exit_threads` reads them). `site`: another folder with a sitecustomize.py on the ranks' PYTHONPATH (a
+    fault to inject; Python loads one sitecustomize, so not with `exit_report`), `env`: variables added to
+    the job's environment."""
+    if exit_report and site is not None:
+        raise ValueError("exit_report and site each need their own sitecustomize: give one")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "recipes.train", str(recipe), f"train.out_dir={out_dir}", *overrides]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    if exit_report:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_REPORT), env.get("PYTHONPATH")]))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    for folder in (EXIT_REPORT if exit_report else None, site):
+        if folder is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
     stdout = subprocess.PIPE if log is None else open(log, "w")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
