@@ -203,8 +203,11 @@ class ClusterSection:
     hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub
     nccl_debug: str = "WARN"  # NCCL_DEBUG for the job (INFO when debugging a hang)
     nccl_socket_ifname: str | None = None  # NCCL_SOCKET_IFNAME, e.g. "ib0" or "^lo,docker"; None: NCCL picks
-    # the hardware recipes.planning.step_model assumes (None: validate's flags / defaults: 400 TFLOP/s
-    # achieved and 989 peak per GPU, one 400 Gb/s NIC per GPU, 2880 Gb/s NVLink per GPU, 80 GiB)
+    # the hardware recipes.planning.step_model assumes (None: validate's flags / defaults: an H100 SXM,
+    # 989 TFLOP/s peak, 80 GiB, GEMM rates by shape from recipes.planning.gemm_rates, one 400 Gb/s NIC per
+    # GPU, 2880 Gb/s NVLink per GPU). gpu: H100, H200 or A100 (its rate table, peak and memory);
+    # gpu_tflops: the GEMM rate at the largest shapes, the table scaled to it
+    gpu: str | None = None
     gpu_tflops: float | None = None
     gpu_peak_tflops: float | None = None
     nic_gbps: float | None = None

@@ -46,8 +46,16 @@ Bytes each GPU sends per optimizer step (step_model.ring_bytes; where they go: s
   gathered between the end of the forward and the backward (about one layer). Counted against a real
   gloo run without prefetching (tests/recipes/planning/test_traffic_gloo.py: equal within 1 %); with prefetching
   DeepSpeed gathered fewer in-node bytes than counted here on a tiny model, so those are an upper bound.
-Time: compute (recompute included) and the collectives overlap (overlap_comm, prefetch): step =
-max(compute, sum of collective times); the optimizer step itself is left out.
+Time (recipes.planning.step_model's terms): a micro-batch of b rows padded to s tokens (each micro-batch to
+its longest row, or data.seq_len; recipes.planning.padding, with data.length_bucketing's sorted blocks)
+costs its GPU every layer's GEMMs at their own rates (recipes.planning.gemm_rates), causal attention at
+the layers' rate, a launch overhead per kernel (the Hugging Face layer's eager kernels), the output
+layer's GEMMs (4 with the chunked head, which recomputes the logits), the forward again under gradient
+checkpointing, and AutoTP's all-reduces (on the critical path). ZeRO-2/3 meet every micro-batch (its
+gathers, its reduce-scatter), so each micro-batch takes its slowest rank's time; ZeRO 0-1 meet at the
+step's end. The ZeRO collectives overlap that compute (overlap_comm, prefetch), each NCCL call (a layer's
+gather, a bucket's reduction) at its latency + bytes / bandwidth: step = max(compute, sum of collective
+times); the optimizer step itself is left out. MFU: model FLOPs of the real tokens / (step x GPUs x peak).
 """
 
 from __future__ import annotations
@@ -122,38 +130,48 @@ def checkpoint_bytes(params: int, act_bytes: int, zero_stage: int = 3) -> float:
 # ---- traffic ---------------------------------------------------------------------------------------------
 
 
+TP_ALL_REDUCES = "TP all-reduces"  # on the critical path of each micro-batch: priced with its compute
+
+
 def zero_collectives(params: int, *, zero_stage: int, tp: int, dp: int, ranks_per_node: int, hpz: int,
                      grad_accum: int, e: int, reduce_bytes: int, trainable: int | None = None,
-                     shape: Shape | None = None, tokens: float = 0, checkpointing: bool = False) -> list[Collective]:
+                     shape: Shape | None = None, tokens: float = 0, checkpointing: bool = False,
+                     reduce_bucket: int = 0) -> list[Collective]:
     """Every collective one GPU takes part in per optimizer step (module docstring). `trainable`: the
-    parameters that get gradients when fewer than `params` (LoRA's adapter)."""
+    parameters that get gradients when fewer than `params` (LoRA's adapter). Each ZeRO-3 gather is
+    issued a layer at a time (`parts`: the layers, embedding and head), each gradient reduction a
+    `reduce_bucket` of elements at a time: every such NCCL call pays its latency."""
     p = params / tp
     g = p if trainable is None else trainable / tp
     G = grad_accum
     per_node = max(1, min(dp, ranks_per_node // tp))  # DP ranks of one group on a node
     nodes = -(-dp // per_node)
+    layers = (shape.layers + 2) if shape is not None else 1
+    buckets = max(1, -(-int(g) // reduce_bucket)) if reduce_bucket else 1
 
-    def over_dp(name: str, kind: str, buffer: float, calls: int) -> Collective:
-        return Collective(name, calls * sm.ring_bytes(kind, buffer, dp), nodes, per_node, calls)
+    def over_dp(name: str, kind: str, buffer: float, calls: int, parts: int) -> Collective:
+        return Collective(name, calls * sm.ring_bytes(kind, buffer, dp), nodes, per_node, calls, kind, dp, parts)
 
     out = []
     if zero_stage == 3:
         if hpz > 1:
-            out.append(over_dp("parameter all-gather (the step's first forward)", "all_gather", p * e, 1))
+            out.append(over_dp("parameter all-gather (the step's first forward)", "all_gather", p * e, 1, layers))
             out.append(Collective("parameter all-gathers (hpZ, inside the node)",
-                                  (2 * G - 1) * sm.ring_bytes("all_gather", p * e, hpz), 1, hpz, 2 * G - 1))
+                                  (2 * G - 1) * sm.ring_bytes("all_gather", p * e, hpz), 1, hpz, 2 * G - 1,
+                                  "all_gather", hpz, layers))
         else:
-            out.append(over_dp("parameter all-gathers (forward and backward)", "all_gather", p * e, 2 * G))
-        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G))
+            out.append(over_dp("parameter all-gathers (forward and backward)", "all_gather", p * e, 2 * G, layers))
+        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G, buckets))
     elif zero_stage in (1, 2):
-        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G if zero_stage == 2 else 1))
-        out.append(over_dp("parameter all-gather (after the optimizer step)", "all_gather", g * e, 1))
+        out.append(over_dp("gradient reduce-scatter", "reduce_scatter", g * reduce_bytes, G if zero_stage == 2 else 1,
+                           buckets))
+        out.append(over_dp("parameter all-gather (after the optimizer step)", "all_gather", g * e, 1, 1))
     else:
-        out.append(over_dp("gradient all-reduce", "all_reduce", g * reduce_bytes, 1))
+        out.append(over_dp("gradient all-reduce", "all_reduce", g * reduce_bytes, 1, buckets))
     if tp > 1 and shape is not None:
         calls = G * shape.layers * (6 if checkpointing else 4)
-        out.append(Collective("TP all-reduces", calls * sm.ring_bytes("all_reduce", tokens * shape.hidden * e, tp),
-                              1, tp, calls))
+        out.append(Collective(TP_ALL_REDUCES, calls * sm.ring_bytes("all_reduce", tokens * shape.hidden * e, tp),
+                              1, tp, calls, "all_reduce", tp))
     return [c for c in out if c.ring > 0]
 
 
@@ -200,8 +218,11 @@ class DSPlan:
     t_comm: float = 0.0
     step_s: float = 0.0
     mfu: float = 0.0
-    tokens: float = 0.0  # per step, all GPUs
+    tokens: float = 0.0  # real tokens per step, all GPUs
     limit: str = ""
+    parts: dict = field(default_factory=dict)  # seconds per step by term: what the step time is made of
+    padding_ratio: float = 1.0  # tokens run / real tokens
+    rate: float = 0.0  # TFLOP/s of the typical micro-batch's GEMMs
 
     @property
     def total(self) -> float:
@@ -222,7 +243,7 @@ def deepspeed_plan(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.
     instead of zero_model_states (LoRA's estimate)."""
     t, e = lay.tp, lay.e
     pl = DSPlan(lay)
-    peak_T, mean_T = lay.micro_batch_size * rows.peak, lay.micro_batch_size * rows.mean
+    peak_T = lay.micro_batch_size * rows.peak
     mem = pl.memory
     mem["model states"] = model_states if model_states is not None else zero_model_states(
         params, largest, lay.zero_stage, lay.dp, t, e)
@@ -232,21 +253,41 @@ def deepspeed_plan(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.
     mem["head"] = (4 + 2 * e) * s.hidden * peak_T + head_bytes(s, peak_T, t, e, lay.chunked, lay.chunk_size)
     mem["buffers"] = (e * lay.prefetch_bucket * (lay.zero_stage == 3) + (e + lay.reduce_bytes) * lay.reduce_bucket
                       + sm.FIXED_BUFFER_GIB * GiB)
+    dealt = rows.deal(lay.micro_batch_size, lay.grad_accum, lay.dp, lockstep=lay.zero_stage >= 2)
+    mean_T = dealt.padded_tokens / (lay.grad_accum * lay.dp)  # tokens per micro-batch, padding included
     pl.collectives = zero_collectives(params, zero_stage=lay.zero_stage, tp=t, dp=lay.dp,
                                       ranks_per_node=lay.ranks_per_node, hpz=lay.hpz, grad_accum=lay.grad_accum, e=e,
                                       reduce_bytes=lay.reduce_bytes, trainable=trainable, shape=s, tokens=mean_T,
-                                      checkpointing=lay.checkpointing)
-    n = matmul_params(s) / t
-    attn = sm.attention_flops_per_token(s, rows.mean) / t
-    backward = 4 if trainable is None else 2  # LoRA: no weight gradients of the frozen base
-    step_tokens = mean_T * lay.grad_accum
-    pl.model_flops = step_tokens * (n * (2 + backward) + attn)
-    pl.flops = pl.model_flops + step_tokens * lay.checkpointing * (2 * (n - s.vocab * s.hidden / t) + attn / 3)
-    pl.t_compute, pl.t_comm = hw.compute_s(pl.flops), sm.comm_time(pl.collectives, hw)
+                                      checkpointing=lay.checkpointing, reduce_bucket=lay.reduce_bucket)
+    dtype = "bfloat16" if e == 2 else "float32"
+    tp_calls = s.layers * (6 if lay.checkpointing else 4)
+
+    def cost(length: int):
+        c = sm.micro_batch_compute(s, rows=lay.micro_batch_size, length=length, tp=t, layers=s.layers, hw=hw,
+                                   engine="deepspeed", dtype=dtype, recompute="full" if lay.checkpointing else None,
+                                   head=True, head_gemms=(4 if lay.chunked else 3) if trainable is None else 2,
+                                   weight_grads=trainable is None)
+        parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s, "output layer": c.head_s}
+        if t > 1:  # AutoTP's all-reduces wait for each layer's output: on the critical path, not overlapped
+            ar = Collective(TP_ALL_REDUCES, tp_calls * sm.ring_bytes("all_reduce", lay.micro_batch_size * length * s.hidden
+                                                                     * e, t), 1, t, tp_calls, "all_reduce", t)
+            parts[TP_ALL_REDUCES] = ar.time(hw)
+        return parts, c.flops, c.rate
+
+    work = sm.price(dealt, cost)
+    zero = [c for c in pl.collectives if c.name != TP_ALL_REDUCES]
+    pl.t_compute, pl.t_comm = work.seconds, sm.comm_time(zero, hw)
     pl.step_s = max(pl.t_compute, pl.t_comm)
+    pl.flops, pl.rate, pl.padding_ratio = work.flops, work.rate, dealt.padding_ratio
+    pl.tokens = dealt.real_tokens
+    pl.model_flops = sm.model_flops(s, dealt.real_tokens, dealt.real_square_tokens) / lay.world
+    if trainable is not None:  # LoRA: no weight gradients of the frozen base: 4 of the 6 per token
+        pl.model_flops *= 2 / 3
     pl.mfu = sm.mfu(pl.model_flops * lay.world, pl.step_s, lay.world, hw)
-    pl.tokens = step_tokens * lay.dp
-    worst = sm.slowest(pl.collectives, hw)
+    pl.parts = dict(work.parts)
+    if pl.t_comm > pl.t_compute:  # the collectives the compute does not hide
+        pl.parts[f"communication beyond compute ({sm.slowest(zero, hw).name})"] = pl.t_comm - pl.t_compute
+    worst = sm.slowest(zero, hw)
     pl.limit = "compute" if pl.t_compute >= pl.t_comm or worst is None else f"{worst.name} ({worst.bound(hw)})"
     return pl
 

@@ -141,22 +141,24 @@ def gpu_ok(recipe) -> bool:
 def _traffic_and_time(rep, recipe, shape, total, largest, lay, rows, hw, pl, trainable) -> None:
     rep.numbers.update(comm_inter_node_bytes=int(pl.net_bytes), comm_intra_node_bytes=int(pl.nvl_bytes),
                        step_flops=pl.flops, model_flops=pl.model_flops * lay.world, step_time_s=pl.step_s,
-                       mfu=pl.mfu, t_compute_s=pl.t_compute, t_comm_s=pl.t_comm,
+                       mfu=pl.mfu, t_compute_s=pl.t_compute, t_comm_s=pl.t_comm, padding_ratio=pl.padding_ratio,
+                       step_parts=pl.parts, gemm_tflops=pl.rate,
                        comm_compute_ratio=pl.t_comm / pl.t_compute if pl.t_compute else float("inf"),
                        collectives={c.name: {"ring_bytes": c.ring, "net_bytes": c.net, "nvlink_bytes": c.nvl,
-                                             "time_s": c.time(hw), "calls": c.calls} for c in pl.collectives})
+                                             "time_s": c.time(hw), "latency_s": c.latency_s(hw), "calls": c.calls,
+                                             "messages": c.messages} for c in pl.collectives})
     parts = "; ".join(f"{c.name} x{c.calls}: {c.net / 1e9:,.1f} GB network + {c.nvl / 1e9:,.1f} GB NVLink, "
                       f"{c.time(hw):.2f} s" for c in pl.collectives)
     rep.add("comm / GPU / step", f"{pl.net_bytes / 1e9:,.1f} GB over the network + {pl.nvl_bytes / 1e9:,.1f} GB inside "
                                  f"the node{f' (hpZ {lay.hpz})' if lay.hpz > 1 else ''}, "
                                  f"{'bf16' if lay.reduce_bytes == 2 else 'fp32'} gradient reduction: {parts}")
+    compute = sm.dominant_terms(pl.parts, pl.t_compute)
     rep.add("step time", f"{pl.step_s:.2f} s = max(compute {pl.t_compute:.2f} s, communication {pl.t_comm:.2f} s), "
-                         f"limited by {pl.limit}; {pl.tokens:,.0f} tokens per step, "
-                         f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU; MFU {pl.mfu:.1%}")
-    rep.add("assumptions", f"{hw.gpu_tflops:g} TFLOP/s achieved per GPU (--gpu-tflops), {hw.peak_tflops:g} peak "
-                           f"(--gpu-peak-tflops), {hw.nics_per_node} NICs x {hw.nic_gbps:g} Gb/s per node "
-                           f"(--nics-per-node, --net-gbps), NVLink {hw.nvlink_gbps:g} Gb/s per GPU (--nvlink-gbps); "
-                           "collectives overlap compute (recipes/planning/budget.py)")
+                         f"limited by {pl.limit}, MFU {pl.mfu:.1%}; compute: {compute}, GEMMs at {pl.rate:.0f} TFLOP/s; "
+                         f"{pl.tokens:,.0f} real tokens per step, padding x{pl.padding_ratio:.2f}, "
+                         f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU")
+    rep.add("assumptions", f"{sm.assumptions(hw, 'bfloat16' if lay.e == 2 else 'float32')}; the ZeRO collectives "
+                           "overlap compute, AutoTP's all-reduces do not (recipes/planning/budget.py)")
     if trainable is not None or not gpu_ok(recipe):
         return
     tips = B.advice(shape, total, largest, lay, rows, hw, allow_bf16=lay.e == 2)

@@ -50,8 +50,8 @@ rank, an all-reduce twice that; U = T h e):
   not 8U: forward 2 all-gathers + 2 reduce-scatters, backward 2 reduce-scatters + 2 all-gathers of the
   row-parallel linears' output gradients + 2 all-gathers again of the column-parallel linears' inputs for
   their weight gradients (SP keeps only the shard: megatron/core/tensor_parallel/layers.py, backward).
-  Embedding (first stage) 2U, output layer (last) 2U, 3U with SP. Always inside the node (refused
-  otherwise). The objective's own collectives ([T]-sized) are left out.
+  Embedding (first stage) 2U (SP: a reduce-scatter, U), output layer (last) 2U, 3U with SP. Always inside
+  the node (refused otherwise). The objective's own collectives ([T]-sized) are left out.
 - PP: per micro-batch the activation [T, h] (/t under SP: Megatron sends the sequence shard) to the next
   stage and its gradient back, v times with interleaving; over the network when the peer is on another
   node.
@@ -62,30 +62,37 @@ rank, an all-reduce twice that; U = T h e):
   NCCL channel, channels spread over the g NICs of its GPUs (one NIC per GPU), so a GPU sends 1/g of its
   ring bytes over the network and the rest over NVLink.
 
-Step time: a micro-batch costs stage r 6 N_r T FLOPs (N_r its matmul parameters) + 6 s a d T / t per layer
-for causal attention (fused kernels skip the masked half), x 4/3 for the layers under full recompute (their
-forward again), the attention's x 4/3 under selective, at --gpu-tflops; plus its TP traffic, not
-overlapped, at --nvlink-gbps, and its p2p sends (the engine leaves overlap_p2p_comm off: on the critical
-path). The slowest stage sets the pace: step = (m + (p - 1)/v) x its micro-batch time + DP's exposed time
-(overlap_grad_reduce: the reduce-scatter hides behind the last micro-batch's backward, 2/3 of its compute,
-when Megatron's DDP reduces its buckets; overlap_param_gather: the all-gather behind the next step's first
-forward, 1/3; otherwise exposed). A collective takes max(network bytes / --net-gbps, NVLink bytes /
---nvlink-gbps). The optimizer step itself is left out. MFU = (6 N T + 6 s a d T L) m D / (step x GPUs x
---gpu-peak-tflops), N the matmul parameters (layers and output layer, not the input embedding), no
-recompute.
+Step time (recipes.planning.step_model's terms): a micro-batch of b rows padded to s tokens costs stage r
+its L/p layers' GEMMs, each at its own rate (recipes.planning.gemm_rates, by the TP-sliced shape), causal
+attention (6 s a d T / t per layer) at the layers' rate, a launch overhead per kernel (Transformer
+Engine's fused layer), the output layer's GEMMs on the last stage; full recompute adds the forward
+again (GEMMs, attention, kernels and its TP collectives), selective the attention's; plus its TP
+collectives, not overlapped, and its p2p sends (the engine leaves overlap_p2p_comm off: on the critical
+path), each call at NCCL's latency + bytes / bandwidth. Micro-batches are padded as the engine pads them:
+each to its own longest row (a multiple of t under SP), all of a step to one length under interleaving
+(recipes.planning.padding, with data.length_bucketing's sorted blocks). The slowest stage sets the pace
+of each micro-batch; a replica's micro-batches add up, the replicas meet at the step's DP reduction:
+step = max over replicas of the sum of its micro-batches + (p - 1)/v mean micro-batches of bubble + DP's
+exposed time (overlap_grad_reduce: the reduce-scatter hides behind the last micro-batch's backward, 2/3
+of its compute, when Megatron's DDP reduces its buckets; overlap_param_gather: the all-gather behind the
+next step's first forward, 1/3; otherwise exposed). The optimizer step itself is left out. MFU = model
+FLOPs of the real tokens (6 N per token + 6 a d L per token per row length, N the matmul parameters of
+the layers and output layer, no recompute, no padding) / (step x GPUs x peak).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape, head_bytes
-from recipes.planning.step_model import (  # noqa: F401  (model_flops_per_token: re-exported)
-    FIXED_BUFFER_GIB, Hardware, layer_matmul_params, model_flops_per_token)
+from recipes.planning.step_model import FIXED_BUFFER_GIB, Collective, Hardware, layer_matmul_params
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by (the engine's padding)
 GRAD_BYTES = 4  # fp32 main grads, reduced in fp32 (the engine's grad_reduce_in_fp32=True)
 ORDERS = ("tp-dp-pp", "tp-pp-dp")
+DDP_BUCKET = 40_000_000  # parameters per gradient bucket of Megatron's DDP (its default bucket_size)
 
 
 @dataclass(frozen=True)
@@ -241,9 +248,12 @@ class Plan:
     step_s: float
     model_flops: float  # per step, all GPUs
     mfu: float
-    tokens: int  # per step, all GPUs
+    tokens: float  # real tokens per step, all GPUs
     dp_ring: str  # where the DP group sits
     pp_ring: str
+    parts: dict = field(default_factory=dict)  # seconds per step by term: what the step time is made of
+    padding_ratio: float = 1.0  # tokens run / real tokens
+    rate: float = 0.0  # TFLOP/s of the typical micro-batch's GEMMs
 
     @property
     def peak(self) -> Stage:
@@ -258,25 +268,50 @@ def _where(lay: Layout, kind: str) -> str:
     return "inside a node" if nodes == 1 else f"across {nodes} nodes, {g} rank(s) per node"
 
 
-def plan(s: Shape, lay: Layout, *, micro_batch_size: int, seq: int, grad_accum: int, tied: bool,
-         recompute: str | None = None, distributed_optimizer: bool = True, overlap_grad_reduce: bool = True,
-         overlap_param_gather: bool = True, chunked_head: bool = False, chunk_size: int = 1024,
-         qkv_bias: bool = False, gpu_tflops: float = 400.0, net_gbps: float = 400.0,
-         nvlink_gbps: float = 2880.0, gpu_peak_tflops: float = 989.0, e: int = 2) -> Plan:
-    """Memory, traffic and time of every pipeline stage of `lay` (module docstring)."""
+def tp_collectives(s: Shape, lay: Layout, stage: int, tokens: float, e: int, recompute: str | None
+                   ) -> list[Collective]:
+    """One micro-batch's TP collectives on a GPU of `stage`, inside its node (module docstring): 4
+    all-reduces per layer, or with SP 10 all-gathers / reduce-scatters of the [T, h] activations; the
+    embedding's all-reduce on the first stage (SP: a reduce-scatter), the output layer's input-gradient
+    all-reduce on the last (SP: its input all-gathered in forward and again for the weight gradient, the
+    gradient reduce-scattered); full recompute runs the forward's again (2 per layer, SP 4)."""
+    t, p = lay.tp, lay.pp
+    if t == 1:
+        return []
+    u = tokens * s.hidden * e
+    again = (4 if lay.sp else 2) if recompute == "full" else 0
+    first, last = stage == 0, stage == p - 1
+    if lay.sp:
+        n = s.layers // p * (10 + again) + first + 3 * last
+        return [Collective("TP all-gathers / reduce-scatters (SP)", n * sm.ring_bytes("all_gather", u, t), 1, t, n,
+                           "all_gather", t)]
+    n = s.layers // p * (4 + again) + first + last
+    return [Collective("TP all-reduces", n * sm.ring_bytes("all_reduce", u, t), 1, t, n, "all_reduce", t)]
+
+
+def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied: bool, seq: int | None = None,
+         rows: sm.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
+         overlap_grad_reduce: bool = True, overlap_param_gather: bool = True, chunked_head: bool = False,
+         chunk_size: int = 1024, qkv_bias: bool = False, hw: Hardware | None = None, e: int = 2,
+         timed: bool = True) -> Plan:
+    """Memory, traffic and time of every pipeline stage of `lay` (module docstring): memory at `rows.peak`
+    tokens per row, time at the rows `rows.deal` gives; `seq` alone: rows of exactly that many tokens.
+    `timed` False: memory only (the step time is left at infinity)."""
     t, p, v, m = lay.tp, lay.pp, lay.vpp, grad_accum
-    T = micro_batch_size * seq
-    # net_gbps: each GPU's share of its node's NICs
-    hw = Hardware(gpu_tflops=gpu_tflops, peak_tflops=gpu_peak_tflops, nic_gbps=net_gbps, nvlink_gbps=nvlink_gbps,
-                  nics_per_node=lay.gpus_per_node, gpus_per_node=lay.gpus_per_node)
-    net, nvl = hw.net_gbps_per_gpu / 8 * 1e9, hw.nvlink_Bps
+    rows = rows or sm.Rows(seq, seq, f"{seq} tokens per row", np.array([seq]))
+    hw = hw or Hardware(gpus_per_node=lay.gpus_per_node, nics_per_node=lay.gpus_per_node)
+    seq, b = rows.peak, micro_batch_size
+    T = b * seq
+    dtype = "bfloat16" if e == 2 else "float32"
     seq_split = t if lay.sp else 1
-    U = T * s.hidden * e
-    ring_t = (t - 1) / t
+    dealt = rows.deal(b, m, lay.dp, pad_multiple=seq_split, one_length=v > 1)  # the engine: interleaved, one length
+    T_run = dealt.padded_tokens / (m * lay.dp)  # mean tokens per micro-batch, padding included
+    U, U_run = T * s.hidden * e, T_run * s.hidden * e
     vp = padded_vocab(s.vocab, t) * s.hidden / t
+    head_shape = Shape(s.layers, s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, padded_vocab(s.vocab, t))
     full_layer = layer_activation_bytes(s, T, t, lay.sp, None, e)
-    attn_mb = 6 * seq * s.heads * s.head_dim * T / t  # per layer
     stages = []
+    dp_colls: list[list[Collective]] = []
     for r in range(p):
         st = Stage(r, stage_params(s, lay, r, tied, qkv_bias))
         mem = st.memory
@@ -287,210 +322,91 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, seq: int, grad_accum: 
         else:
             mem["activations"] = held * layer_activation_bytes(s, T, t, lay.sp, recompute, e)
         if r == p - 1:
-            head_shape = Shape(s.layers, s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim,
-                               padded_vocab(s.vocab, t))
             mem["head"] = 2 * e * s.hidden * T / seq_split + head_bytes(head_shape, T, t, e, chunked_head, chunk_size)
         mem["buffers"] = full_layer + 2 * U / seq_split + (U if lay.sp else 0) + FIXED_BUFFER_GIB * GiB
-        # TP, inside the node
-        per_mb = s.layers / p * (10 if lay.sp else 8) * U * ring_t
-        per_mb += (2 * U * ring_t if r == 0 else 0) + ((3 if lay.sp else 2) * U * ring_t if r == p - 1 else 0)
-        st.tp_bytes = m * per_mb
-        # PP p2p: every GPU of the stage alike up to placement: the worst one
-        msg = U / seq_split
-        worst = (0.0, 0.0)
-        if p > 1:
-            sends = ((r + 1) % p, m * (v - (r == p - 1))), ((r - 1) % p, m * (v - (r == 0)))
-            for d in range(lay.dp):
-                for k in range(t):
-                    me = rank_of(lay, k, d, r) // lay.gpus_per_node
-                    inter = sum(n * msg for peer, n in sends if rank_of(lay, k, d, peer) // lay.gpus_per_node != me)
-                    intra = sum(n * msg for _, n in sends) - inter
-                    worst = max(worst, (inter, intra))
-        st.pp_inter, st.pp_intra = worst
+        # traffic per step at the mean padded micro-batch
+        st.tp_bytes = m * sum(c.ring for c in tp_collectives(s, lay, r, T_run, e, recompute))
+        st.pp_inter, st.pp_intra = (m * x for x in _p2p_bytes(lay, r, U_run / seq_split))
         # DP, once per step
         dp_group = [rank_of(lay, 0, d, r) for d in range(lay.dp)]
-        ring_d = (lay.dp - 1) / lay.dp
+        nodes, per_node = span(lay, dp_group)
+        buckets = max(1, -(-int(st.params) // DDP_BUCKET))
+        ring = sm.ring_bytes("reduce_scatter" if distributed_optimizer else "all_reduce", st.params * GRAD_BYTES, lay.dp)
+        colls = [Collective("DP gradient reduce-scatter" if distributed_optimizer else "DP gradient all-reduce", ring,
+                            nodes, per_node, 1, "reduce_scatter" if distributed_optimizer else "all_reduce", lay.dp,
+                            buckets)]
         if distributed_optimizer:
-            colls = [st.params * GRAD_BYTES * ring_d, st.params * e * ring_d]  # reduce-scatter, all-gather
-        else:
-            colls = [2 * st.params * GRAD_BYTES * ring_d, 0.0]
-        splits = [split_ring(lay, dp_group, c) for c in colls]
-        st.dp_inter, st.dp_intra = sum(x for x, _ in splits), sum(y for _, y in splits)
+            colls.append(Collective("DP parameter all-gather", sm.ring_bytes("all_gather", st.params * e, lay.dp), nodes,
+                                    per_node, 1, "all_gather", lay.dp, buckets))
         if tied and p > 1 and r in (0, p - 1):
             other = rank_of(lay, 0, 0, p - 1 - r) // lay.gpus_per_node != rank_of(lay, 0, 0, r) // lay.gpus_per_node
-            tied_bytes = vp * GRAD_BYTES  # an all-reduce over 2 ranks: the buffer once
-            st.dp_inter += tied_bytes * other
-            st.dp_intra += tied_bytes * (not other)
-            splits.append((tied_bytes * other, tied_bytes * (not other)))
-        # time
-        layer_flops = 6 * layer_matmul_params(s) / t * T
-        if recompute == "full":
-            layers = (layer_flops + attn_mb) * 4 / 3
-        elif recompute == "selective":
-            layers = layer_flops + attn_mb * 4 / 3
-        else:
-            layers = layer_flops + attn_mb
-        st.flops_mb = s.layers / p * layers + (6 * vp * T if r == p - 1 else 0)
-        st.t_compute = t_compute = hw.compute_s(st.flops_mb)
-        st.t_tp, st.t_p2p = per_mb / nvl, max(st.pp_inter / net, st.pp_intra / nvl) / m
-        times = [max(a / net, b / nvl) for a, b in splits]
-        rs, ag, rest = times[0], times[1], sum(times[2:])
-        if overlap_grad_reduce:
-            rs = max(0.0, rs - 2 / 3 * t_compute)
-        if overlap_param_gather and distributed_optimizer:
-            ag = max(0.0, ag - 1 / 3 * t_compute)
-        st.t_dp_exposed = rs + ag + rest
+            colls.append(Collective("tied embedding all-reduce", vp * GRAD_BYTES, 2 if other else 1, 1, 1, "all_reduce", 2))
+        st.dp_inter, st.dp_intra = sum(c.net for c in colls), sum(c.nvl for c in colls)
+        dp_colls.append(colls)
         stages.append(st)
-    slowest = max(st.t_mb for st in stages)
-    step = (m + (p - 1) / v) * slowest + max(st.t_dp_exposed for st in stages)
-    tokens = T * m * lay.dp
-    flops = model_flops_per_token(s, seq) * tokens
-    return Plan(lay, stages, bubble(p, m, v), step, flops, sm.mfu(flops, step, lay.world, hw),
-                tokens, _where(lay, "dp"), _where(lay, "pp"))
+
+    if not timed:
+        return Plan(lay, stages, bubble(p, m, v), float("inf"), 0.0, 0.0, dealt.real_tokens, _where(lay, "dp"),
+                    _where(lay, "pp"), {}, dealt.padding_ratio)
+
+    def stage_cost(r: int, length: int) -> tuple[dict, float, float]:
+        c = sm.micro_batch_compute(head_shape, rows=b, length=length, tp=t, layers=s.layers / p, hw=hw,
+                                   engine="megatron", dtype=dtype, recompute=recompute, head=r == p - 1,
+                                   head_gemms=4 if chunked_head else 3)
+        tokens = b * length
+        msg = tokens * s.hidden * e / seq_split
+        inter, intra = _p2p_bytes(lay, r, msg)
+        # the engine leaves overlap_p2p_comm off: each send on the critical path, one NCCL hop each
+        p2p = sum(Collective("p2p", sent, nodes, 1, round(sent / msg), "p2p", 2).time(hw)
+                  for sent, nodes in ((inter, 2), (intra, 1)) if sent)
+        tp = sum(x.time(hw) for x in tp_collectives(s, lay, r, tokens, e, recompute))
+        parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s,
+                 "output layer": c.head_s, "TP collectives": tp, "pipeline p2p": p2p}
+        return parts, c.flops, c.rate
+
+    # the stages differ by the embedding (first), the output layer (last) and where their p2p peers sit
+    roles = {0, p - 1} | ({max(range(1, p - 1), key=lambda r: stages[r].pp_inter)} if p > 2 else set())
+
+    def slowest_stage(length: int):
+        return max((stage_cost(r, length) for r in roles), key=lambda x: sum(x[0].values()))
+
+    work = sm.price(dealt, slowest_stage)  # the replicas meet at the step's DP reduction
+    typical = dealt.typical.median
+    for st in stages:
+        parts, st.flops_mb, _ = stage_cost(st.index, typical)
+        st.t_compute = parts["GEMMs"] + parts["attention"] + parts["kernel launches"] + parts["output layer"]
+        st.t_tp, st.t_p2p = parts["TP collectives"], parts["pipeline p2p"]
+    for st, colls in zip(stages, dp_colls):
+        times = [c.time(hw) for c in colls]
+        rs, ag, rest = times[0], (times[1] if distributed_optimizer else 0.0), sum(times[1 + distributed_optimizer:])
+        if overlap_grad_reduce:  # behind the last micro-batch's backward
+            rs = max(0.0, rs - 2 / 3 * st.t_compute)
+        if overlap_param_gather and distributed_optimizer:  # behind the next step's first forward
+            ag = max(0.0, ag - 1 / 3 * st.t_compute)
+        st.t_dp_exposed = rs + ag + rest
+    idle = (p - 1) / v * work.seconds / m  # the bubble: (p - 1)/v micro-batch slots at the mean micro-batch
+    exposed = max(st.t_dp_exposed for st in stages)
+    step = work.seconds + idle + exposed
+    parts = dict(work.parts)
+    if idle:
+        parts["pipeline bubble"] = idle
+    if exposed:
+        parts["DP exposed"] = exposed
+    flops = sm.model_flops(s, dealt.real_tokens, dealt.real_square_tokens)
+    return Plan(lay, stages, bubble(p, m, v), step, flops, sm.mfu(flops, step, lay.world, hw), dealt.real_tokens,
+                _where(lay, "dp"), _where(lay, "pp"), parts, dealt.padding_ratio, work.rate)
 
 
-# ---- recipes.planning.validate's part -----------------------------------------------------------------
-
-
-def layout_of(recipe) -> tuple[Layout, list[str]]:
-    """The recipe's layout and the errors it has before the model's shape is known (keys named)."""
-    mg, cl = recipe.megatron, recipe.cluster
-    per_node = cl.ranks_per_node()
-    world = cl.nodes * per_node
-    errors = []
-    if world % (mg.tp_size * mg.pp_size):
-        errors.append(f"megatron.tp_size x megatron.pp_size: {mg.tp_size} x {mg.pp_size} = {mg.tp_size * mg.pp_size}"
-                      f" does not divide cluster.nodes x cluster.gpus_per_node = {cl.nodes} x {per_node} = {world} "
-                      "(data-parallel size = world / (tp x pp))")
-    if per_node > 0 and per_node % mg.tp_size:
-        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
-        errors.append(f"megatron.tp_size: {mg.tp_size} does not divide {key} {per_node}: a TP group would span "
-                      "nodes (its all-reduces run every layer: keep TP inside a node)")
-    if mg.sequence_parallel and mg.tp_size == 1:
-        errors.append("megatron.sequence_parallel: needs megatron.tp_size > 1")
-    vpp = mg.virtual_pp_size or 1
-    if mg.virtual_pp_size is not None and (mg.pp_size < 2 or vpp < 2):
-        errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size} needs megatron.pp_size >= 2 and a value >= 2 "
-                      "(null: no interleaving)")
-        vpp = 1
-    dp = max(1, world // (mg.tp_size * mg.pp_size))
-    return Layout(mg.tp_size, mg.pp_size, dp, vpp, mg.sequence_parallel and mg.tp_size > 1,
-                  max(1, per_node)), errors
-
-
-def megatron_layout(rep, recipe) -> tuple[int, str]:
-    """validate's section 5 for Megatron recipes: errors on rep; (data-parallel size, layout line)."""
-    lay, errors = layout_of(recipe)
-    rep.errors.extend(errors)
-    mg, cl = recipe.megatron, recipe.cluster
-    unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
-    inter = f", interleaved x {lay.vpp}" if lay.vpp > 1 else ""
-    text = (f"{cl.nodes} node(s) x {cl.ranks_per_node()} {unit}, Megatron TP {lay.tp}{' + SP' if lay.sp else ''} "
-            f"x PP {lay.pp}{inter} x DP {lay.dp}, {'distributed' if mg.distributed_optimizer else 'replicated'} "
-            f"optimizer, recompute {mg.recompute or 'none'}")
-    return lay.dp, text
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
-def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows) -> Plan | None:
-    """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
-    the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
-    longest rows, time at the mean (recipes.planning.step_model.row_tokens)."""
-    mg, tr, m = recipe.megatron, recipe.train, recipe.model
-    lay, _ = layout_of(recipe)  # its own errors are megatron_layout's (section 5)
-    try:
-        shape = Shape.of(cfg)
-    except AttributeError as err:
-        rep.warnings.append(f"memory: no layer shapes in the model config ({err}); Megatron plan not estimated")
-        return None
-    problems = layout_problems(shape, lay, tr.grad_accum)
-    rep.errors.extend(problems)
-    if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
-        return None
-    seq = rows.peak
-    gpu_mem_gb, gpu_tflops, gpu_peak_tflops = hw.mem_gib, hw.gpu_tflops, hw.peak_tflops
-    net_gbps, nvlink_gbps = hw.net_gbps_per_gpu, hw.nvlink_gbps
-    text = getattr(cfg, "text_config", None) or cfg
-    tied = bool(getattr(text, "tie_word_embeddings", False))
-    qkv_bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
-    e = 2 if m.dtype == "bfloat16" else 4
-    pl = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
-              recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
-              overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-              chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-              gpu_tflops=gpu_tflops, net_gbps=net_gbps, nvlink_gbps=nvlink_gbps, gpu_peak_tflops=gpu_peak_tflops, e=e)
-    mean_seq = max(1, round(rows.mean))
-    tpl = pl if mean_seq == seq else plan(
-        shape, lay, micro_batch_size=tr.micro_batch_size, seq=mean_seq, grad_accum=tr.grad_accum, tied=tied,
-        recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
-        overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-        chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-        gpu_tflops=gpu_tflops, net_gbps=net_gbps, nvlink_gbps=nvlink_gbps, gpu_peak_tflops=gpu_peak_tflops, e=e)
-    peak = pl.peak
-    first, last = pl.stages[0], pl.stages[-1]
-    busiest = max(tpl.stages, key=lambda st: st.pp_inter + st.dp_inter)
-    per_param = f"{2 + GRAD_BYTES} + 12/{lay.dp}" if mg.distributed_optimizer else "18"
-    rep.numbers.update(gpu_mem_bytes=int(peak.memory["model states"]), gpu_total_bytes=int(peak.total),
-                       activation_bytes=int(peak.memory["activations"]), head_bytes=int(last.memory["head"]),
-                       first_stage_activation_bytes=int(first.memory["activations"]),
-                       peak_stage=peak.index, bubble=tpl.bubble, step_time_s=tpl.step_s, mfu=tpl.mfu,
-                       step_flops=tpl.stages[0].flops_mb * tr.grad_accum, model_flops=tpl.model_flops,
-                       comm_inter_node_bytes=int(busiest.pp_inter + busiest.dp_inter),
-                       comm_intra_node_bytes=int(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra))
-    rep.add("memory / GPU (all)", f"peak stage {peak.index} of {lay.pp}: {_gib(peak.total)} = "
-            + " + ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
-            + f"; model states {_gib(peak.memory['model states'])} = {peak.params / 1e9:.2f}B parameters x "
-            f"({per_param}) bytes; {tr.micro_batch_size} x {seq} tokens per micro-batch at the longest rows")
-    rep.add("tokens per row", rows.note)
-    if lay.pp > 1:
-        rep.add("memory by stage", ", ".join(f"{st.index}: {_gib(st.total)}" for st in pl.stages)
-                + f" (first stage holds {layers_in_flight(lay, shape.layers, tr.grad_accum, 0):g} layer-micro-batches"
-                f" of activations, last {layers_in_flight(lay, shape.layers, tr.grad_accum, lay.pp - 1):g})")
-    rec = {None: "none", "selective": "selective", "full": "full"}
-    other = "full" if mg.recompute != "full" else None
-    alt = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
-               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, e=e)
-    rep.add("activations", f"{_gib(first.memory['activations'])} on the first stage with recompute "
-                           f"{rec[mg.recompute]}; recompute {rec[other]} would make it "
-                           f"{_gib(alt.stages[0].memory['activations'])}")
-    rep.add("pipeline", f"{tr.grad_accum} micro-batches per step per DP rank, bubble {pl.bubble:.1%} of the step"
-                        + (f" ((p-1)/v = {(lay.pp - 1) / lay.vpp:g} idle micro-batch slots)" if lay.pp > 1 else ""))
-    rep.add("comm / GPU / step", f"stage {busiest.index}: {(busiest.pp_inter + busiest.dp_inter) / 1e9:,.2f} GB over "
-            f"the network (PP {busiest.pp_inter / 1e9:,.2f} + DP {busiest.dp_inter / 1e9:,.2f}) + "
-            f"{(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra) / 1e9:,.1f} GB over NVLink (TP"
-            f"{' with SP' if lay.sp else ''} {busiest.tp_bytes / 1e9:,.1f} + PP {busiest.pp_intra / 1e9:,.2f} + DP "
-            f"{busiest.dp_intra / 1e9:,.2f}); DP group {tpl.dp_ring}, PP group {tpl.pp_ring}; rank order tp-dp-pp "
-            f"(megatron-core's default); grads reduced in fp32")
-    pl = tpl  # time at the mean rows
-    slow = max(pl.stages, key=lambda st: st.t_mb)
-    rep.add("step time", f"{pl.step_s:.2f} s = ({tr.grad_accum} + {(lay.pp - 1) / lay.vpp:g}) x "
-            f"{slow.t_mb * 1e3:.1f} ms per micro-batch on stage {slow.index} (compute {slow.t_compute * 1e3:.1f} ms"
-            f" + TP {slow.t_tp * 1e3:.1f} ms + p2p {slow.t_p2p * 1e3:.2f} ms) + DP exposed "
-            f"{max(st.t_dp_exposed for st in pl.stages) * 1e3:.1f} ms; {pl.tokens:,} tokens per step, "
-            f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU; MFU {pl.mfu:.1%}")
-    rep.add("assumptions", f"{gpu_tflops:g} TFLOP/s achieved per GPU (--gpu-tflops), {gpu_peak_tflops:g} peak "
-            f"(--gpu-peak-tflops), network {net_gbps:g} Gb/s per GPU ({hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs "
-            f"per node: --nics-per-node, --net-gbps), NVLink "
-            f"{nvlink_gbps:g} Gb/s per GPU (--nvlink-gbps); TP not overlapped, p2p on the critical path, DP "
-            f"overlapped with the last micro-batch's backward / the next first forward "
-            f"(overlap_grad_reduce {mg.overlap_grad_reduce}, overlap_param_gather {mg.overlap_param_gather}); "
-            f"fused attention; {FIXED_BUFFER_GIB:g} GiB fixed buffers (recipes/planning/megatron_budget.py)")
-    if recipe.loss.head == "chunked":
-        rep.warnings.append("loss.head: chunked: the Megatron engine computes the objective on GPTModel's "
-                            "vocab-parallel logits (loss.head: logits); estimated with the chunked head as asked")
-    if m.gradient_checkpointing:
-        rep.warnings.append("model.gradient_checkpointing: not used by the Megatron engine; megatron.recompute is")
-    if lay.pp > 1 and tr.grad_accum < lay.pp:
-        rep.warnings.append(f"train.grad_accum: {tr.grad_accum} micro-batches for {lay.pp} pipeline stages: the "
-                            f"bubble is {pl.bubble:.0%} of the step")
-    if peak.total > gpu_mem_gb * GiB:
-        big = max(peak.memory, key=peak.memory.get)
-        rep.errors.append(f"memory: stage {peak.index} needs {_gib(peak.total)} per GPU, more than {gpu_mem_gb:g} GiB "
-                          f"(--gpu-mem-gb): " + ", ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
-                          + f"; the largest part is {big}" + (
-                              "; set megatron.recompute (selective, full) or megatron.sequence_parallel" if big ==
-                              "activations" else "; more TP / PP, or megatron.distributed_optimizer"))
-    return pl
+def _p2p_bytes(lay: Layout, r: int, msg: float) -> tuple[float, float]:
+    """(network, NVLink) bytes stage r's busiest GPU sends per micro-batch, `msg` bytes a send."""
+    p = lay.pp
+    if p == 1:
+        return 0.0, 0.0
+    sends = ((r + 1) % p, lay.vpp - (r == p - 1)), ((r - 1) % p, lay.vpp - (r == 0))
+    worst = (0.0, 0.0)
+    for d in range(lay.dp):
+        for k in range(lay.tp):
+            me = rank_of(lay, k, d, r) // lay.gpus_per_node
+            inter = sum(n * msg for peer, n in sends if rank_of(lay, k, d, peer) // lay.gpus_per_node != me)
+            worst = max(worst, (inter, sum(n * msg for _, n in sends) - inter))
+    return worst

@@ -149,10 +149,12 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
 
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
                     offline: bool = False, gpu_mem_gb: float | None = None, size: bool = True,
-                    seq_len: int | None = None, mean_row_tokens: float | None = None, **hardware) -> Report:
+                    seq_len: int | None = None, mean_row_tokens: float | None = None, recommend: bool = True,
+                    **hardware) -> Report:
     """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`). `hardware`:
-    gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
-    cluster.* values, else recipes.planning.step_model.Hardware's defaults)."""
+    gpu, gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
+    cluster.* values, else recipes.planning.step_model.Hardware's defaults). `recommend`: weigh the other
+    layouts too (recipes.planning.recommend) when the recipe has no error so far."""
     from recipes.config import load_recipe
 
     rep = Report(str(path))
@@ -196,7 +198,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             total = None
         from recipes.planning.step_model import hardware as _hardware, row_tokens
 
-        hw = _hardware(recipe, gpu_tflops=hardware.get("gpu_tflops"), peak_tflops=hardware.get("gpu_peak_tflops"),
+        hw = _hardware(recipe, gpu=hardware.get("gpu"), gpu_tflops=hardware.get("gpu_tflops"),
+                       peak_tflops=hardware.get("gpu_peak_tflops"),
                        nic_gbps=hardware.get("net_gbps"), nics_per_node=hardware.get("nics_per_node"),
                        nvlink_gbps=hardware.get("nvlink_gbps"), mem_gib=gpu_mem_gb)
         from dataclasses import replace
@@ -215,7 +218,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
 
             adapter = report_lora(rep, cfg, m, total)
         if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
-            from recipes.planning.megatron_budget import report_megatron
+            from recipes.planning.megatron_report import report_megatron
 
             report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows)
         elif total is not None and cl.gpus_per_node > 0:
@@ -235,6 +238,13 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             from recipes.planning.deepspeed_report import report_budget
 
             report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, hw=hw, rows=rows)
+        if total is not None and cl.gpus_per_node > 0 and adapter is None and recommend and not rep.errors:
+            from recipes.planning.recommend import recommend as _recommend
+
+            per_replica = (ds.tp_size if tr.engine == "deepspeed" else recipe.megatron.tp_size * recipe.megatron.pp_size)
+            batch = tr.global_batch_size or tr.micro_batch_size * tr.grad_accum * max(
+                1, cl.nodes * cl.gpus_per_node // per_replica)
+            _recommend(rep, recipe, cfg, total, largest, hw, rows, batch)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
@@ -242,7 +252,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     per_node = cl.ranks_per_node()
     unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
     if tr.engine == "megatron":  # TP x PP x DP (recipes.planning.megatron_budget)
-        from recipes.planning.megatron_budget import megatron_layout
+        from recipes.planning.megatron_report import megatron_layout
 
         dp, layout = megatron_layout(rep, recipe)
     else:
@@ -347,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=None, help="rows of this many tokens (default: data.seq_len, else "
                    "the data's manifest, else 1024 assumed)")
     p.add_argument("--mean-row-tokens", type=float, default=None, help="mean tokens per row for compute and traffic")
-    p.add_argument("--gpu-tflops", type=float, default=None, help="achieved TFLOP/s per GPU (cluster.gpu_tflops, "
-                   "else 400: ~40%% of an H100)")
+    p.add_argument("--gpu", default=None, help="H100, H200 or A100: its GEMM rates, peak and memory (cluster.gpu, "
+                   "else H100)")
+    p.add_argument("--gpu-tflops", type=float, default=None, help="GEMM TFLOP/s at the largest shapes, the GPU's rate "
+                   "table scaled to it (cluster.gpu_tflops, else the table's: docs/gemm-rates.md)")
     p.add_argument("--net-gbps", type=float, default=None, help="Gb/s of one NIC (cluster.nic_gbps, else 400: NDR)")
     p.add_argument("--nics-per-node", type=int, default=None, help="NICs per node (cluster.nics_per_node, else one "
                    "per GPU)")
@@ -359,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
-                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, gpu_tflops=a.gpu_tflops,
+                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, gpu=a.gpu, gpu_tflops=a.gpu_tflops,
                           net_gbps=a.net_gbps, nics_per_node=a.nics_per_node, nvlink_gbps=a.nvlink_gbps,
                           gpu_peak_tflops=a.gpu_peak_tflops)
     if a.json:

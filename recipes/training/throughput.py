@@ -135,24 +135,24 @@ def predict(recipe, cfg, world: int) -> dict:
         return {}
     hw = sm.hardware(recipe)
     rows = sm.row_tokens(recipe)
-    label = (f"{hw.gpu_tflops:g} TFLOP/s achieved, {hw.peak_tflops:g} peak, {hw.nics_per_node} x {hw.nic_gbps:g} "
-             f"Gb/s NICs, {hw.nvlink_gbps:g} Gb/s NVLink per GPU; {rows.note}")
+    e = 2 if recipe.model.dtype == "bfloat16" else 4
+    label = f"{sm.assumptions(hw, 'bfloat16' if e == 2 else 'float32')}; {rows.note}"
     if recipe.train.engine == "megatron":
         from recipes.planning import megatron_budget as M
+        from recipes.planning.megatron_report import layout_of
 
-        lay, _ = M.layout_of(recipe)
+        lay, _ = layout_of(recipe)
         text = getattr(cfg, "text_config", None) or cfg
         mg = recipe.megatron
-        pl = M.plan(shape, lay, micro_batch_size=recipe.train.micro_batch_size, seq=round(rows.mean),
+        pl = M.plan(shape, lay, micro_batch_size=recipe.train.micro_batch_size, rows=rows,
                     grad_accum=recipe.train.grad_accum, tied=bool(getattr(text, "tie_word_embeddings", False)),
-                    recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
-                    gpu_tflops=hw.gpu_tflops, net_gbps=hw.net_gbps_per_gpu, nvlink_gbps=hw.nvlink_gbps,
-                    gpu_peak_tflops=hw.peak_tflops, e=2 if recipe.model.dtype == "bfloat16" else 4)
+                    recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer, hw=hw, e=e)
         return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.peak.total / GiB, "limit": "pipeline",
-                "hardware": label}
+                "padding_ratio": pl.padding_ratio, "hardware": label}
     from recipes.planning import budget as B
     from recipes.planning.deepspeed_report import recipe_layout
 
     pl = B.deepspeed_plan(shape, total, largest, recipe_layout(recipe, shape, world), rows, hw)
     return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.total / GiB, "limit": pl.limit,
-            "net_bytes": pl.net_bytes, "nvlink_bytes": pl.nvl_bytes, "hardware": label}
+            "padding_ratio": pl.padding_ratio, "net_bytes": pl.net_bytes, "nvlink_bytes": pl.nvl_bytes,
+            "hardware": label}

@@ -1,0 +1,143 @@
+"""recipes.planning.validate's lines for a Megatron recipe (`train.engine: megatron`): the recipe's layout
+and the errors it has before the model's shape is known, then memory by pipeline stage, the bubble, the
+bytes each GPU moves inside and across nodes, and the step time with what it is made of
+(recipes.planning.megatron_budget's plan; every formula in its docstring)."""
+
+from __future__ import annotations
+
+from recipes.planning import step_model as sm
+from recipes.planning.budget import GiB, Shape
+from recipes.planning.megatron_budget import GRAD_BYTES, Layout, Plan, layers_in_flight, layout_problems, plan
+from recipes.planning.step_model import FIXED_BUFFER_GIB, Hardware
+
+
+def layout_of(recipe) -> tuple[Layout, list[str]]:
+    """The recipe's layout and the errors it has before the model's shape is known (keys named)."""
+    mg, cl = recipe.megatron, recipe.cluster
+    per_node = cl.ranks_per_node()
+    world = cl.nodes * per_node
+    errors = []
+    if world % (mg.tp_size * mg.pp_size):
+        errors.append(f"megatron.tp_size x megatron.pp_size: {mg.tp_size} x {mg.pp_size} = {mg.tp_size * mg.pp_size}"
+                      f" does not divide cluster.nodes x cluster.gpus_per_node = {cl.nodes} x {per_node} = {world} "
+                      "(data-parallel size = world / (tp x pp))")
+    if per_node > 0 and per_node % mg.tp_size:
+        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
+        errors.append(f"megatron.tp_size: {mg.tp_size} does not divide {key} {per_node}: a TP group would span "
+                      "nodes (its all-reduces run every layer: keep TP inside a node)")
+    if mg.sequence_parallel and mg.tp_size == 1:
+        errors.append("megatron.sequence_parallel: needs megatron.tp_size > 1")
+    vpp = mg.virtual_pp_size or 1
+    if mg.virtual_pp_size is not None and (mg.pp_size < 2 or vpp < 2):
+        errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size} needs megatron.pp_size >= 2 and a value >= 2 "
+                      "(null: no interleaving)")
+        vpp = 1
+    dp = max(1, world // (mg.tp_size * mg.pp_size))
+    return Layout(mg.tp_size, mg.pp_size, dp, vpp, mg.sequence_parallel and mg.tp_size > 1,
+                  max(1, per_node)), errors
+
+
+def megatron_layout(rep, recipe) -> tuple[int, str]:
+    """validate's section 5 for Megatron recipes: errors on rep; (data-parallel size, layout line)."""
+    lay, errors = layout_of(recipe)
+    rep.errors.extend(errors)
+    mg, cl = recipe.megatron, recipe.cluster
+    unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
+    inter = f", interleaved x {lay.vpp}" if lay.vpp > 1 else ""
+    text = (f"{cl.nodes} node(s) x {cl.ranks_per_node()} {unit}, Megatron TP {lay.tp}{' + SP' if lay.sp else ''} "
+            f"x PP {lay.pp}{inter} x DP {lay.dp}, {'distributed' if mg.distributed_optimizer else 'replicated'} "
+            f"optimizer, recompute {mg.recompute or 'none'}")
+    return lay.dp, text
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows) -> Plan | None:
+    """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
+    the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
+    longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal)."""
+    mg, tr, m = recipe.megatron, recipe.train, recipe.model
+    lay, _ = layout_of(recipe)  # its own errors are megatron_layout's (section 5)
+    try:
+        shape = Shape.of(cfg)
+    except AttributeError as err:
+        rep.warnings.append(f"memory: no layer shapes in the model config ({err}); Megatron plan not estimated")
+        return None
+    problems = layout_problems(shape, lay, tr.grad_accum)
+    rep.errors.extend(problems)
+    if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
+        return None
+    seq = rows.peak
+    text = getattr(cfg, "text_config", None) or cfg
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    qkv_bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
+    e = 2 if m.dtype == "bfloat16" else 4
+    pl = plan(shape, lay, micro_batch_size=tr.micro_batch_size, rows=rows, grad_accum=tr.grad_accum, tied=tied,
+              recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
+              overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
+              chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
+              hw=hw, e=e)
+    peak = pl.peak
+    first, last = pl.stages[0], pl.stages[-1]
+    busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)
+    per_param = f"{2 + GRAD_BYTES} + 12/{lay.dp}" if mg.distributed_optimizer else "18"
+    rep.numbers.update(gpu_mem_bytes=int(peak.memory["model states"]), gpu_total_bytes=int(peak.total),
+                       activation_bytes=int(peak.memory["activations"]), head_bytes=int(last.memory["head"]),
+                       first_stage_activation_bytes=int(first.memory["activations"]),
+                       peak_stage=peak.index, bubble=pl.bubble, step_time_s=pl.step_s, mfu=pl.mfu,
+                       step_flops=pl.stages[0].flops_mb * tr.grad_accum, model_flops=pl.model_flops,
+                       padding_ratio=pl.padding_ratio, step_parts=pl.parts, gemm_tflops=pl.rate,
+                       comm_inter_node_bytes=int(busiest.pp_inter + busiest.dp_inter),
+                       comm_intra_node_bytes=int(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra))
+    rep.add("memory / GPU (all)", f"peak stage {peak.index} of {lay.pp}: {_gib(peak.total)} = "
+            + " + ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
+            + f"; model states {_gib(peak.memory['model states'])} = {peak.params / 1e9:.2f}B parameters x "
+            f"({per_param}) bytes; {tr.micro_batch_size} x {seq} tokens per micro-batch at the longest rows")
+    rep.add("tokens per row", rows.note)
+    if lay.pp > 1:
+        rep.add("memory by stage", ", ".join(f"{st.index}: {_gib(st.total)}" for st in pl.stages)
+                + f" (first stage holds {layers_in_flight(lay, shape.layers, tr.grad_accum, 0):g} layer-micro-batches"
+                f" of activations, last {layers_in_flight(lay, shape.layers, tr.grad_accum, lay.pp - 1):g})")
+    rec = {None: "none", "selective": "selective", "full": "full"}
+    other = "full" if mg.recompute != "full" else None
+    alt = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
+               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, e=e, hw=hw)
+    rep.add("activations", f"{_gib(first.memory['activations'])} on the first stage with recompute "
+                           f"{rec[mg.recompute]}; recompute {rec[other]} would make it "
+                           f"{_gib(alt.stages[0].memory['activations'])}")
+    rep.add("pipeline", f"{tr.grad_accum} micro-batches per step per DP rank, bubble {pl.bubble:.1%} of the step"
+                        + (f" ((p-1)/v = {(lay.pp - 1) / lay.vpp:g} idle micro-batch slots)" if lay.pp > 1 else ""))
+    rep.add("comm / GPU / step", f"stage {busiest.index}: {(busiest.pp_inter + busiest.dp_inter) / 1e9:,.2f} GB over "
+            f"the network (PP {busiest.pp_inter / 1e9:,.2f} + DP {busiest.dp_inter / 1e9:,.2f}) + "
+            f"{(busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra) / 1e9:,.1f} GB over NVLink (TP"
+            f"{' with SP' if lay.sp else ''} {busiest.tp_bytes / 1e9:,.1f} + PP {busiest.pp_intra / 1e9:,.2f} + DP "
+            f"{busiest.dp_intra / 1e9:,.2f}); DP group {pl.dp_ring}, PP group {pl.pp_ring}; rank order tp-dp-pp "
+            f"(megatron-core's default); grads reduced in fp32")
+    slow = max(pl.stages, key=lambda st: st.t_mb)
+    rep.add("step time", f"{pl.step_s:.2f} s, MFU {pl.mfu:.1%}: {sm.dominant_terms(pl.parts, pl.step_s)}; a typical "
+            f"micro-batch on stage {slow.index} {slow.t_mb * 1e3:.1f} ms (compute {slow.t_compute * 1e3:.1f} ms, GEMMs "
+            f"at {pl.rate:.0f} TFLOP/s, + TP {slow.t_tp * 1e3:.1f} ms + p2p {slow.t_p2p * 1e3:.2f} ms) x ("
+            f"{tr.grad_accum} + {(lay.pp - 1) / lay.vpp:g}); {pl.tokens:,.0f} real tokens per step, padding x"
+            f"{pl.padding_ratio:.2f}, {pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU")
+    rep.add("assumptions", f"{sm.assumptions(hw, 'bfloat16' if e == 2 else 'float32')}; TP not overlapped, p2p on "
+            f"the critical path, DP overlapped with the last micro-batch's backward / the next first forward "
+            f"(overlap_grad_reduce {mg.overlap_grad_reduce}, overlap_param_gather {mg.overlap_param_gather}); "
+            f"fused attention; {FIXED_BUFFER_GIB:g} GiB fixed buffers (recipes/planning/megatron_budget.py)")
+    if recipe.loss.head == "chunked":
+        rep.warnings.append("loss.head: chunked: the Megatron engine computes the objective on GPTModel's "
+                            "vocab-parallel logits (loss.head: logits); estimated with the chunked head as asked")
+    if m.gradient_checkpointing:
+        rep.warnings.append("model.gradient_checkpointing: not used by the Megatron engine; megatron.recompute is")
+    if lay.pp > 1 and tr.grad_accum < lay.pp:
+        rep.warnings.append(f"train.grad_accum: {tr.grad_accum} micro-batches for {lay.pp} pipeline stages: the "
+                            f"bubble is {pl.bubble:.0%} of the step")
+    if peak.total > hw.mem_gib * GiB:
+        big = max(peak.memory, key=peak.memory.get)
+        rep.errors.append(f"memory: stage {peak.index} needs {_gib(peak.total)} per GPU, more than {hw.mem_gib:g} GiB "
+                          f"(--gpu-mem-gb): " + ", ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
+                          + f"; the largest part is {big}" + (
+                              "; set megatron.recompute (selective, full) or megatron.sequence_parallel" if big ==
+                              "activations" else "; more TP / PP, or megatron.distributed_optimizer"))
+    return pl
