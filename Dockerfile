@@ -99,3 +99,15 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.dist
 print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" \
  && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \
  && ray --version
+
+# The Megatron engine's GPU path (recipes/engines/megatron/kernels.py) needs two things from the base image:
+# Transformer Engine (its layer spec, fused attention with THD packing, fused RoPE) and apex's CUDA
+# extension fused_weight_gradient_mlp_cuda (gradient_accumulation_fusion: each micro-batch's weight
+# gradients accumulated into fp32 by the GEMM). Without either the engine still runs (megatron's local spec
+# and block mask, or no gradient-accumulation fusion; the run log's "[numloss] megatron:" line says which),
+# but slower: fail the build instead. Found without importing them (their CUDA libraries need a GPU,
+# and there is none during `docker build`).
+RUN python -c "import importlib.util as u; \
+missing = [m for m in ('transformer_engine', 'fused_weight_gradient_mlp_cuda') if u.find_spec(m) is None]; \
+assert not missing, f'the base image lacks {missing}: the Megatron engine would fall back to slower kernels'; \
+print('transformer_engine and apex fused_weight_gradient_mlp_cuda: present')"
