@@ -11,8 +11,9 @@ never completed.
 
 Leftovers never shadow a good checkpoint. At the first start after a crash (`resume_tag`, before any
 engine is built) rank 0 removes, with a warning naming each, every staging directory and every step
-directory newer than the checkpoint the run resumes from (a crash between the rename and `latest`, or a
-partial directory of an older version): their steps are trained and saved again. Pruning after a save
+directory newer than the checkpoint the run resumes from (a partial directory of an older version):
+their steps are trained and saved again. A newer one that is complete (its checkpoint.json: a crash
+between the rename and `latest`, or `latest` pointed back by hand) is kept aside as `skipped_<tag>`. Pruning after a save
 keeps the `keep_last` newest committed checkpoints (with `checkpoint.json`, at or before the new one)
 and removes only directories older than all of them, so the checkpoint just saved and the intact ones
 before it are never the ones deleted.

@@ -68,10 +68,11 @@ def record_start(out: Path, recipe: Recipe, plan: ResumePlan) -> None:
     if not rows and plan.step > 0 and plan.old_recipe is not None:  # a run older than the history
         rows.append({"first_step": 1, "checkpoint": None, "changed": {}, "lr_first_step": None,
                      "recipe": plan.old_recipe, "note": f"recorded at the resume from {plan.tag}"})
-    if not rows or plan.changes:
+    current = json.loads(json.dumps(recipe.to_dict()))  # as a row holds it
+    if not rows or plan.changes or rows[-1]["recipe"] != current:  # (the last: a history edited by hand)
         rows.append({"first_step": plan.first_step, "checkpoint": plan.tag, "changed": plan.changed(),
                      "lr_first_step": list(plan.lr_first_step) if plan.lr_first_step else None,
-                     "recipe": recipe.to_dict()})
+                     "recipe": current})
     tmp = out / f".{HISTORY}.tmp"
     tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
     os.replace(tmp, out / HISTORY)

@@ -113,6 +113,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "train.out_dir": (RUN, "the run directory"),
     "train.export": (RUN, "whether the run exports"),
     "train.dist_timeout_minutes": (RUN, "the collectives' timeout"),
+    "train.preempt_window_s": (RUN, "how repeated stop signals are read"),
+    "train.watchdog_s": (RUN, "when a silent or stuck rank ends the job"),
     "train.tensorboard": (RUN, "logging"),
     "train.wandb_project": (RUN, "logging"),
     "train.progress": (RUN, "logging"),
@@ -227,7 +229,8 @@ class ResumePlan:
                  f"{history}): " + "; ".join(c.describe() for c in self.changes)]
         if self.lr_first_step is not None and self.lr_first_step[0] != self.lr_first_step[1]:
             old, new = self.lr_first_step
-            lines.append(f"lr of step {self.first_step}: {new:.6g} (the checkpoint's recipe would have run it at {old:.6g})")
+            lines.append(f"lr of step {self.first_step}: {new:.6g} (the checkpoint's recipe would have run it "
+                         f"at {old:.6g})")
         return lines
 
 
@@ -252,14 +255,16 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
     changes = recipe_changes(_resolved(saved), _resolved(recipe.to_dict()))
     refused = [c for c in changes if c.kind == REFUSED]
     if refused:
-        raise ResumeRefused(f"cannot resume {where} (step {step}) with this recipe: a resume cannot change "
-                            + "\n".join(["what the checkpoint means:"] + [f"  {c.describe()} ({c.why})" for c in refused])
+        lines = [f"  {c.describe()} ({c.why})" for c in refused]
+        raise ResumeRefused(f"cannot resume {where} (step {step}) with this recipe: a resume cannot change what "
+                            f"the checkpoint means:\n" + "\n".join(lines)
                             + "\nResume with the old values, or start a new run in another train.out_dir")
     done = step >= recipe.train.steps
     training = [c for c in changes if c.kind == TRAINING and c.key != "train.steps"]
     exported = not recipe.train.export or (out / "final").is_dir()
     if done and training:
-        state = "finished (final/ is there)" if exported else "trained all its steps"
+        state = ("trained all its steps" if not exported else
+                 "finished (final/ is there)" if recipe.train.export else "finished")
         raise ResumeRefused(f"{out} has {state}: its checkpoint {tag} is at train.steps = {step}, and this recipe "
                             f"changes how it would train: " + "; ".join(c.describe() for c in training)
                             + f". To train on with it, raise train.steps (the run resumes from step {step}); "
