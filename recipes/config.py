@@ -169,6 +169,15 @@ class TrainSection:
     export: bool = True  # a HF safetensors model (sharded, every rank writes its share) + tokenizer at the end
     # collectives' timeout: a slow checkpoint save or export at 70B runs past torch's 10-minute default
     dist_timeout_minutes: float = 60.0
+    # SIGTERM/SIGUSR1 within this many seconds of the first are one preemption (SLURM signals every process
+    # and torchrun forwards its own: two per rank, milliseconds apart); one after it stops the rank at once.
+    # 600: past every automatic repeat (SLURM's KillWait, 30 s; its time-limit SIGTERM cluster.preempt_notice_s
+    # = 300 s after the notice; torchrun's shutdown timeout in the templates, 300 s): a later one is a person
+    preempt_window_s: float = 600.0
+    # a rank silent this long, or stuck this long in a step while another waits on it, is named and the job
+    # ends (exit 4) instead of waiting dist_timeout_minutes; the start, save and export are not judged as
+    # stuck (recipes.training.watchdog). 600: torch's own collective timeout; 0: off
+    watchdog_s: float = 600.0
     tensorboard: bool = True
     wandb_project: str | None = None
     progress: bool = True
@@ -295,6 +304,10 @@ class Recipe:
             raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {o.betas}")
         if not math.isfinite(self.train.dist_timeout_minutes):
             raise ValueError(f"train.dist_timeout_minutes: must be finite, got {self.train.dist_timeout_minutes}")
+        if not (math.isfinite(self.train.preempt_window_s) and self.train.preempt_window_s > 0):
+            raise ValueError(f"train.preempt_window_s: must be a finite number > 0, got {self.train.preempt_window_s}")
+        if not (math.isfinite(self.train.watchdog_s) and self.train.watchdog_s >= 0):
+            raise ValueError(f"train.watchdog_s: must be a finite number >= 0 (0: off), got {self.train.watchdog_s}")
         if self.train.max_epochs is not None and not (math.isfinite(self.train.max_epochs)
                                                       and self.train.max_epochs > 0):
             raise ValueError(f"train.max_epochs: must be a finite number > 0, got {self.train.max_epochs}")

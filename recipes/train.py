@@ -31,8 +31,9 @@ Reliability (docs/reliability.md): before anything is built the recipe and its d
 a NaN/inf step stops the run without saving (`recipes.training.health`); SIGTERM/SIGUSR1 save the
 current step and stop (`recipes.training.preemption`); checkpoints are checksummed and verified at
 resume (`recipes.training.checkpoints`); a save that fails on any rank fails on all of them together
-(`recipes.training.checkpoint_writes`). Exit status: 0 done, 2 refused, 3 non-finite, 74 a checkpoint
-could not be written, 75 preempted.
+(`recipes.training.checkpoint_writes`); a rank that stops answering is named and the job ends
+(`recipes.training.watchdog`). Exit status: 0 done, 2 refused, 3 non-finite, 4 a rank stalled, 74 a
+checkpoint could not be written, 75 preempted.
 
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
 its shared parts are in `recipes.training`, the engines in `recipes.engines`.
@@ -60,18 +61,20 @@ from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
-from .training.preemption import Preempted, PreemptionWatch
+from .training.preemption import Preempted, PreemptionWatch, ignore_stop_signals
 from .training.recipe_history import HISTORY, record_start, saved_recipe_fallback
 from .training.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .training.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 from .training.throughput import StepMeter
+from .training.watchdog import mark_phase, start_watchdog
 
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
 EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
+EXIT_STALLED = 4  # the watchdog named a rank that stopped answering and ended the job; the last checkpoint is intact
 EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written on some rank; `latest` names the previous one
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 # padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
@@ -107,8 +110,13 @@ class Hooks:
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
-    engine = preemption = None
+    engine = None
     lock = RunLock(recipe.train.out_dir, runtime.is_main)
+    # from here a SIGTERM/SIGUSR1 asks to save and stop (recipes.training.preemption), and a rank that stops
+    # answering is named and ends the job (recipes.training.watchdog)
+    preemption = PreemptionWatch(recipe.train.out_dir, runtime.rank, recipe.train.preempt_window_s)
+    watchdog = start_watchdog(recipe.train.watchdog_s, runtime.rank, runtime.world_size,
+                              Path(recipe.train.out_dir) / "checkpoints", EXIT_STALLED, before_exit=lock.release)
     try:
         # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
         # then one run per out_dir (recipes.training.run_lock) ----
@@ -119,7 +127,6 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         note = lock.acquire()
         if note and runtime.is_main:
             print(f"[numloss] {note}", flush=True)
-        preemption = PreemptionWatch(recipe.train.out_dir, runtime.is_main)  # from here a SIGTERM saves, not kills
         preemption.clear_stale_file()
         out = Path(recipe.train.out_dir)
         dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback,
@@ -137,10 +144,10 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption, plan)
     finally:
-        if preemption is not None:
-            preemption.close()
+        watchdog.close()
         lock.release()
         teardown(engine)
+        preemption.close()  # last: a signal repeated while the ranks shut down is still the same request
 
 
 def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
@@ -158,6 +165,9 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     first_step = step + 1  # this run's first: no update of this run before it (NonFiniteTraining's advice)
     if step != plan.step:  # the checkpoint the plan compared with is the one loaded
         raise RuntimeError(f"resumed from step {step}, but the resume policy decided on {plan.tag}")
+    if preemption.agreed(runtime.device):  # asked while starting (build, load): nothing new to save
+        tag = dirs.latest_tag()
+        raise Preempted(step, dirs.root / tag if tag else None, preemption.cause, stage="start")
     if runtime.is_main:
         if step:
             print(f"[numloss] resumed {recipe.name} from step {step}", flush=True)
@@ -174,6 +184,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     zero_grad = ZeroGradWatch()
     try:
         while step < recipe.train.steps:
+            mark_phase("data", step + 1)  # where this rank is, for the watchdog (recipes.training.watchdog)
             started = time.perf_counter()
             lr = engine.lr()  # the rate this step's update uses
             window, tokens, tokens_run = [], 0, 0
@@ -183,8 +194,10 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 tokens += batch_tokens
                 tokens_run += int(inputs["input_ids"].numel())  # padding included
             meter.data_read(started)
+            mark_phase("train_step", step + 1)
             sums = engine.train_step(window, diagnostics=diagnosed(recipe, step + 1))
             step += 1
+            mark_phase("collective", step)
             # an engine that pads further than the loop's batches (Megatron's pipeline shapes) says so itself
             sums.setdefault(TOKENS_RUN, tokens_run)
             sums["tokens"], sums["model_flops"] = tokens, meter.flops(tokens, window)
@@ -197,6 +210,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.training.health, recipes.training.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
+            mark_phase("log", step)
             if plan.changes and step == plan.first_step:  # the first step of a changed recipe is always logged
                 row["recipe_changed"] = plan.changed()
             if logged(recipe, step) or nonfinite or "recipe_changed" in row:
@@ -216,14 +230,18 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if recipe.train.save_every and step % recipe.train.save_every == 0 and step < recipe.train.steps:
                 _save(dirs, engine, step, dataset, hooks)
+                stop = preemption.agreed(runtime.device)  # asked during the save: stop on the step just saved
             if stop and step < recipe.train.steps:  # preempted: this step saved, then out (exit 75)
                 if dirs.latest_tag() != step_tag(step):
                     _save(dirs, engine, step, dataset, hooks)
-                raise Preempted(step, dirs.root / step_tag(step), preemption.reason or "asked on another rank")
+                raise Preempted(step, dirs.root / step_tag(step), preemption.cause)
         meter.summary(out)
         if dirs.latest_tag() != step_tag(step):
             _save(dirs, engine, step, dataset, hooks)
         if recipe.train.export:
+            if preemption.agreed(runtime.device):  # asked before the export: it is the next start's
+                raise Preempted(step, dirs.root / step_tag(step), preemption.cause, stage="export")
+            mark_phase("export", step)
             _check_weights(engine, step, dirs, runtime)
             engine.export(out / "final")
     finally:
@@ -240,6 +258,7 @@ def _check_weights(engine: Engine, step: int, dirs: CheckpointDirs, runtime: Run
 
 
 def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset, hooks: Hooks) -> None:
+    mark_phase("save", step)
     _check_weights(engine, step, dirs, dirs.runtime)
     path = dirs.save(step, dataset, lambda directory: engine.save_state(directory, step), engine.layout)
     if hooks.on_checkpoint is not None:
@@ -270,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointSaveFailed as err:
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
         sys.exit(EXIT_SAVE_FAILED)
+    finally:
+        ignore_stop_signals()  # the run has ended: a repeated SIGTERM while it exits would only make its status -15
     if last:
         print(json.dumps(last), flush=True)
 

@@ -100,6 +100,20 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
     return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 
 
+def side_store(timeout_s: float):
+    """A connection of its own to the process group's key-value store (torchrun's agent store, or the
+    one `init_process_group` made), with its own timeout: a thread can use it while the main thread
+    waits inside a collective, which never passes through it (`recipes.training.watchdog`). Raises
+    RuntimeError without a process group, or where the store cannot be cloned."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("no process group")
+    from torch.distributed.distributed_c10d import _get_default_store  # torch has no public accessor
+
+    store = _get_default_store().clone()
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store
+
+
 def teardown(engine=None) -> None:
     """End a run cleanly: the engine first (DeepSpeed's, Megatron's groups), then every process group,
     freed before the interpreter shuts down.

@@ -64,6 +64,34 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def rank_pids(proc, world: int = 2, timeout: float = 300) -> dict[int, int]:
+    """{rank: pid} of a torchrun job's ranks (their RANK variable), once all `world` exist."""
+    deadline = time.time() + timeout
+    while True:
+        found = {}
+        for pid in _descendants(proc.pid):
+            try:
+                env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+            except OSError:
+                continue  # ended while we looked
+            if "RANK" in env and env.get("TORCHELASTIC_RUN_ID"):
+                found[int(env["RANK"])] = pid
+        if len(found) == world:
+            return found
+        assert proc.poll() is None and time.time() < deadline, f"ranks found: {found}"
+        time.sleep(0.05)
+
+
+def catches(pid: int, *signals: signal.Signals) -> bool:
+    """Whether the process has a handler installed for each signal (/proc/PID/status SigCgt)."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    mask = int(line.split()[1], 16)
+    return all(mask >> (s - 1) & 1 for s in signals)
+
+
 def kill_after_logged_steps(proc: subprocess.Popen, out_dir: Path, steps: int, timeout: float = 600) -> None:
     """Wait until the run has logged `steps` optimizer steps, then SIGKILL the whole job, as a crashed
     node would: torchrun and every rank. Killing torchrun's process group is not enough, because torch

@@ -1,0 +1,164 @@
+"""Issue 38: a frozen rank held the job for `train.dist_timeout_minutes` (60 min) and nobody named it.
+
+- The rule (`find_stall`), by hand: silent ranks, stuck ranks that others wait for, and what is never
+  judged (the start, a save, ranks all in one place, ranks that left).
+- 2 gloo ranks with the real watchdog thread: rank 1 stays alive but makes no progress (a hung data
+  read) while rank 0 waits in an all-reduce; rank 0 names rank 1 and exits 4 within seconds.
+- A real 2-rank torchrun job (tiny Llama, DeepSpeed ZeRO-3, save_every 2, train.watchdog_s 5): rank 0
+  is SIGSTOPped mid-training (the monitor itself, watched by rank 1). The job ends within the watchdog's
+  time and a margin, not the collective timeout; the output names rank 0 and its pid; the exit is
+  non-zero (rank 1: 4); `latest` names a checkpoint whose every file still matches its checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing import ProcessExitedException
+
+from recipes.training.watchdog import Beat, Seen, Stall, find_stall
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _seen(step: int, phase: str, silent: float, still: float, now: float = 1000.0, closed: bool = False) -> Seen:
+    """A rank last heard `silent` s ago, in `phase` of `step` for `still` s."""
+    beat = Beat(rank=-1, host="h", pid=1, process_start=None, step=step, phase=phase, moves=1, beat=1, closed=closed)
+    return Seen(beat, heard_at=now - silent, moved_at=now - still)
+
+
+def test_the_rule_names_silent_and_stuck_ranks_and_leaves_long_phases_alone():
+    w = 5.0
+    # silent: no heartbeat for 6 s, whatever its phase (here a save); the longest silent is named
+    stall = find_stall({0: _seen(7, "collective", 0.5, 6), 1: _seen(6, "save", 6, 6), 2: _seen(7, "data", 9, 9)},
+                       1000.0, w)
+    assert (stall.rank, stall.kind, stall.seconds, stall.waiting) == (2, "silent", 9.0, (0, 1))
+    # never heard from since the monitor started
+    assert find_stall({0: _seen(3, "data", 0, 0), 1: Seen(None, 990.0, 990.0)}, 1000.0, w).rank == 1
+    # stuck: alive, no move for 6 s in data of step 7 while rank 0 waits in train_step of step 7
+    stall = find_stall({0: _seen(7, "train_step", 0.5, 6), 1: _seen(7, "data", 0.5, 6)}, 1000.0, w)
+    assert (stall.rank, stall.kind, stall.seconds, stall.waiting) == (1, "stuck", 6.0, (0,))
+    # the furthest behind of several stuck ranks: rank 3 still logs step 6
+    stall = find_stall({0: _seen(7, "train_step", 0, 8), 1: _seen(7, "train_step", 0, 8), 2: _seen(7, "data", 0, 8),
+                        3: _seen(6, "log", 0, 8)}, 1000.0, w)
+    assert (stall.rank, stall.waiting) == (3, (0, 1, 2))
+    # below the limit: nothing
+    assert find_stall({0: _seen(7, "train_step", 4.9, 4.9), 1: _seen(7, "data", 4.9, 4.9)}, 1000.0, w) is None
+    # every rank in the same place for long (a slow step, or a kernel frozen on every rank): nobody to name
+    assert find_stall({0: _seen(7, "train_step", 0, 600), 1: _seen(7, "train_step", 0, 600)}, 1000.0, w) is None
+    # long phases are never stuck: a long start (HF load, conversion) or save while another rank waits
+    assert find_stall({0: _seen(1, "data", 0, 600), 1: _seen(0, "start", 0.5, 600)}, 1000.0, w) is None
+    assert find_stall({0: _seen(5, "data", 0, 600), 1: _seen(4, "save", 0.5, 600)}, 1000.0, w) is None
+    assert find_stall({0: _seen(9, "export", 0, 600), 1: _seen(9, "export", 0.5, 600)}, 1000.0, w) is None
+    # a rank that left training (done, failed, preempted) is not watched
+    assert find_stall({0: _seen(7, "log", 0, 0), 1: _seen(7, "log", 60, 60, closed=True)}, 1000.0, w) is None
+
+
+def test_a_verdict_travels_through_the_store_as_json_and_reads_as_a_line():
+    beat = Beat(1, "node7", 4242, "123", 7, "data", 30, 99)
+    stall = Stall.from_json(Stall(1, "stuck", 612.4, beat, (0, 2)).to_json())
+    assert stall == Stall(1, "stuck", 612.4, beat, (0, 2))
+    assert stall.line(600, "step_00000006", 4) == (
+        "[numloss] watchdog: rank 1 (host node7, pid 4242) has made no progress for 612.4 s (train.watchdog_s 600) "
+        "in data of step 7, while ranks 0, 2 further on wait for it. Ending the job (exit 4) instead of waiting "
+        "train.dist_timeout_minutes; checkpoints/latest names step_00000006, complete before this; the same command "
+        "resumes from it")
+
+
+def _stuck_in_data(rank: int, world: int, out: str) -> None:
+    from recipes.training.watchdog import mark_phase, start_watchdog
+
+    Path(out, f"pid_{rank}").write_text(str(os.getpid()))
+    start_watchdog(2.0, rank, world, Path(out) / "checkpoints", 4)
+    for step in (1, 2):  # two steps in step
+        for phase in ("data", "train_step", "collective", "log"):
+            mark_phase(phase, step)
+            if phase == "collective":
+                dist.all_reduce(torch.ones(1))
+    mark_phase("data", 3)
+    if rank == 1:
+        time.sleep(120)  # alive, heartbeat moving, but no progress: a data read that hangs
+    else:
+        mark_phase("train_step", 3)
+        dist.all_reduce(torch.ones(1))  # waits for rank 1, as a ZeRO-3 gather in the forward would
+    raise AssertionError(f"rank {rank} went on: the watchdog did not end it")
+
+
+def test_a_rank_stuck_while_another_waits_is_named_and_every_rank_exits(tmp_path, capfd):
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002")
+    started = time.monotonic()
+    with pytest.raises(ProcessExitedException) as failed:
+        run_ranks(2, _stuck_in_data, str(tmp_path), timeout=90)
+    took = time.monotonic() - started
+    err = capfd.readouterr().err
+    assert failed.value.exit_code == 4, err[-3000:]
+    pid = int((tmp_path / "pid_1").read_text())
+    assert (f"[numloss] watchdog: rank 1 (host {socket.gethostname()}, pid {pid}) has made no progress for "
+            in err), err[-3000:]
+    assert "in data of step 3, while rank 0 further on waits for it" in err
+    assert "checkpoints/latest names step_00000002" in err
+    assert err.count("[numloss] watchdog: ") == 1  # one verdict, one line
+    assert took < 60, took  # 2 s of watchdog, its period, the ranks' start; never the 120 s sleep
+
+
+# ---- a frozen rank in a real torchrun job --------------------------------------------------------------
+
+
+def _intact(step_dir: Path) -> None:
+    """Every file of the checkpoint's manifest has its recorded size and sha256 (computed here)."""
+    files = json.loads((step_dir / "checkpoint.json").read_text())["files"]
+    assert files
+    for name, want in files.items():
+        data = (step_dir / name).read_bytes()
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (want["bytes"], want["sha256"]), name
+
+
+def test_a_stopped_rank_under_torchrun_is_named_and_the_job_ends_long_before_the_timeout(tmp_path):
+    pytest.importorskip("deepspeed")
+    from tests.recipes.torchrun_helpers import _descendants, launch, rank_pids, tiny_workspace
+
+    path = tiny_workspace(tmp_path, problems=64, max_digits=2, hidden=32,
+                          train={"steps": 400, "max_epochs": 400, "micro_batch_size": 2, "grad_accum": 1,
+                                 "save_every": 2, "tensorboard": False, "export": False, "watchdog_s": 5})
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = launch(path, out, log=log)
+    job = []
+    try:
+        ranks = rank_pids(proc)
+        job = [proc.pid, *_descendants(proc.pid)]
+        deadline = time.time() + 600
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):  # a checkpoint at step 4
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(ranks[0], signal.SIGSTOP)  # rank 0: frozen mid-training, the main monitor with it
+        stopped = time.monotonic()
+        proc.wait(timeout=300)
+        took = time.monotonic() - stopped
+        output = log.read_text()
+    finally:
+        for pid in job:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert proc.returncode != 0, output[-3000:]
+    assert f"watchdog: rank 0 (host {socket.gethostname()}, pid {ranks[0]}) has stopped answering: no heartbeat" \
+        in output, output[-3000:]
+    assert f"rank 1: sent SIGKILL to rank 0 (pid {ranks[0]})" in output  # torchrun need not wait for it
+    assert "exitcode  : 4" in output, output[-3000:]  # rank 1's status in torchrun's summary
+    assert took < 5 + 40, took  # train.watchdog_s, a period, torchrun's teardown; the timeout is 60 min
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.split("_")[1]) >= 4
+    _intact(out / "checkpoints" / latest)
