@@ -69,8 +69,9 @@ Engine's fused layer), the output layer's GEMMs on the last stage; full recomput
 again (GEMMs, attention, kernels and its TP collectives), selective the attention's; plus its TP
 collectives, not overlapped, and its p2p sends (the engine leaves overlap_p2p_comm off: on the critical
 path), each call at NCCL's latency + bytes / bandwidth. Micro-batches are padded as the engine pads them:
-each to its own longest row (a multiple of t under SP), all of a step to one length under interleaving
-(recipes.planning.padding, with data.length_bucketing's sorted blocks). The slowest stage sets the pace
+each trimmed to its own longest real row (a multiple of t under SP; the reader's data.pad_to_multiple_of
+and data.seq_len padding dropped: recipes/engines/megatron/batches.py), all of a step to one length
+under interleaving (recipes.planning.padding, with data.length_bucketing's sorted blocks). The slowest stage sets the pace
 of each micro-batch; a replica's micro-batches add up, the replicas meet at the step's DP reduction:
 step = max over replicas of the sum of its micro-batches + (p - 1)/v mean micro-batches of bubble + DP's
 exposed time (overlap_grad_reduce: the reduce-scatter hides behind the last micro-batch's backward, 2/3
@@ -304,7 +305,8 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     T = b * seq
     dtype = "bfloat16" if e == 2 else "float32"
     seq_split = t if lay.sp else 1
-    dealt = rows.deal(b, m, lay.dp, pad_multiple=seq_split, one_length=v > 1)  # the engine: interleaved, one length
+    # the engine trims each micro-batch to its longest real row, a multiple of t under SP (one length interleaved)
+    dealt = rows.deal(b, m, lay.dp, repad=seq_split, one_length=v > 1)
     T_run = dealt.padded_tokens / (m * lay.dp)  # mean tokens per micro-batch, padding included
     U, U_run = T * s.hidden * e, T_run * s.hidden * e
     vp = padded_vocab(s.vocab, t) * s.hidden / t

@@ -16,7 +16,7 @@ layout that is fastest at its real lengths, not at the longest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from recipes.planning import budget as B
 from recipes.planning import megatron_budget as M
@@ -47,6 +47,21 @@ class Option:
                 f"x{self.padding_ratio:.2f}")
 
 
+def _value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _resets(recipe, section: str) -> list[str]:
+    """Overrides that put the other engine's section back to its defaults: a recipe switched to one
+    engine is refused while it sets what only the other reads (recipes.planning.engine_settings)."""
+    from recipes.config import DeepSpeedSection, MegatronSection
+
+    default = {"deepspeed": DeepSpeedSection(), "megatron": MegatronSection()}[section]
+    now = getattr(recipe, section)
+    return [f"{section}.{f.name}={_value(getattr(default, f.name))}" for f in fields(default)
+            if getattr(now, f.name) != getattr(default, f.name)]
+
+
 def _divisors(n: int, most: int | None = None) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0 and (most is None or d <= most)]
 
@@ -74,7 +89,7 @@ def deepspeed_options(recipe, shape: B.Shape, params: int, largest: int, hw: sm.
                         f"micro-batch(es) per GPU, checkpointing {'on' if ckpt else 'off'}")
                 settings = ["train.engine=deepspeed", f"deepspeed.zero_stage={zero}", "deepspeed.tp_size=1",
                             f"train.micro_batch_size={b}", f"train.grad_accum={lay.grad_accum}",
-                            f"model.gradient_checkpointing={str(ckpt).lower()}"]
+                            f"model.gradient_checkpointing={_value(ckpt)}", *_resets(recipe, "megatron")]
                 out.append(Option("deepspeed", text, settings, pl.step_s, pl.mfu, pl.total, pl.parts, pl.rate,
                                   pl.padding_ratio))
                 break  # checkpointing only where the layout does not fit without it
@@ -111,9 +126,11 @@ def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows
                 text = (f"Megatron TP {tp}{' + SP' if tp > 1 else ''} x PP {pp} x DP {dp}, {b} row(s) x {m} "
                         f"micro-batches per replica, recompute {recompute or 'none'}")
                 settings = ["train.engine=megatron", f"megatron.tp_size={tp}", f"megatron.pp_size={pp}",
-                            f"megatron.sequence_parallel={str(tp > 1).lower()}", "megatron.virtual_pp_size=null",
-                            f"megatron.recompute={recompute or 'null'}", f"train.micro_batch_size={b}",
-                            f"train.grad_accum={m}"]
+                            f"megatron.sequence_parallel={_value(tp > 1)}", "megatron.virtual_pp_size=null",
+                            f"megatron.recompute={_value(recompute)}", "megatron.distributed_optimizer=true",
+                            f"train.micro_batch_size={b}", f"train.grad_accum={m}", "model.gradient_checkpointing=false",
+                            *(["loss.head=logits"] if recipe.loss.head != "logits" else []),
+                            *_resets(recipe, "deepspeed")]
                 out.append(Option("megatron", text, settings, pl.step_s, pl.mfu, pl.peak.total, pl.parts, pl.rate,
                                   pl.padding_ratio))
     return out

@@ -31,7 +31,6 @@ the GPU's dense bf16 (TF32 for fp32 runs) from GPU_PEAKS_BF16 by device name, or
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -381,15 +380,17 @@ class Rows:
     bucketing: bool = False
     pad_multiple: int = 1
 
-    def deal(self, micro_batch: int, micro_batches: int, dp: int, pad_multiple: int = 1, lockstep: bool = False,
+    def deal(self, micro_batch: int, micro_batches: int, dp: int, repad: int | None = None, lockstep: bool = False,
              one_length: bool = False) -> Deal:
-        """The micro-batches of a step at this layout (recipes.planning.padding); `pad_multiple`: the
-        engine's own rounding on top of data.pad_to_multiple_of (Megatron with SP: the TP size);
-        `lockstep`: the ranks meet at every micro-batch (ZeRO-2/3); `one_length`: a rank's micro-batches
-        all padded to one length (interleaved 1F1B)."""
+        """The micro-batches of a step at this layout (recipes.planning.padding), as the loop's batches
+        come (each padded to its longest row rounded up to data.pad_to_multiple_of, or to data.seq_len),
+        or with `repad` as an engine that trims each micro-batch to its longest real row and rounds that
+        up to `repad` (the Megatron engine: the TP size under SP, else 1); `lockstep`: the ranks meet at
+        every micro-batch (ZeRO-2/3); `one_length`: a rank's micro-batches all padded to one length
+        (interleaved 1F1B)."""
         lengths = self.lengths if self.lengths is not None else np.array([max(1, round(self.mean))])
         return deal(lengths, micro_batch=micro_batch, micro_batches=micro_batches, dp=dp, bucketing=self.bucketing,
-                    pad_multiple=math.lcm(self.pad_multiple, pad_multiple), fixed=self.fixed, lockstep=lockstep,
+                    pad_multiple=repad or self.pad_multiple, fixed=None if repad else self.fixed, lockstep=lockstep,
                     one_length=one_length)
 
 
