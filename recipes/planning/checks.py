@@ -185,16 +185,19 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
 
 def megatron_start_problems(recipe) -> list[str]:
     """The Megatron engine's start: `megatron.transformer_impl: transformer_engine` where TE cannot run, and a
-    `megatron.load_converted` directory that is missing, unfinished, or holds another backbone or dtype."""
+    `megatron.load_converted` directory that is missing, unfinished, or holds another backbone or dtype
+    (not asked of a run that will resume: it reads its own checkpoint, not the conversion)."""
     from recipes.engines.megatron.converted import converted_problems
     from recipes.engines.megatron.kernels import plan_kernels
+    from recipes.training.checkpoints import LATEST
 
     problems = []
     try:
         plan_kernels(recipe.megatron)
     except ValueError as err:
         problems.append(str(err))
-    if recipe.megatron.load_converted:
+    resuming = (Path(recipe.train.out_dir) / "checkpoints" / LATEST).is_file()
+    if recipe.megatron.load_converted and not resuming:
         problems += converted_problems(recipe)
     return problems
 

@@ -10,7 +10,7 @@
   HF weights, loads the checkpoint, and its step 2 equals the uninterrupted run's step 2 to the bit;
 - `megatron.load_converted` that cannot start (missing, unfinished, another backbone, another dtype) and
   `transformer_impl: transformer_engine` without TE are refused by `recipes.train`'s preflight (exit 2's
-  path), every problem named.
+  path), every problem named; a run that will resume is not asked for its conversion.
 """
 
 from __future__ import annotations
@@ -166,3 +166,8 @@ def test_what_cannot_start_is_refused_before_the_engine(converted, tmp_path):
     assert "holds a backbone with num_hidden_layers 8, the recipe's model has 4" in text
     assert "was converted in bfloat16, the recipe trains in float32" in text
     assert "transformer_engine needs CUDA and Transformer Engine" in problems(transformer_impl="transformer_engine")
+    # a run that will resume reads its own checkpoint: the conversion it started from may be gone
+    recipe.train.out_dir = str(tmp_path / "run")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_00000001")
+    assert "load_converted" not in problems(load_converted=str(tmp_path / "none"))
