@@ -59,7 +59,7 @@ class WriteFailure:
 def free_space(path: str | Path) -> str:
     """'12.3 GiB free of 50.0 GiB on that filesystem' for the nearest existing directory above `path`."""
     where = Path(path)
-    while not where.exists() and where != where.parent:
+    while (not where.exists() or where.is_file()) and where != where.parent:
         where = where.parent
     try:
         usage = shutil.disk_usage(where)

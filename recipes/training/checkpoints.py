@@ -180,7 +180,7 @@ class CheckpointDirs:
         dist.broadcast_object_list(note, src=0)
         latest = self.latest_tag()
         kept = (f"`latest` names {latest}: run the same command to resume from step {tag_step(latest)}" if latest
-                else "this run has no checkpoint yet: the same command starts it over")
+                else "This run has no checkpoint yet: the same command starts it over")
         raise CheckpointSaveFailed(f"checkpoint step {step} was not saved: " + "; ".join(f.describe() for f in found)
                                    + f". {note[0]}{kept} (after freeing space or fixing the path)")
 
