@@ -158,6 +158,7 @@ def test_a_stopped_rank_under_torchrun_is_named_and_the_job_ends_long_before_the
         in output, output[-3000:]
     assert f"rank 1: sent SIGKILL to rank 0 (pid {ranks[0]})" in output  # torchrun need not wait for it
     assert "exitcode  : 4" in output, output[-3000:]  # rank 1's status in torchrun's summary
+    print(f"the job ended {took:.1f} s after rank 0 stopped")
     assert took < 5 + 40, took  # train.watchdog_s, a period, torchrun's teardown; the timeout is 60 min
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert int(latest.split("_")[1]) >= 4
