@@ -183,17 +183,19 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
     return found
 
 
-def megatron_start_problems(recipe) -> list[str]:
-    """The Megatron engine's start: `megatron.transformer_impl: transformer_engine` where TE cannot run, and a
-    `megatron.load_converted` directory that is missing, unfinished, or holds another backbone or dtype
-    (not asked of a run that will resume: it reads its own checkpoint, not the conversion)."""
+def megatron_start_problems(recipe, here: bool = True) -> list[str]:
+    """The Megatron engine's start: `megatron.transformer_impl: transformer_engine` where TE cannot run (only
+    when `here` is where the run starts: `recipes.validate` runs elsewhere), and a `megatron.load_converted`
+    directory that is missing, unfinished, or holds another backbone or dtype (not asked of a run that
+    will resume: it reads its own checkpoint, not the conversion)."""
     from recipes.engines.megatron.converted import converted_problems
     from recipes.engines.megatron.kernels import plan_kernels
     from recipes.training.checkpoints import LATEST
 
     problems = []
     try:
-        plan_kernels(recipe.megatron)
+        if here:
+            plan_kernels(recipe.megatron)
     except ValueError as err:
         problems.append(str(err))
     resuming = (Path(recipe.train.out_dir) / "checkpoints" / LATEST).is_file()

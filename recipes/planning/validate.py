@@ -172,6 +172,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
 
     errors, mapped = engine_setting_problems(recipe)  # first: it may set megatron.recompute, which the plan reads
     rep.errors.extend(errors)
+    if recipe.train.engine == "megatron":  # the conversion it starts from; TE is the job's machine's to have
+        rep.errors.extend(checks.megatron_start_problems(recipe, here=False))
     for note in mapped:
         rep.add("engine settings", note)
 

@@ -166,6 +166,15 @@ def test_what_cannot_start_is_refused_before_the_engine(converted, tmp_path):
     assert "holds a backbone with num_hidden_layers 8, the recipe's model has 4" in text
     assert "was converted in bfloat16, the recipe trains in float32" in text
     assert "transformer_engine needs CUDA and Transformer Engine" in problems(transformer_impl="transformer_engine")
+    # recipes.validate reports the conversion too (and leaves TE to the machine the job runs on)
+    from recipes.config import dump_recipe
+    from recipes.planning.validate import validate_recipe
+
+    dump_recipe(dataclasses.replace(recipe, megatron=dataclasses.replace(
+        recipe.megatron, load_converted=str(unfinished), transformer_impl="transformer_engine")), tmp_path / "r.yaml")
+    errors = validate_recipe(tmp_path / "r.yaml", size=False, recommend=False).errors
+    assert any("is not a finished conversion" in e for e in errors)
+    assert not any("transformer_engine" in e for e in errors), errors
     # a run that will resume reads its own checkpoint: the conversion it started from may be gone
     recipe.train.out_dir = str(tmp_path / "run")
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
