@@ -75,6 +75,18 @@ def test_a_verdict_travels_through_the_store_as_json_and_reads_as_a_line():
         "resumes from it")
 
 
+@pytest.mark.parametrize("override", ["train.watchdog_s=-1", "train.watchdog_s=nan", "train.watchdog_s=.inf",
+                                      "train.preempt_window_s=0", "train.preempt_window_s=-5"])
+def test_the_settings_are_checked_and_named(override):
+    from recipes.config import recipe_from_dict
+
+    base = {"model": {"config": {"model_type": "llama"}, "tokenizer": "t"}, "data": {"train": "d"}}
+    with pytest.raises(ValueError, match=override.split("=")[0].replace(".", r"\.") + ": "):  # the key, first
+        recipe_from_dict(base, [override])
+    recipe = recipe_from_dict(base, ["train.watchdog_s=0"])  # 0: off
+    assert (recipe.train.watchdog_s, recipe.train.preempt_window_s) == (0, 600)
+
+
 def _stuck_in_data(rank: int, world: int, out: str) -> None:
     from recipes.training.watchdog import mark_phase, start_watchdog
 
