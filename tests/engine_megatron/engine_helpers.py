@@ -38,13 +38,16 @@ def make_assets(root: Path) -> dict[str, str]:
 
 
 def make_recipe(assets: dict, *, tp: int = 1, pp: int = 1, vpp: int | None = None, sp: bool = False,
-                micro: int = 2, accum: int = 1, steps: int = 3, dtype: str = "float32", lr: float = 3e-3):
+                micro: int = 2, accum: int = 1, steps: int = 3, dtype: str = "float32", lr: float = 3e-3,
+                pad: int = 1):
+    """`pad`: data.pad_to_multiple_of (1: each micro-batch exactly as long as its longest row, so the
+    rows' 13-16 tokens give micro-batches of different lengths)."""
     from recipes.config import recipe_from_dict
 
     return recipe_from_dict({
         "name": "megatron-test",
         "model": {"name_or_path": assets["model"], "tokenizer": assets["tokenizer"], "dtype": dtype},
-        "data": {"train": "unused"},
+        "data": {"train": "unused", "pad_to_multiple_of": pad},
         "loss": {"objective": {"terms": {"smmd": {}, "ntl_was": {}, "ntil": {"noise_scale": 0.0},
                                          "dist2": {"weighting": "place_value"}}}},
         # clip at 1.0 with a large lr: the clip and the schedule both act within 3 steps

@@ -139,7 +139,7 @@ def _two_ranks(rank, world, assets, out):
     _train(rank, world, assets, out, "pp2", save_at=2, pp=2, micro=1, accum=8)
     _resume(rank, world, assets, out, "pp2_from_tp2", "tp2", pp=2, micro=1, accum=8)
     _resume(rank, world, assets, out, "tp2_from_pp2", "pp2", tp=2, micro=2, accum=4)
-    _train(rank, world, assets, out, "dp2", micro=2, accum=2)  # DP = world / (TP x PP)
+    _train(rank, world, assets, out, "dp2", micro=2, accum=2, pad=8)  # DP = world / (TP x PP); 8: rounded up
     # saved after step 1: step 3's loss is the first to read an update made after the resume
     _train(rank, world, assets, out, "tp2_bf16", save_at=1, tp=2, micro=4, accum=2, dtype="bfloat16")
     _resume(rank, world, assets, out, "tp2_bf16_from_tp2_bf16", "tp2_bf16", first=2, tp=2, micro=4, accum=2,
@@ -191,15 +191,17 @@ def test_every_layout_logs_the_reference(results):
             _close(got, want, 1e-4, f"{name} step {step}")
 
 
-def _tokens_run(step: int, assets_dir: Path, micro: int, dp: int = 1, multiple: int = 1,
-                thd: bool = False) -> int:
-    """The positions a layout runs in a step, counted from the rows: each micro-batch padded to its own
-    longest row (mask) or holding its real tokens (THD), rounded up to `multiple`."""
+def _tokens_run(step: int, assets_dir: Path, micro: int, multiple: int = 1, thd: bool = False) -> int:
+    """The positions a layout runs in a step, counted from the rows: each micro-batch's rows padded to its
+    longest row rounded up to `multiple` (mask), or its real tokens rounded up to `multiple` (THD)."""
     rows = H.global_batch(step, str(assets_dir / "tokenizer"))
     real = [int(row["attention_mask"].sum()) for row in rows]
     groups = [real[i:i + micro] for i in range(0, len(real), micro)]
-    per = [sum(g) if thd else len(g) * max(g) for g in groups]
-    return sum(-(-n // multiple) * multiple for n in per)
+
+    def up(n: int) -> int:
+        return -(-n // multiple) * multiple
+
+    return sum(up(sum(g)) if thd else len(g) * up(max(g)) for g in groups)
 
 
 def test_each_micro_batch_runs_at_its_own_length(results):
@@ -216,6 +218,7 @@ def test_each_micro_batch_runs_at_its_own_length(results):
         assert results["tp2_sp_thd"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=4,
                                                                             multiple=2, thd=True)
         assert results["pp2_thd"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=2, thd=True)
+        assert results["dp2"][step - 1]["tokens_run"] == _tokens_run(step, assets, micro=2, multiple=8)  # pad 8
 
 
 def test_resume_at_the_same_layout_is_bit_identical(results):

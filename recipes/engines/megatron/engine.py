@@ -124,7 +124,8 @@ class MegatronEngine:
         sums = step.train_step(self.model, self.optimizer, self.objective, window,
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
                                real_vocab_size=self.real_vocab_size, diagnostics=diagnostics,
-                               packing=self.kernels.packing, te=self.kernels.te)
+                               packing=self.kernels.packing, te=self.kernels.te,
+                               pad_multiple=self.recipe.data.pad_to_multiple_of)
         self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
         self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums

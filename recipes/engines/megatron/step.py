@@ -17,6 +17,7 @@ broadcast of the logged values from the last pipeline stage (PP group).
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
 
@@ -203,11 +204,13 @@ def log_keys(objective: Objective, diagnostics: bool = False) -> list[str]:
 
 def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
                sequence_parallel: bool = False, real_vocab_size: int | None = None,
-               diagnostics: bool = False, packing: str = "mask", te: bool = False) -> dict[str, float]:
+               diagnostics: bool = False, packing: str = "mask", te: bool = False,
+               pad_multiple: int = 1) -> dict[str, float]:
     """Forward, backward and update for this replica's micro-batches `window`, prepared in the model's
     `packing` ("mask" or "thd": `batches.py`; `te`: the model has the Transformer Engine spec, whose
-    attention `batches.check_attention` guards). Each micro-batch runs at its own length (padded to a
-    multiple of TP under sequence parallelism); with PP and lengths that differ within the step, the
+    attention `batches.check_attention` guards). Each micro-batch runs at its own length, padded to a
+    multiple of `pad_multiple` (the recipe's `data.pad_to_multiple_of`) and of TP under sequence
+    parallelism (the two's least common multiple); with PP and lengths that differ within the step, the
     schedule exchanges each p2p tensor's shape first (megatron's `variable_seq_lengths`). Interleaved
     1F1B (several model chunks) runs the step's micro-batches at one length (`prepare_window`'s
     `one_length`: its shape exchange is not safe).
@@ -230,7 +233,8 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         raise ValueError("the numloss step needs calculate_per_token_loss=True and no context parallelism")
     ignore = objective.config.ignore_index
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    batches = prepare_window(window, pad_multiple=tp if sequence_parallel else 1, ignore_index=ignore,
+    batches = prepare_window(window, pad_multiple=math.lcm(pad_multiple, tp if sequence_parallel else 1),
+                             ignore_index=ignore,
                              packing=packing, one_length=len(model_chunks) > 1)
     for m in batches:
         check_attention(m, te, packing)
