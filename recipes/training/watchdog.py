@@ -281,9 +281,12 @@ class Watchdog:
         b = stall.beat
         if (stall.kind == "silent" and b is not None and b.rank != self.rank and b.host == self.host
                 and b.process_start is not None and process_start(b.pid) == b.process_start):
-            os.kill(b.pid, signal.SIGKILL)
-            print(f"[numloss] rank {self.rank}: sent SIGKILL to rank {b.rank} (pid {b.pid}) on this host",
-                  file=sys.stderr, flush=True)
+            try:
+                os.kill(b.pid, signal.SIGKILL)
+                done = "sent SIGKILL to"
+            except ProcessLookupError:  # it ended since: nothing left to stop
+                done = "found gone:"
+            print(f"[numloss] rank {self.rank}: {done} rank {b.rank} (pid {b.pid}) on this host", file=sys.stderr, flush=True)
         if self.before_exit is not None:
             try:
                 self.before_exit()
