@@ -152,9 +152,9 @@ def _traffic_and_time(rep, recipe, shape, total, largest, lay, rows, hw, pl, tra
     rep.add("comm / GPU / step", f"{pl.net_bytes / 1e9:,.1f} GB over the network + {pl.nvl_bytes / 1e9:,.1f} GB inside "
                                  f"the node{f' (hpZ {lay.hpz})' if lay.hpz > 1 else ''}, "
                                  f"{'bf16' if lay.reduce_bytes == 2 else 'fp32'} gradient reduction: {parts}")
-    compute = sm.dominant_terms(pl.parts, pl.t_compute)
     rep.add("step time", f"{pl.step_s:.2f} s = max(compute {pl.t_compute:.2f} s, communication {pl.t_comm:.2f} s), "
-                         f"limited by {pl.limit}, MFU {pl.mfu:.1%}; compute: {compute}, GEMMs at {pl.rate:.0f} TFLOP/s; "
+                         f"limited by {pl.limit}, MFU {pl.mfu:.1%}: {sm.dominant_terms(pl.parts, pl.step_s)}; GEMMs at "
+                         f"{pl.rate:.0f} TFLOP/s; "
                          f"{pl.tokens:,.0f} real tokens per step, padding x{pl.padding_ratio:.2f}, "
                          f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU")
     rep.add("assumptions", f"{sm.assumptions(hw, 'bfloat16' if lay.e == 2 else 'float32')}; the ZeRO collectives "
