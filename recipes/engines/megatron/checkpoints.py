@@ -125,6 +125,9 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
     """Write model, optimizer, LR schedule, RNG and layout into `<directory>/megatron` (see the module
     docstring). `model_chunks`: this rank's DDP-wrapped chunks. Returns that path. Collective."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    from recipes.training.checkpoint_writes import guarded_write
 
     path = Path(directory) / SUBDIR
     path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing writes into an existing directory
@@ -132,7 +135,11 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
     model = _model_sharded(model_chunks)
     state = {"model": model, "optimizer": _optimizer_sharded(optimizer, model, loading=False),
              "rng": _sharded_rng(), "layout": _layout()}
-    dist_checkpointing.save(state, str(path))
+    # its writes go through torch.save, and its writer processes' errors are raised on every rank by
+    # dist_checkpointing itself; rank 0's metadata.json (before its last barrier) is held like them
+    # (recipes.training.checkpoint_writes)
+    with guarded_write(serialization, "save_config", "dist_checkpointing's metadata.json"):
+        dist_checkpointing.save(state, str(path))
     return path
 
 
