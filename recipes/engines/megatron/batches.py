@@ -9,7 +9,8 @@ p2p shapes), so a step of short rows is not padded to its longest micro-batch.
 
 Two forms, one per layer spec (`kernels.KernelPlan.packing`):
 - "mask" (megatron's local spec; the CPU path): `[b, s']` with `s'` the micro-batch's last real column
-  rounded up to `pad_multiple` (TP when sequence parallel: SP splits the sequence over TP ranks), and
+  rounded up to `pad_multiple` (the engine's: `data.pad_to_multiple_of`, and TP when sequence parallel,
+  since SP splits the sequence over TP ranks), and
   `attention_mask` in Megatron's form: None (Megatron's causal mask) when rows are right-padded and
   unpacked (padding then sits after every real token, and its labels are ignored), else a
   `[b, 1, s', s']` bool mask, True where attention is NOT allowed: causal, within a segment, never onto
