@@ -10,11 +10,11 @@ p2p shapes), so a step of short rows is not padded to its longest micro-batch.
 Two forms, one per layer spec (`kernels.KernelPlan.packing`):
 - "mask" (megatron's local spec; the CPU path): `[b, s']` with `s'` the micro-batch's last real column
   rounded up to `pad_multiple` (the engine's: `data.pad_to_multiple_of`, and TP when sequence parallel,
-  since SP splits the sequence over TP ranks), and
-  `attention_mask` in Megatron's form: None (Megatron's causal mask) when rows are right-padded and
-  unpacked (padding then sits after every real token, and its labels are ignored), else a
-  `[b, 1, s', s']` bool mask, True where attention is NOT allowed: causal, within a segment, never onto
-  padding (a padded query attends to itself only, so no row is empty).
+  since SP splits the sequence over TP ranks), and `attention_mask` in Megatron's form: None (Megatron's
+  causal mask) when rows are right-padded and unpacked (padding then sits after every real token, and
+  its labels are ignored), else a `[b, 1, s', s']` bool mask, True where attention is NOT allowed:
+  causal, within a segment, never onto padding (a padded query attends to itself only, so no row is
+  empty).
 - "thd" (the Transformer Engine spec): the micro-batch's real tokens only, as one row `[1, T]`, every
   example (a row, or a packed row's segment) one sequence of megatron's `PackedSeqParams` (qkv_format
   "thd", `cu_seqlens` int32 `[n + 1]`, `max_seqlen`); TE's attention runs each sequence causally on its

@@ -70,8 +70,8 @@ class MegatronEngine:
         self.layout = {"tensor_parallel": m.tp_size, "pipeline_parallel": m.pp_size, "data_parallel": self.dp.size,
                        "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel}
         self.tokenizer, _ = load_tokenizer(recipe)
-        # rows as the reader made them ([b, s] masks, packed rows' segment ids): step.prepare_window
-        # builds Megatron's attention mask
+        # rows as the reader made them ([b, s] masks, packed rows' segment ids): batches.prepare_window
+        # builds what the layer spec takes (a block mask, or THD sequences)
         self.batch_options = {"attn_implementation": "segments", "pad_to_multiple_of": recipe.data.pad_to_multiple_of,
                               "max_length": recipe.data.seq_len}
         self._grad_norm: float | None = None
@@ -117,7 +117,8 @@ class MegatronEngine:
         """One optimizer step over this replica's micro-batches (dicts of `[b, s]` tensors: input_ids,
         labels unshifted with -100, attention_mask, optional position_ids / sequence_ids). Returns
         this rank's share of loss, ce, term/*, numeric_positions (and with `diagnostics` the gradient
-        sums grad_sums/*; sum them over `dp.group`) and the global grad_norm before clipping.
+        sums grad_sums/*; sum them over `dp.group`), tokens_run (the positions this replica ran, padding
+        included: `recipes.train`'s padding_ratio) and the global grad_norm before clipping.
         Collective over the world."""
         for chunk in self.model:
             chunk.train()
