@@ -63,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from recipes.planning import step_model as sm
-from recipes.planning.step_model import GiB, Collective, Hardware, layer_matmul_params, matmul_params
+from recipes.planning.step_model import GiB, Collective, Hardware, layer_matmul_params
 
 
 @dataclass

@@ -24,10 +24,14 @@ What is checked, in order:
    total above what a GPU may fill is an error naming the part: `--gpu-mem-gb` / cluster.gpu_mem_gb (80: an
    80 GB GPU, which torch sees as 79.1 GiB) less 10 % (recipes.planning.device_memory), host RAM per node at
    load and at export (an error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the
-   bytes each GPU moves per step by collective over the network and NVLink, step time, MFU, the limiting
-   part and the changes that shorten it. Rows: --seq-len, data.seq_len, the data's manifest, or 1024
-   assumed (stated). `train.engine: megatron` recipes get recipes.planning.megatron_budget's instead:
-   memory by pipeline stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU.
+   bytes each GPU moves per step by collective over the network and NVLink, step time with the terms
+   that make it, MFU, the limiting part and the changes that shorten it. Rows: --seq-len, else the data's
+   row lengths read from its shards (padded to data.seq_len when set, else as the engine pads each
+   micro-batch), else data.seq_len, else 1024 assumed (stated). `train.engine: megatron` recipes get
+   recipes.planning.megatron_budget's instead (recipes.planning.megatron_report): memory by pipeline
+   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU. Then, for a recipe without
+   errors, the fastest layout that fits on either engine at these rows, with the recipe keys that select
+   it (recipes.planning.recommend; a warning when the recipe's own is 1.5x slower or more).
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
