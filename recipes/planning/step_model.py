@@ -426,7 +426,8 @@ def row_tokens(recipe, seq_len: int | None = None, mean_tokens: float | None = N
 
 def _data_rows(path: str) -> Rows | None:
     """The row lengths of the data at `path` (recipes.planning.padding.shard_row_lengths); peak: the
-    longest row when every row was read, else the build's max_length or pack length."""
+    longest row, from the manifest's per-shard statistics (data_prep/stats.py) or from the rows when
+    every row was read, else the build's max_length or pack length."""
     import json
     from pathlib import Path
 
@@ -434,9 +435,14 @@ def _data_rows(path: str) -> Rows | None:
     if found is None:
         return None
     lengths, complete = found
-    cfg = json.loads((Path(path) / "manifest.json").read_text()).get("config", {})
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    cfg = manifest.get("config", {})
     cap = (cfg.get("shards") or {}).get("pack_length") or (cfg.get("tokenize") or {}).get("max_length")
-    peak = int(lengths.max()) if complete or not cap else int(cap)
+    longest = [((shard.get("stats") or {}).get("tokens_max") or {}).get("value") for shard in manifest["shards"]]
+    if all(isinstance(n, int) for n in longest) and longest:
+        peak = max(longest)
+    else:
+        peak = int(lengths.max()) if complete or not cap else int(cap)
     p50, p90 = np.percentile(lengths, [50, 90])
     return Rows(float(lengths.mean()), peak, f"rows of {lengths.mean():,.0f} tokens on average (median {p50:.0f}, "
                 f"90th percentile {p90:.0f}, longest {int(lengths.max())}; {len(lengths):,} rows "

@@ -259,6 +259,11 @@ def test_row_tokens_come_from_the_shards(tmp_path):
     rep = V.validate_recipe(R70, [f"data.train={tmp_path}"], offline=True, recommend=False)
     five = V.validate_recipe(R70, [f"data.train={tmp_path}"], offline=True, seq_len=1024, recommend=False)
     assert rep.numbers["step_flops"] < five.numbers["step_flops"] / 4  # short rows, not 1024
+    # with the build's per-shard statistics the peak is their longest row, read or not (a sample may miss it)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["shards"][0]["stats"] = {"tokens_max": {"value": 700, "row": 0}}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    assert sm.row_tokens(recipe).peak == 700
 
 
 def test_weights_load_onto_the_gpu_below_zero3_without_tp():
