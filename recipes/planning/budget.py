@@ -262,15 +262,16 @@ def deepspeed_plan(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.
     dtype = "bfloat16" if e == 2 else "float32"
     tp_calls = s.layers * (6 if lay.checkpointing else 4)
 
-    def cost(length: int):
+    def cost(tokens: int):
+        length = tokens / lay.micro_batch_size  # the reader's rows: each padded to the micro-batch's longest
         c = sm.micro_batch_compute(s, rows=lay.micro_batch_size, length=length, tp=t, layers=s.layers, hw=hw,
                                    engine="deepspeed", dtype=dtype, recompute="full" if lay.checkpointing else None,
                                    head=True, head_gemms=(4 if lay.chunked else 3) if trainable is None else 2,
                                    weight_grads=trainable is None)
         parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s, "output layer": c.head_s}
         if t > 1:  # AutoTP's all-reduces wait for each layer's output: on the critical path, not overlapped
-            ar = Collective(TP_ALL_REDUCES, tp_calls * sm.ring_bytes("all_reduce", lay.micro_batch_size * length * s.hidden
-                                                                     * e, t), 1, t, tp_calls, "all_reduce", t)
+            ar = Collective(TP_ALL_REDUCES, tp_calls * sm.ring_bytes("all_reduce", tokens * s.hidden * e, t), 1, t,
+                            tp_calls, "all_reduce", t)
             parts[TP_ALL_REDUCES] = ar.time(hw)
         return parts, c.flops, c.rate
 

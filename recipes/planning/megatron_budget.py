@@ -69,9 +69,10 @@ Engine's fused layer), the output layer's GEMMs on the last stage; full recomput
 again (GEMMs, attention, kernels and its TP collectives), selective the attention's; plus its TP
 collectives, not overlapped, and its p2p sends (the engine leaves overlap_p2p_comm off: on the critical
 path), each call at NCCL's latency + bytes / bandwidth. Micro-batches are padded as the engine pads them:
-each trimmed to its own longest real row (a multiple of t under SP; the reader's data.pad_to_multiple_of
-and data.seq_len padding dropped: recipes/engines/megatron/batches.py), all of a step to one length
-under interleaving (recipes.planning.padding, with data.length_bucketing's sorted blocks). The slowest stage sets the pace
+under Transformer Engine (the GPU path) its rows' real tokens back to back (THD), under the local spec
+each cut at its last real column; either rounded up to data.pad_to_multiple_of and, under SP, t
+(data.seq_len's padding dropped: recipes/engines/megatron/batches.py); one length per step under
+interleaving (recipes.planning.padding, with data.length_bucketing's sorted blocks). The slowest stage sets the pace
 of each micro-batch; a replica's micro-batches add up, the replicas meet at the step's DP reduction:
 step = max over replicas of the sum of its micro-batches + (p - 1)/v mean micro-batches of bubble + DP's
 exposed time (overlap_grad_reduce: the reduce-scatter hides behind the last micro-batch's backward, 2/3
@@ -83,6 +84,7 @@ the layers and output layer, no recompute, no padding) / (step x GPUs x peak).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,10 +296,12 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
          rows: sm.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
          overlap_grad_reduce: bool = True, overlap_param_gather: bool = True, chunked_head: bool = False,
          chunk_size: int = 1024, qkv_bias: bool = False, hw: Hardware | None = None, e: int = 2,
-         timed: bool = True) -> Plan:
+         timed: bool = True, thd: bool = True) -> Plan:
     """Memory, traffic and time of every pipeline stage of `lay` (module docstring): memory at `rows.peak`
     tokens per row, time at the rows `rows.deal` gives; `seq` alone: rows of exactly that many tokens.
-    `timed` False: memory only (the step time is left at infinity)."""
+    `timed` False: memory only (the step time is left at infinity). `thd`: the Transformer Engine spec's
+    form, a micro-batch's real tokens back to back (megatron.transformer_impl other than local, on GPUs);
+    False: the local spec's rows cut at their last real column."""
     t, p, v, m = lay.tp, lay.pp, lay.vpp, grad_accum
     rows = rows or sm.Rows(seq, seq, f"{seq} tokens per row", np.array([seq]))
     hw = hw or Hardware(gpus_per_node=lay.gpus_per_node, nics_per_node=lay.gpus_per_node)
@@ -305,8 +309,10 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     T = b * seq
     dtype = "bfloat16" if e == 2 else "float32"
     seq_split = t if lay.sp else 1
-    # the engine trims each micro-batch to its longest real row, a multiple of t under SP (one length interleaved)
-    dealt = rows.deal(b, m, lay.dp, repad=seq_split, one_length=v > 1)
+    # the engine's micro-batches (recipes/engines/megatron/batches.py): cut at their last real column, or
+    # under Transformer Engine their real tokens back to back (THD), a multiple of data.pad_to_multiple_of
+    # and of t under SP; interleaved, one length per step
+    dealt = rows.deal(b, m, lay.dp, repad=math.lcm(rows.pad_multiple, seq_split), one_length=v > 1, concat=thd)
     T_run = dealt.padded_tokens / (m * lay.dp)  # mean tokens per micro-batch, padding included
     U, U_run = T * s.hidden * e, T_run * s.hidden * e
     vp = padded_vocab(s.vocab, t) * s.hidden / t
@@ -351,11 +357,10 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
         return Plan(lay, stages, bubble(p, m, v), float("inf"), 0.0, 0.0, dealt.real_tokens, _where(lay, "dp"),
                     _where(lay, "pp"), {}, dealt.padding_ratio)
 
-    def stage_cost(r: int, length: int) -> tuple[dict, float, float]:
-        c = sm.micro_batch_compute(head_shape, rows=b, length=length, tp=t, layers=s.layers / p, hw=hw,
+    def stage_cost(r: int, tokens: int) -> tuple[dict, float, float]:
+        c = sm.micro_batch_compute(head_shape, rows=b, length=tokens / b, tp=t, layers=s.layers / p, hw=hw,
                                    engine="megatron", dtype=dtype, recompute=recompute, head=r == p - 1,
                                    head_gemms=4 if chunked_head else 3)
-        tokens = b * length
         msg = tokens * s.hidden * e / seq_split
         inter, intra = _p2p_bytes(lay, r, msg)
         # the engine leaves overlap_p2p_comm off: each send on the critical path, one NCCL hop each
@@ -369,8 +374,8 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     # the stages differ by the embedding (first), the output layer (last) and where their p2p peers sit
     roles = {0, p - 1} | ({max(range(1, p - 1), key=lambda r: stages[r].pp_inter)} if p > 2 else set())
 
-    def slowest_stage(length: int):
-        return max((stage_cost(r, length) for r in roles), key=lambda x: sum(x[0].values()))
+    def slowest_stage(tokens: int):
+        return max((stage_cost(r, tokens) for r in roles), key=lambda x: sum(x[0].values()))
 
     work = sm.price(dealt, slowest_stage)  # the replicas meet at the step's DP reduction
     typical = dealt.typical.median

@@ -78,7 +78,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
               recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
               chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-              hw=hw, e=e)
+              hw=hw, e=e, thd=mg.transformer_impl != "local")
     peak = pl.peak
     first, last = pl.stages[0], pl.stages[-1]
     busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)

@@ -18,6 +18,10 @@ blocks a D, exactly (in every step each is the longest of its group); without, e
 draws, which leaves out how much one rank's sum of m micro-batches exceeds the mean (small for many
 micro-batches). Interleaved 1F1B pads a rank's micro-batches to one length, the longest of its m b rows,
 and the step waits for the rank holding the step's longest row.
+Megatron under Transformer Engine (the GPU path) runs a micro-batch's real tokens back to back (THD,
+`concat`): no padding but the micro-batch's round-up; its tokens are the sum of its rows' lengths (one
+row: that row's distribution; several: the expected sum, or with bucketing each sorted block's).
+A `Deal` counts tokens per micro-batch, padding included.
 """
 
 from __future__ import annotations
@@ -59,14 +63,14 @@ def shard_row_lengths(path: str, max_rows: int = SAMPLE_ROWS) -> tuple[np.ndarra
 
 @dataclass(frozen=True)
 class Slots:
-    """`count` micro-batches whose padded length (tokens per row) is `values` with probabilities `probs`."""
+    """`count` micro-batches whose tokens (padding included) are `values` with probabilities `probs`."""
 
     count: int
     values: np.ndarray
     probs: np.ndarray
 
     def mean(self) -> float:
-        """E[padded length] x count."""
+        """E[tokens] x count."""
         return self.count * float(self.values @ self.probs)
 
     @property
@@ -126,33 +130,68 @@ def _kth_longest(cdf: np.ndarray, g: int, ks: list[int]) -> list[np.ndarray]:
 
 
 def deal(lengths: np.ndarray, *, micro_batch: int, micro_batches: int, dp: int, bucketing: bool,
-         pad_multiple: int = 1, fixed: int | None = None, lockstep: bool = False, one_length: bool = False) -> Deal:
-    """The reader's dealing as the engine pads it (module docstring). `lengths`: the data's real row
-    lengths (a sample); `fixed`: every row padded to this length (data.seq_len); `lockstep`: the ranks
-    meet at every micro-batch; `one_length`: a rank's micro-batches padded to one length."""
+         pad_multiple: int = 1, fixed: int | None = None, lockstep: bool = False, one_length: bool = False,
+         concat: bool = False) -> Deal:
+    """The reader's dealing as the engine pads it (module docstring), in tokens per micro-batch.
+    `lengths`: the data's real row lengths (a sample); `fixed`: every row padded to this length
+    (data.seq_len); `lockstep`: the ranks meet at every micro-batch; `one_length`: a rank's
+    micro-batches padded to one length; `concat`: the rows' real tokens run back to back, the
+    micro-batch rounded up to `pad_multiple` (Megatron's THD form)."""
     b, m, d = micro_batch, micro_batches, dp
     g = b * m * d
     real = np.asarray(lengths, dtype=np.float64)
     real_tokens, real_square = g * float(real.mean()), g * float((real ** 2).mean())
+
+    def done(critical, typical: Slots, padded: float) -> Deal:
+        return Deal(tuple(critical), typical, b, real_tokens, real_square, padded)
+
     if fixed is not None:
-        one = Slots(m, np.array([-(-fixed // pad_multiple) * pad_multiple]), np.array([1.0]))
-        return Deal((one,), Slots(1, one.values, one.probs), b, real_tokens, real_square, g * float(one.values[0]))
+        one = Slots(m, np.array([b * -(-fixed // pad_multiple) * pad_multiple]), np.array([1.0]))
+        return done([one], Slots(1, one.values, one.probs), g / b * float(one.values[0]))
+    if concat and not one_length:
+        return _concatenated(real, b, m, d, bucketing, pad_multiple, done)
     values, probs = _distribution(real, pad_multiple)
     cdf = np.cumsum(probs)
     cdf[-1] = 1.0
+    tokens = b * values  # a micro-batch of b rows padded to its longest
     if not bucketing:
-        block = Slots(1, values, _longest_of(cdf, b))
+        block = Slots(1, tokens, _longest_of(cdf, b))
         if one_length:  # each rank pads to its longest of m b rows; the step waits for the longest of all
-            own = Slots(1, values, _longest_of(cdf, m * b))
-            return Deal((Slots(m, values, _longest_of(cdf, g)),), own, b, real_tokens, real_square, g * own.mean())
-        critical = Slots(m, values, _longest_of(cdf, d * b)) if lockstep else Slots(m, values, block.probs)
-        return Deal((critical,), block, b, real_tokens, real_square, g * block.mean())
+            own = Slots(1, tokens, _longest_of(cdf, m * b))
+            return done([Slots(m, tokens, _longest_of(cdf, g))], own, g / b * own.mean())
+        critical = Slots(m, tokens, _longest_of(cdf, d * b)) if lockstep else Slots(m, tokens, block.probs)
+        return done([critical], block, g / b * block.mean())
     blocks = _kth_longest(cdf, g, [i * b + 1 for i in range(m * d)])  # block i: the (i b + 1)-th longest
-    means = np.array(blocks) @ values  # the expected padded length of each block
-    mixture = Slots(1, values, np.mean(blocks, axis=0))
+    means = np.array(blocks) @ tokens  # the expected tokens of each block
+    mixture = Slots(1, tokens, np.mean(blocks, axis=0))
     if one_length:  # rank d pads to its longest, block d; rank 0 holds the longest row of the step
-        return Deal((Slots(m, values, blocks[0]),), Slots(1, values, blocks[0]), b, real_tokens, real_square,
-                    m * b * float(means[:d].sum()))
-    padded = b * float(means.sum())
-    critical = tuple(Slots(1, values, blocks[a * d]) for a in range(m))  # rank 0's block, the longest of its group
-    return Deal(critical, mixture, b, real_tokens, real_square, padded)
+        return done([Slots(m, tokens, blocks[0])], Slots(1, tokens, blocks[0]), m * float(means[:d].sum()))
+    critical = [Slots(1, tokens, blocks[a * d]) for a in range(m)]  # rank 0's block, the longest of its group
+    return done(critical, mixture, float(means.sum()))
+
+
+def _concatenated(real: np.ndarray, b: int, m: int, d: int, bucketing: bool, pad_multiple: int, done) -> Deal:
+    """Micro-batches of b rows' real tokens back to back (Megatron's THD form): one row, its length's
+    distribution; b rows, their expected sum (the sum of b rows spreads little around it), or with
+    bucketing each sorted block's expected sum; rounded up to `pad_multiple`. The ranks meet at the
+    step's end: rank 0's blocks are the longest with bucketing."""
+
+    def rounded(t):  # up to the multiple (expectations rounded to 1e-6 first: no ulp becomes a token)
+        return np.ceil(np.round(np.asarray(t, dtype=np.float64) / pad_multiple, 6)) * pad_multiple
+
+    g = b * m * d
+    if not bucketing:
+        if b == 1:
+            values, probs = _distribution(real, pad_multiple)
+        else:
+            values, probs = rounded([b * real.mean()]).astype(np.int64), np.array([1.0])
+        one = Slots(1, values, probs)
+        return done([Slots(m, values, probs)], one, g / b * one.mean())
+    values, counts = np.unique(real.astype(np.int64), return_counts=True)
+    cdf = np.cumsum(counts / counts.sum())
+    cdf[-1] = 1.0
+    ranked = np.array(_kth_longest(cdf, g, list(range(1, g + 1)))) @ values  # E[k-th longest], k = 1..g
+    sums = rounded(ranked.reshape(m * d, b).sum(axis=1)).astype(np.int64)  # block i: ranks i b + 1 .. (i + 1) b
+    blocks, block_counts = np.unique(sums, return_counts=True)
+    critical = [Slots(1, np.array([sums[a * d]]), np.array([1.0])) for a in range(m)]
+    return done(critical, Slots(1, blocks, block_counts / block_counts.sum()), float(sums.sum()))

@@ -116,7 +116,7 @@ def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows
                 m = global_batch // (dp * b)
                 kwargs = dict(micro_batch_size=b, grad_accum=m, tied=tied, rows=rows, distributed_optimizer=True,
                               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-                              qkv_bias=qkv_bias, hw=hw, e=e)
+                              qkv_bias=qkv_bias, hw=hw, e=e, thd=mg.transformer_impl != "local")
                 for recompute in (None, "selective", "full"):
                     if M.plan(shape, lay, recompute=recompute, timed=False, **kwargs).peak.total <= hw.mem_gib * GiB:
                         break

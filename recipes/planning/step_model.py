@@ -322,8 +322,8 @@ class StepWork:
 
 
 def price(dealt: Deal, cost) -> StepWork:
-    """The step's micro-batch work: `cost(length)` -> ({term: seconds}, FLOPs, TFLOP/s) of one micro-batch
-    of rows padded to `length`, summed over the micro-batches on the step's critical path (`dealt`:
+    """The step's micro-batch work: `cost(tokens)` -> ({term: seconds}, FLOPs, TFLOP/s) of one micro-batch
+    of `tokens` (padding included), summed over the micro-batches on the step's critical path (`dealt`:
     recipes.planning.padding). Each term is the mean micro-batch's x the micro-batches of a rank; what
     the critical path adds over that (the slowest rank's longer micro-batches) is its own term."""
     values = np.unique(np.concatenate([s.values for s in dealt.critical] + [dealt.typical.values]))
@@ -381,17 +381,18 @@ class Rows:
     pad_multiple: int = 1
 
     def deal(self, micro_batch: int, micro_batches: int, dp: int, repad: int | None = None, lockstep: bool = False,
-             one_length: bool = False) -> Deal:
+             one_length: bool = False, concat: bool = False) -> Deal:
         """The micro-batches of a step at this layout (recipes.planning.padding), as the loop's batches
         come (each padded to its longest row rounded up to data.pad_to_multiple_of, or to data.seq_len),
-        or with `repad` as an engine that trims each micro-batch to its longest real row and rounds that
-        up to `repad` (the Megatron engine: the TP size under SP, else 1); `lockstep`: the ranks meet at
-        every micro-batch (ZeRO-2/3); `one_length`: a rank's micro-batches all padded to one length
-        (interleaved 1F1B)."""
+        or with `repad` as the Megatron engine prepares them: each cut at its last real column and
+        rounded up to `repad` (lcm of data.pad_to_multiple_of and, under SP, the TP size), data.seq_len's
+        padding dropped; `concat` with it: the rows' real tokens back to back (THD, Transformer Engine);
+        `lockstep`: the ranks meet at every micro-batch (ZeRO-2/3); `one_length`: a rank's
+        micro-batches all padded to one length (interleaved 1F1B)."""
         lengths = self.lengths if self.lengths is not None else np.array([max(1, round(self.mean))])
         return deal(lengths, micro_batch=micro_batch, micro_batches=micro_batches, dp=dp, bucketing=self.bucketing,
                     pad_multiple=repad or self.pad_multiple, fixed=None if repad else self.fixed, lockstep=lockstep,
-                    one_length=one_length)
+                    one_length=one_length, concat=concat and bool(repad))
 
 
 ASSUMED_ROW_TOKENS = 1024

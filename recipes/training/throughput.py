@@ -146,7 +146,8 @@ def predict(recipe, cfg, world: int) -> dict:
         mg = recipe.megatron
         pl = M.plan(shape, lay, micro_batch_size=recipe.train.micro_batch_size, rows=rows,
                     grad_accum=recipe.train.grad_accum, tied=bool(getattr(text, "tie_word_embeddings", False)),
-                    recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer, hw=hw, e=e)
+                    recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer, hw=hw, e=e,
+                    thd=mg.transformer_impl != "local" and torch.cuda.is_available())
         return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.peak.total / GiB, "limit": "pipeline",
                 "padding_ratio": pl.padding_ratio, "hardware": label}
     from recipes.planning import budget as B

@@ -195,10 +195,16 @@ def test_expected_padding_by_hand():
     # 3rd longest (300 when at least three are: 5/16: 162.5)
     bucketed = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True)
     assert bucketed.padded_tokens == pytest.approx(2 * (287.5 + 162.5)) and bucketed.padding_ratio == pytest.approx(1.125)
-    # ranks meeting at every micro-batch wait for the longest of their 4 rows either way: 287.5
+    # ranks meeting at every micro-batch wait for the longest of their 4 rows either way: 2 rows of 287.5
     for bucketing in (False, True):
         step = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=bucketing, lockstep=True)
-        assert sum(s.mean() for s in step.critical) == pytest.approx(287.5)
+        assert sum(s.mean() for s in step.critical) == pytest.approx(2 * 287.5)
+    # real tokens back to back (Megatron's THD): no padding; sorted, block 0 holds the longest and the 2nd
+    # longest (300 when at least two of four are: 11/16, so 237.5): 525 tokens, block 1 the rest, 275
+    thd = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True, concat=True)
+    assert thd.padding_ratio == pytest.approx(1.0) and thd.critical[0].mean() == pytest.approx(525)
+    assert sorted(thd.typical.values.tolist()) == [275, 525]
+    assert P.deal(lengths, micro_batch=2, micro_batches=3, dp=1, bucketing=False, concat=True).typical.mean() == 400
     # rounded up to multiples of 128: 100 -> 128, 300 -> 384; data.seq_len pads every row
     assert P.deal(lengths, micro_batch=1, micro_batches=1, dp=1, bucketing=False, pad_multiple=128).padded_tokens \
         == pytest.approx(256)

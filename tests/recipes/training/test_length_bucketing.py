@@ -45,11 +45,11 @@ def workspace(tmp_path_factory):
     return root
 
 
-def expected_padding_ratio(root, bucketing: bool, pad: int = PAD) -> float:
+def expected_padding_ratio(root, bucketing: bool) -> float:
     """Step 1's padded positions / real tokens: its rows in the seeded order (the plain reader, one rank
     reading the whole global batch), lengths from the Parquet files, micro-batches of B rows in the
     reader's dealing order (sorted longest first with bucketing), each padded to its longest rounded up
-    to `pad`."""
+    to PAD."""
     from data_prep.reader import ShardDataset
 
     step = next(iter(ShardDataset(str(root / "data"), batch_size=G, seed=SEED, shuffle_window=64,
@@ -62,7 +62,7 @@ def expected_padding_ratio(root, bucketing: bool, pad: int = PAD) -> float:
     rows = [length[r] for r in step]
     if bucketing:
         rows = sorted(rows, reverse=True)
-    padded = sum(B * -(-max(rows[i:i + B]) // pad) * pad for i in range(0, G, B))
+    padded = sum(B * -(-max(rows[i:i + B]) // PAD) * PAD for i in range(0, G, B))
     return padded / sum(rows)
 
 
@@ -81,13 +81,13 @@ def test_bucketing_keeps_the_loss_and_gradient_and_cuts_padding(workspace):
 
 
 def test_megatron_logs_the_positions_it_ran(workspace):
-    """The Megatron engine trims each micro-batch to its own longest real row (a multiple of TP under SP;
-    the reader's multiple of 8 dropped) and returns the positions it ran (tokens_run): padding_ratio is
-    that count, and the loss the DeepSpeed run's."""
+    """The Megatron engine cuts each micro-batch at its last real column, rounded up to data.pad_to_multiple_of
+    (and TP under SP; the CPU path's block-mask form), and returns the positions it ran (tokens_run):
+    padding_ratio is that count, and the loss the DeepSpeed run's."""
     out = workspace / "megatron"
     run_to_end(workspace / "recipe.yaml", out, "train.engine=megatron", "deepspeed.zero_stage=3")
     row = read_metrics(out)[0]
-    assert row["padding_ratio"] == pytest.approx(expected_padding_ratio(workspace, True, pad=1), rel=1e-12)
+    assert row["padding_ratio"] == pytest.approx(expected_padding_ratio(workspace, True), rel=1e-12)
     deepspeed = workspace / "bucketing-True" / "metrics.jsonl"
     if deepspeed.exists():  # the first test's run, when it ran in this session
         assert row["loss"] == pytest.approx(read_metrics(workspace / "bucketing-True")[0]["loss"], rel=1e-4)
