@@ -162,9 +162,16 @@ def scan_shard(path: str) -> dict | None:
     return stats
 
 
+# every statistic a shard entry carries (its `stats` is null only for a shard of no rows)
+STAT_KEYS = ("tokens_max", "positions_max", "input_id_min", "input_id_max", "label_min", "label_max",
+             "scored_labels", "length_mismatch")
+
+
 def missing_stats(manifest: dict) -> list[dict]:
-    """The manifest's shard entries without statistics (a build from before they were recorded)."""
-    return [s for s in manifest.get("shards", []) if "stats" not in s]
+    """The manifest's shard entries without statistics (a build from before they were recorded), or with
+    only some of them (a hand-edited or cut manifest): these are computed again from the shard."""
+    return [s for s in manifest.get("shards", [])
+            if "stats" not in s or (s["stats"] is not None and not all(k in s["stats"] for k in STAT_KEYS))]
 
 
 def ensure_stats(data_dir: str, manifest: dict, progress: Callable[[str], None] | None = None) -> list[dict]:

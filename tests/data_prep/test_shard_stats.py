@@ -73,6 +73,22 @@ def test_stats_command_fills_an_old_manifest(built, tmp_path):
     assert data_prep_main(["stats", str(old)]) == 0  # nothing left to do
 
 
+def test_a_shard_entry_with_only_some_statistics_is_scanned_again(built, tmp_path):
+    """A hand-edited or cut manifest: an entry that lost `scored_labels` is computed again, not read as a
+    KeyError by the run's checks."""
+    from data_prep.stats import ensure_stats, missing_stats
+    from recipes.planning.data_checks import ensure_statistics
+
+    out, manifest = built
+    cut = json.loads(json.dumps(manifest))
+    del cut["shards"][0]["stats"]["scored_labels"]
+    assert missing_stats(cut) == [cut["shards"][0]]
+    errors, warnings = ensure_statistics(cut, out)
+    assert errors == [] and "scanned its 1 shards" in warnings[0]
+    assert cut["shards"][0]["stats"] == manifest["shards"][0]["stats"] and missing_stats(cut) == []
+    assert ensure_stats(out, cut) == []
+
+
 def _rewrite_row(data_dir, shard: dict, row: int, change) -> None:
     """Rewrite one row of a shard (`change(row_dict)`), keeping its row groups; the manifest's size follows
     (the reader's default check is the size), as if another tool had written the shard."""
