@@ -63,6 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from recipes.planning import step_model as sm
+from recipes.planning.device_memory import device_memory
 from recipes.planning.step_model import GiB, Collective, Hardware, layer_matmul_params
 
 
@@ -329,7 +330,7 @@ def advice(s: Shape, params: int, largest: int, lay: DSLayout, rows: sm.Rows, hw
                           f" ring: every hop crosses the network): {gb // dp1} row(s) per rank",
                           replace(lay, tp=1, hpz=lay.ranks_per_node, micro_batch_size=gb // dp1, grad_accum=1), hw))
     if lay.nodes > 1 and lay.nodes % 2 == 0:
-        big = replace(hw, mem_gib=max(hw.mem_gib, 141.0))
+        big = replace(hw, mem_gib=max(hw.mem_gib, device_memory(141.0).usable_gib))  # an H200, less the margin
         gb = lay.micro_batch_size * G * lay.dp
         half = replace(lay, nodes=lay.nodes // 2)
         if gb % half.dp == 0:

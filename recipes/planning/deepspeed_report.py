@@ -81,7 +81,7 @@ def report_budget(rep, recipe, cfg, total: int, largest: int, est: dict, *, hw: 
     if not B.fits(pl, hw):
         big = max(mem, key=mem.get)
         with_ckpt = pl.total - pl.memory["activations"] + other
-        rep.errors.append(f"memory: {_gib(pl.total)} per GPU does not fit {hw.mem_gib:g} GiB (--gpu-mem-gb): "
+        rep.errors.append(f"memory: {_gib(pl.total)} per GPU does not fit the {hw.mem_gib:.2f} GiB a plan may fill (the GPU less 10 %, --gpu-mem-gb): "
                           + ", ".join(f"{k} {_gib(v)}" for k, v in mem.items())
                           + f"; the largest part is {big}" + (
                               f"; turn on model.gradient_checkpointing ({_gib(with_ckpt)})"

@@ -135,8 +135,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
                             f"bubble is {pl.bubble:.0%} of the step")
     if peak.total > hw.mem_gib * GiB:
         big = max(peak.memory, key=peak.memory.get)
-        rep.errors.append(f"memory: stage {peak.index} needs {_gib(peak.total)} per GPU, more than {hw.mem_gib:g} GiB "
-                          f"(--gpu-mem-gb): " + ", ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
+        rep.errors.append(f"memory: stage {peak.index} needs {_gib(peak.total)} per GPU, more than the {hw.mem_gib:.2f} "
+                          f"GiB a plan may fill (the GPU less 10 %, --gpu-mem-gb): " + ", ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
                           + f"; the largest part is {big}" + (
                               "; set megatron.recompute (selective, full) or megatron.sequence_parallel" if big ==
                               "activations" else "; more TP / PP, or megatron.distributed_optimizer"))

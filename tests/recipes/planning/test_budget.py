@@ -73,7 +73,7 @@ def test_70b_4x8_memory_with_the_hpz_copy_and_the_refusal_without_checkpointing(
     assert 60 * GiB < n["gpu_total_bytes"] < 65 * GiB
     assert V.main([str(R70), "model.gradient_checkpointing=false", "--offline", "--seq-len", "1024"]) == 1
     out = capsys.readouterr().out
-    assert "ERROR    memory:" in out and "does not fit 71.19 GiB" in out  # 80 GB: 79.1 GiB seen, 90 % of it usable
+    assert "ERROR    memory:" in out and "does not fit the 71.19 GiB a plan may fill" in out  # 80 GB: 79.1 GiB seen, 90 % of it usable
     assert "hpZ copy 16.4 GiB" in out and "turn on model.gradient_checkpointing" in out
     # it fits a 141 GiB GPU
     assert V.validate_recipe(R70, ["model.gradient_checkpointing=false"], offline=True, seq_len=1024,
@@ -162,7 +162,8 @@ def test_advice_only_lists_what_shortens_the_step():
     assert tips
     for _, alt in tips:
         assert alt.step_s < base.step_s or alt.step_s * alt.layout.world < base.step_s * lay.world
-        assert B.fits(alt, hw) or alt.total <= 141 * GiB  # fewer, larger GPUs: 141 GiB each
+        # fewer, larger GPUs: an H200's usable part (139.8 GiB seen by torch, less 10 %), not its 141 GB
+        assert B.fits(alt, hw) or alt.total <= 0.9 * 139.8 * GiB
 
 
 def test_reduce_dtype_bf16_halves_the_gradient_bytes():
