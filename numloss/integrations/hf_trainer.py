@@ -81,6 +81,18 @@ def check_transformers() -> None:
                            f" found {found}: how the Trainer scales compute_loss's loss may differ")
 
 
+def takes_logits_to_keep(model) -> bool:
+    """Whether the Hugging Face model under any PEFT wrapper takes `logits_to_keep` (transformers' causal LMs
+    do: the LM head then runs on the last positions only)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        return "logits_to_keep" in inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):  # a forward without a readable signature
+        return False
+
+
 def step_counts(objective: Objective, batches: list[dict], group=None) -> LossCounts:
     """The loss denominators of one optimizer step: every micro-batch of this process counted from its
     (unshifted) labels, summed over `group` (None: every process). Collective: every rank calls it
@@ -123,6 +135,7 @@ class NumericTrainerMixin:
         self._numeric_eval: EvalSums | None = None  # set while evaluation_loop runs
         super().__init__(*args, **kwargs)
         check_construction(self, sft=self.numeric_sft)
+        self._numeric_keeps_logits = takes_logits_to_keep(self.model)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The Trainer's reading of one optimizer step's micro-batches, with the step's `LossCounts` (over
@@ -137,31 +150,40 @@ class NumericTrainerMixin:
         self._numeric_steps += 1
         return batches, step_counts(self.numeric_loss.objective, batches)
 
-    def _numeric_forward(self, model, inputs: dict) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """One forward without labels (the objective is computed from the logits): (outputs, logits, labels)."""
+    def _numeric_forward(self, model, inputs: dict, full_logits: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One forward without labels (the objective is computed from the logits): (outputs, logits, the
+        labels shifted as HF shifts them and aligned with the logits). Unless `full_logits` (the caller
+        gets the outputs) and where the model takes `logits_to_keep`, the logits start at the first
+        position where a row has a label: the LM head skips the prompt before it. Kept whole to the end,
+        so no labelled position and no gap is left out (numeric runs and sequences are as in the batch)."""
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError("numloss: the batch has no labels (the numeric objective needs them)")
         if "shift_labels" in inputs:
             raise ValueError("numloss: batches with `shift_labels` are not supported; give `labels` only")
+        ignore = self.numeric_loss.objective.config.ignore_index
+        shifted = shift_labels(labels, ignore)
         if self.numeric_sft:
             inputs["use_cache"] = False  # as SFTTrainer: no cache in a loss forward
             if getattr(self, "aux_loss_enabled", False):
                 inputs["output_router_logits"] = True  # as SFTTrainer: MoE models return their aux loss
+        if not full_logits and self._numeric_keeps_logits:
+            labelled = (shifted != ignore).any(0).nonzero()
+            inputs["logits_to_keep"] = shifted.shape[-1] - int(labelled[0]) if labelled.numel() else 1
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        return outputs, logits, labels
+        return outputs, logits, shifted[..., shifted.shape[-1] - logits.shape[-2]:]
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """Training (`model.training`): this micro-batch's share of the step's objective, over the step's
         `LossCounts` from `get_batch_samples`, times the number of processes. Evaluation: the batch's
         own objective (inside `evaluation_loop`, its rows are also kept for the whole set's)."""
-        outputs, logits, labels = self._numeric_forward(model, inputs)
+        outputs, logits, shifted = self._numeric_forward(model, inputs, full_logits=return_outputs)
         if not model.training:
             evaluated = EvalSums(self.numeric_loss.objective, token_metrics=self.numeric_sft) \
                 if self._numeric_eval is None else self._numeric_eval
-            rows = evaluated.rows(logits, labels)
+            rows = evaluated.rows(logits, shifted)
             if self._numeric_eval is not None:
                 self._numeric_eval.add(self.accelerator.gather_for_metrics(rows))
             loss = torch.tensor(evaluated.result(rows.sum(0))["loss"], dtype=torch.float32, device=logits.device)
@@ -170,10 +192,10 @@ class NumericTrainerMixin:
             raise RuntimeError("numloss: a training micro-batch came without the step's LossCounts: the trainer"
                                " did not read its batches through get_batch_samples (a trainer change not"
                                f" covered by this integration; tested with {TESTED})")
-        loss = self.numeric_loss.micro_batch(logits, labels, num_items_in_batch).loss
+        loss = self.numeric_loss.micro_batch(logits, shifted, num_items_in_batch).loss
         loss = loss * self.accelerator.num_processes  # undo the mean over data-parallel ranks
         if self.numeric_sft:
-            self.numeric_loss.add_token_metrics(logits, labels, input_tokens(inputs))
+            self.numeric_loss.add_token_metrics(logits, shifted, input_tokens(inputs))
             aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
             if aux is not None and getattr(self, "aux_loss_enabled", False):
                 # SFTTrainer's MoE load-balancing loss: a per-micro-batch mean, averaged over the step

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..adapters.deepspeed_autotp import causal_lm_objective, shift_labels
+from ..adapters.deepspeed_autotp import causal_lm_objective
 from ..logit_stats import compute_logit_stats
 from ..normalization import TOKENS, LossCounts
 from ..objective import Objective, ObjectiveOutput
@@ -76,15 +76,15 @@ class StepLoss:
             self._sums = torch.zeros(len(self.keys), dtype=torch.float64, device=values.device)
         self._sums[index:index + values.numel()] += values.to(self._sums.device)
 
-    def micro_batch(self, logits: torch.Tensor, labels: torch.Tensor, counts: LossCounts) -> ObjectiveOutput:
-        out = causal_lm_objective(self.objective, logits, labels.to(logits.device), counts=counts)
+    def micro_batch(self, logits: torch.Tensor, shifted: torch.Tensor, counts: LossCounts) -> ObjectiveOutput:
+        """`shifted`: the labels aligned with `logits` (`shift_labels` of the batch's, at the logits' positions)."""
+        out = causal_lm_objective(self.objective, logits, shifted_labels=shifted.to(logits.device), counts=counts)
         values = torch.stack([out.ce.detach(), *(v.detach() for v in out.terms.values())]).double()
         self._add(0, torch.cat([values, values.new_tensor([out.numeric_positions])]))
         return out
 
-    def add_token_metrics(self, logits: torch.Tensor, labels: torch.Tensor, tokens: int) -> None:
-        sums = token_metric_sums(logits, shift_labels(labels, self.objective.config.ignore_index),
-                                 self.objective.config.ignore_index).sum(0)
+    def add_token_metrics(self, logits: torch.Tensor, shifted: torch.Tensor, tokens: int) -> None:
+        sums = token_metric_sums(logits, shifted, self.objective.config.ignore_index).sum(0)
         self._add(self.keys.index("entropy_sum"), torch.cat([sums, sums.new_tensor([tokens])]))
 
     def take_logged(self, steps: int) -> dict[str, float]:
@@ -113,7 +113,7 @@ class EvalSums:
     process, divided by the set's own global count of its kind (the same `LossCounts` keys as
     training), so the value does not depend on the evaluation batch size or the number of processes.
 
-    `rows(logits, labels)` gives each row's sums ([B, K] float64: each part of the total with unit
+    `rows(logits, shifted)` gives each row's sums ([B, K] float64: each part of the total with unit
     denominators, CE, each term, each count, the numeric positions, and with token metrics the entropy
     and top-1 sums); `add` keeps the rows the Trainer's `gather_for_metrics` returns; `result` divides.
     A row's sums come from the objective on that row alone (the objective's terms are sums over
@@ -137,9 +137,10 @@ class EvalSums:
         self.terms = list(config.terms)
         self.total: torch.Tensor | None = None
 
-    def rows(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def rows(self, logits: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+        """`shifted`: the labels aligned with `logits`."""
         config = self.objective.config
-        shifted = shift_labels(labels, config.ignore_index).to(logits.device)
+        shifted = shifted.to(logits.device)
         out = []
         with torch.no_grad():
             for row in range(logits.shape[0]):

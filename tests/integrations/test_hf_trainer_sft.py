@@ -1,6 +1,7 @@
 """`NumericSFTTrainer` against TRL's own `SFTTrainer` on the same tiny random Llama, rows and seed (CPU,
 fp32): one decoder forward per micro-batch, as SFTTrainer (before, TRL's `compute_loss_func` path ran
-a second forward without gradients for its metrics: 2 per micro-batch), and with every term at weight 0
+a second forward without gradients for its metrics: 2 per micro-batch), the LM head over the labelled
+tail of the batch only (`logits_to_keep`), and with every term at weight 0
 the same logged loss, gradient norm and TRL metrics (entropy, mean_token_accuracy, num_tokens), which
 SFTTrainer computes in its own fused head and the integration from its logits; evaluation likewise."""
 
@@ -40,12 +41,19 @@ def _run(tok, tmp_path, numeric: bool, make_model=H.model, accumulation: int = 1
     from numloss.integrations.hf_trainer import NumericSFTTrainer
 
     model = make_model(tok)
-    forwards = {"train": 0, "eval": 0}
+    forwards = {"train": 0, "eval": 0, "positions": [], "head_positions": []}
 
     def count(module, args, out):  # the decoder (LlamaModel): every forward of the model runs it once
         forwards["train" if module.training else "eval"] += 1
+        if module.training:
+            forwards["positions"].append(out.last_hidden_state.shape[1])
+
+    def head(module, args):  # SFTTrainer's fused head reads the weight and never calls the module
+        if module.training:
+            forwards["head_positions"].append(args[0].shape[1])
 
     model.model.register_forward_hook(count)
+    model.lm_head.register_forward_pre_hook(head)
     config = SFTConfig(output_dir=str(tmp_path / str(numeric)), per_device_train_batch_size=2,
                        gradient_accumulation_steps=accumulation, per_device_eval_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-3, report_to=[],
                        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, log_level="error", bf16=False)
@@ -64,8 +72,11 @@ def test_one_forward_per_micro_batch_and_trls_own_metrics(tmp_path):
     tok = H.tokenizer(tmp_path / "tok")
     stock_forwards, stock_logs, stock_eval = _run(tok, tmp_path, numeric=False)
     forwards, logs, evaluated = _run(tok, tmp_path, numeric=True)
-    assert stock_forwards == {"train": 2, "eval": 1}  # 2 micro-batches, 1 evaluated batch
-    assert forwards == stock_forwards
+    assert {k: stock_forwards[k] for k in ("train", "eval")} == {"train": 2, "eval": 1}  # 2 micro-batches, 1 batch
+    assert {k: forwards[k] for k in ("train", "eval")} == {"train": 2, "eval": 1}
+    # the LM head ran from the first labelled position on (logits_to_keep), not over the prompts before it
+    assert len(forwards["head_positions"]) == 2
+    assert all(h < p for h, p in zip(forwards["head_positions"], forwards["positions"])), forwards
     assert len(logs) == len(stock_logs) == 2
     for mine, stock in zip(logs, stock_logs):
         for key in TRL_METRICS:
@@ -82,7 +93,7 @@ def test_an_moe_models_router_aux_loss_is_added_as_sft_trainer_adds_it(tmp_path)
     tok = H.tokenizer(tmp_path / "tok")
     stock_forwards, stock_logs, _ = _run(tok, tmp_path, numeric=False, make_model=_mixtral, accumulation=2)
     forwards, logs, _ = _run(tok, tmp_path, numeric=True, make_model=_mixtral, accumulation=2)
-    assert forwards == stock_forwards
+    assert {k: forwards[k] for k in ("train", "eval")} == {k: stock_forwards[k] for k in ("train", "eval")}
     assert "aux_loss" in stock_logs[0]  # SFTTrainer did train with it
     for mine, stock in zip(logs, stock_logs):
         for key in ("loss", "grad_norm"):
