@@ -123,7 +123,8 @@ CASES = {  # (recipe, overrides, hand model)
                          hand_megatron_8b),
     "70B DeepSpeed ZeRO-3 + hpZ, 32 GPUs": ("scale/llama3-70b-4x8.yaml", ["train.micro_batch_size=1",
                                                                           "train.grad_accum=2"], hand_deepspeed_70b),
-    "70B Megatron TP 8 x PP 4": ("scale/llama3-70b-megatron-tp8pp4.yaml", [], hand_megatron_70b),
+    "70B Megatron TP 8 x PP 4": ("scale/llama3-70b-megatron-tp8pp4.yaml", ["train.micro_batch_size=1",
+                                                                           "train.grad_accum=64"], hand_megatron_70b),
 }
 
 
