@@ -1,7 +1,7 @@
 """Per-shard token statistics: what a training run checks against the model before building it.
 
 The build writes them into each shard's manifest entry (`"stats"`), computed from the rows as they are
-written, so a run's checks (`recipes.planning.data_checks`) read a few numbers per shard instead of the
+written, so a run's checks (`recipes.checks.data_checks`) read a few numbers per shard instead of the
 data, at 1 TB as at 1 MB:
 
     tokens_max      {value, row[, record]}             the longest row (input_ids)

@@ -31,7 +31,7 @@ or node restarts the whole group, which resumes from `latest`. If the two ever d
 between the rename and Ray's commit), `latest` wins: it only ever names a complete checkpoint.
 
 Preemption: a worker asked to stop (SIGTERM/SIGUSR1 where the handler could be installed, or
-`<out_dir>/PREEMPT`) finishes its step, saves, and fails with `recipes.training.preemption.Preempted`:
+`<out_dir>/PREEMPT`) finishes its step, saves, and fails with `recipes.reliability.preemption.Preempted`:
 a restartable failure, so Ray restarts the group from that checkpoint (it counts against
 `--max-failures`, like any failure).
 
@@ -262,7 +262,7 @@ def train_loop(config: dict) -> None:
         # durable before training moves on: Ray has persisted and registered the pointer
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
 
-    from recipes.training.preemption import Preempted
+    from recipes.reliability.preemption import Preempted
 
     try:
         train(recipe, Hooks(on_log=on_log, on_checkpoint=on_checkpoint))

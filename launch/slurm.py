@@ -26,7 +26,7 @@ train.out_dir (created), local model/tokenizer directories and HF_HOME are mount
   c10d rendezvous on the first node; no restarts inside the job (requeue the job; the recipe resumes
   from `latest` by itself).
 
-Preemption (recipes.training.preemption): with `cluster.preempt_notice_s` N > 0 (default 300) the script
+Preemption (recipes.reliability.preemption): with `cluster.preempt_notice_s` N > 0 (default 300) the script
 asks for `--signal=B:USR1@N` and `--requeue`. SLURM then signals the batch shell N seconds before the
 time limit; its trap writes `<out_dir>/PREEMPT`, which rank 0 sees at the end of the current step: every
 rank saves a checkpoint and exits (75), and the script runs `scontrol requeue` so the job starts again

@@ -176,7 +176,7 @@ class TrainSection:
     preempt_window_s: float = 600.0
     # a rank silent this long, or stuck this long in a step while another waits on it, is named and the job
     # ends (exit 4) instead of waiting dist_timeout_minutes; the start, save and export are not judged as
-    # stuck (recipes.training.watchdog). 600: torch's own collective timeout; 0: off
+    # stuck (recipes.reliability.watchdog). 600: torch's own collective timeout; 0: off
     watchdog_s: float = 600.0
     tensorboard: bool = True
     wandb_project: str | None = None

@@ -21,18 +21,18 @@ evaluation, and the whole model (tower, projector, language model) trains (DeepS
 Restarts: a run whose `checkpoints/latest` exists resumes from it by itself: model, optimizer, LR
 schedule, the data reader's position and the RNG state, so on CPU the resumed loss curve equals the
 uninterrupted one to the bit. It may resume onto another number of data-parallel ranks or another
-micro-batch x grad_accum split of the same global batch (`recipes.training.checkpoints`, and each
+micro-batch x grad_accum split of the same global batch (`recipes.reliability.checkpoints`, and each
 engine's own rules: `recipes.engines.*`), and with another lr, schedule, length, term weights, cadences
-(`recipes.training.resume_policy`: applied from the next step, logged and recorded; what the checkpoint
+(`recipes.reliability.resume_policy`: applied from the next step, logged and recorded; what the checkpoint
 depends on is refused before any model is built).
 
 Reliability (docs/reliability.md): before anything is built the recipe and its data are checked
-(`recipes.planning.checks`) and `train.out_dir` is locked for this run (`recipes.training.run_lock`);
-a NaN/inf step stops the run without saving (`recipes.training.health`); SIGTERM/SIGUSR1 save the
-current step and stop (`recipes.training.preemption`); checkpoints are checksummed and verified at
-resume (`recipes.training.checkpoints`); a save that fails on any rank fails on all of them together
-(`recipes.training.checkpoint_writes`); a rank that stops answering is named and the job ends
-(`recipes.training.watchdog`). Exit status: 0 done, 2 refused, 3 non-finite, 4 a rank stalled, 74 a
+(`recipes.checks.preflight`) and `train.out_dir` is locked for this run (`recipes.reliability.run_lock`);
+a NaN/inf step stops the run without saving (`recipes.reliability.health`); SIGTERM/SIGUSR1 save the
+current step and stop (`recipes.reliability.preemption`); checkpoints are checksummed and verified at
+resume (`recipes.reliability.checkpoints`); a save that fails on any rank fails on all of them together
+(`recipes.reliability.checkpoint_writes`); a rank that stops answering is named and the job ends
+(`recipes.reliability.watchdog`). Exit status: 0 done, 2 refused, 3 non-finite, 4 a rank stalled, 74 a
 checkpoint could not be written, 75 preempted.
 
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
@@ -55,20 +55,20 @@ from data_prep.reader import DataError, ShardDataset
 from .config import Recipe, load_recipe
 from .engines import build_engine
 from .inputs.batches import model_inputs
-from .planning.checks import RecipeCheckError, preflight
-from .training.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
+from .checks.preflight import RecipeCheckError, preflight
+from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
-from .training.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
+from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
 from .training.parallel import reduce_sum
-from .training.preemption import Preempted, PreemptionWatch, ignore_stop_signals
-from .training.recipe_history import HISTORY, record_start, saved_recipe_fallback
-from .training.resume_policy import ResumePlan, ResumeRefused, plan_resume
-from .training.run_lock import RunLock, RunLocked
+from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_signals
+from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fallback
+from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
+from .reliability.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 from .training.throughput import StepMeter
-from .training.watchdog import mark_phase, start_watchdog
+from .reliability.watchdog import mark_phase, start_watchdog
 
 
 # Exit status of `python -m recipes.train` (launchers and batch scripts read it):
@@ -112,14 +112,14 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
     engine = None
     lock = RunLock(recipe.train.out_dir, runtime.is_main)
-    # from here a SIGTERM/SIGUSR1 asks to save and stop (recipes.training.preemption), and a rank that stops
-    # answering is named and ends the job (recipes.training.watchdog)
+    # from here a SIGTERM/SIGUSR1 asks to save and stop (recipes.reliability.preemption), and a rank that stops
+    # answering is named and ends the job (recipes.reliability.watchdog)
     preemption = PreemptionWatch(recipe.train.out_dir, runtime.rank, recipe.train.preempt_window_s)
     watchdog = start_watchdog(recipe.train.watchdog_s, runtime.rank, runtime.world_size,
                               Path(recipe.train.out_dir) / "checkpoints", EXIT_STALLED, before_exit=lock.release)
     try:
-        # ---- reliability: static checks before anything is built or written (recipes.planning.checks),
-        # then one run per out_dir (recipes.training.run_lock) ----
+        # ---- reliability: static checks before anything is built or written (recipes.checks.preflight),
+        # then one run per out_dir (recipes.reliability.run_lock) ----
         say = (lambda line: print(f"[numloss] {line}", flush=True)) if runtime.is_main else None
         for line in preflight(recipe, runtime.world_size, say=say):
             if runtime.is_main:
@@ -132,7 +132,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         dirs = CheckpointDirs(out / "checkpoints", recipe.train.keep_last, runtime, recipe.train.resume_fallback,
                               recipe=recipe.to_dict())
         # ---- reliability: what this recipe may change on resume, before any model is built
-        # (recipes.training.resume_policy); recipe.yaml and the history are written once it loaded ----
+        # (recipes.reliability.resume_policy); recipe.yaml and the history are written once it loaded ----
         plan = plan_resume(recipe, dirs, runtime, saved_recipe_fallback(out))
         if plan.finished:
             if runtime.is_main:
@@ -184,7 +184,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     zero_grad = ZeroGradWatch()
     try:
         while step < recipe.train.steps:
-            mark_phase("data", step + 1)  # where this rank is, for the watchdog (recipes.training.watchdog)
+            mark_phase("data", step + 1)  # where this rank is, for the watchdog (recipes.reliability.watchdog)
             started = time.perf_counter()
             lr = engine.lr()  # the rate this step's update uses
             window, tokens, tokens_run = [], 0, 0
@@ -208,7 +208,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                    **meter.row(reduced, elapsed)}
             row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values
             # ---- reliability: every rank agrees on non-finite values and on a stop request
-            # (recipes.training.health, recipes.training.preemption): one all-reduce ----
+            # (recipes.reliability.health, recipes.reliability.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
             mark_phase("log", step)
             if plan.changes and step == plan.first_step:  # the first step of a changed recipe is always logged
@@ -252,7 +252,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
 
 
 def _check_weights(engine: Engine, step: int, dirs: CheckpointDirs, runtime: Runtime) -> None:
-    """Never save or export non-finite weights (recipes.training.health)."""
+    """Never save or export non-finite weights (recipes.reliability.health)."""
     if not weights_finite(engine, runtime.device):
         raise NonFiniteTraining(step, ["the weights after the update"], dirs.latest_tag())
 

@@ -53,7 +53,7 @@ def _value(v) -> str:
 
 def _resets(recipe, section: str) -> list[str]:
     """Overrides that put the other engine's section back to its defaults: a recipe switched to one
-    engine is refused while it sets what only the other reads (recipes.planning.engine_settings)."""
+    engine is refused while it sets what only the other reads (recipes.checks.engine_settings)."""
     from recipes.config import DeepSpeedSection, MegatronSection
 
     default = {"deepspeed": DeepSpeedSection(), "megatron": MegatronSection()}[section]

@@ -36,7 +36,7 @@ What is checked, in order:
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
    micro_batch_size * grad_accum, and the quotient is reported as the implied rank count.
-6. The static checks recipes.train runs before building its model (`recipes.planning.checks`): settings
+6. The static checks recipes.train runs before building its model (`recipes.checks.preflight`): settings
    the engine ignores (refused, or mapped and said: first, as they may set megatron.recompute), NTIL
    needs the digits policy; the training data: numeric policy, one global batch, steps within
    train.max_epochs, the tokenizer fingerprint, and from the manifest's per-shard statistics row lengths,
@@ -171,8 +171,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.add("name", recipe.name)
     m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
-    from recipes.planning import checks
-    from recipes.planning.engine_settings import engine_setting_problems
+    from recipes.checks import preflight as checks
+    from recipes.checks.engine_settings import engine_setting_problems
 
     errors, mapped = engine_setting_problems(recipe)  # first: it may set megatron.recompute, which the plan reads
     rep.errors.extend(errors)
@@ -296,7 +296,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
                                 "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
 
-    # 6: the static checks recipes.train runs before its model (recipes.planning.checks): objective,
+    # 6: the static checks recipes.train runs before its model (recipes.checks.preflight): objective,
     # model config, data and its statistics, run directory; the layout's world is section 5's
     tokenizer = _tokenizer_identity(recipe, offline, rep) if _manifest(recipe.data.train) else None
     found = checks.static_checks(recipe, None, dp, tokenizer=tokenizer, config=cfg, offline=offline,
@@ -342,7 +342,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
 
 def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
     """The model tokenizer's fingerprint and size, when it can be loaded here (else a warning)."""
-    from recipes.planning import checks
+    from recipes.checks import preflight as checks
 
     try:
         return checks.tokenizer_identity(checks.model_tokenizer(recipe, offline=offline))

@@ -1,3 +1,4 @@
 """The parts of the training loop every engine shares: process set-up, data-parallel counts, the LR
-schedule, checkpoint directories, the run log and throughput, and the trainer's guards (non-finite values,
-preemption, the run lock). May import numloss, data_prep, recipes.config and recipes.inputs."""
+schedule, the run log, throughput and gradient diagnostics, the engine interface. The loop's guards
+(checkpoints, preemption, the watchdog, the run lock, the resume policy) are `recipes.reliability`.
+May import numloss, data_prep, recipes.config and recipes.inputs."""

@@ -46,7 +46,7 @@ class Engine(Protocol):
 
     def weights_finite(self) -> bool:
         """Optional: whether this rank's parameters (its own shards) are all finite; the loop combines the
-        ranks and never saves or exports non-finite weights (`recipes.training.health`). An engine without
+        ranks and never saves or exports non-finite weights (`recipes.reliability.health`). An engine without
         it is not checked."""
         ...
 

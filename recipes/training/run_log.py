@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 from recipes.config import Recipe
-from .health import strict_json_row
+from recipes.reliability.health import strict_json_row
 from .runtime import Runtime
 
 
@@ -54,7 +54,7 @@ class MetricsLog:
 
 
 def append_row(path: Path, row: dict) -> None:
-    """One strict-JSON line (NaN/inf as null, `recipes.training.health`) appended in one write(2) to an
+    """One strict-JSON line (NaN/inf as null, `recipes.reliability.health`) appended in one write(2) to an
     O_APPEND file: a line is never interleaved with another or half-rewritten by a truncation."""
     data = (json.dumps(strict_json_row(row), allow_nan=False) + "\n").encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

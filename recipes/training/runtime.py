@@ -103,7 +103,7 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
 def side_store(timeout_s: float):
     """A connection of its own to the process group's key-value store (torchrun's agent store, or the
     one `init_process_group` made), with its own timeout: a thread can use it while the main thread
-    waits inside a collective, which never passes through it (`recipes.training.watchdog`). Raises
+    waits inside a collective, which never passes through it (`recipes.reliability.watchdog`). Raises
     RuntimeError without a process group, or where the store cannot be cloned."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("no process group")

@@ -5,7 +5,7 @@ The schedule is a function of the step and the recipe alone (`optim.lr`, `warmup
 run re-evaluates it for its own recipe at the step its checkpoint reached (`apply_recipe_schedule`), as
 Megatron-LM's `--override-opt-param-scheduler` does: a lower `optim.lr`, another warmup or more
 `train.steps` take effect at the first step after the checkpoint, and nothing of the old recipe's
-schedule survives in the optimizer (`recipes.training.resume_policy` logs the change).
+schedule survives in the optimizer (`recipes.reliability.resume_policy` logs the change).
 """
 
 from __future__ import annotations

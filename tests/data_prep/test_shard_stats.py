@@ -77,7 +77,7 @@ def test_a_shard_entry_with_only_some_statistics_is_scanned_again(built, tmp_pat
     """A hand-edited or cut manifest: an entry that lost `scored_labels` is computed again, not read as a
     KeyError by the run's checks."""
     from data_prep.stats import ensure_stats, missing_stats
-    from recipes.planning.data_checks import ensure_statistics
+    from recipes.checks.data_checks import ensure_statistics
 
     out, manifest = built
     cut = json.loads(json.dumps(manifest))

@@ -65,7 +65,7 @@ def _bytes_read_everywhere() -> int:
 
 def _two_ranks(rank, world, assets, converted, run_dir):
     from recipes.engines.megatron.convert import SafetensorsReader
-    from recipes.training.checkpoints import CheckpointDirs
+    from recipes.reliability.checkpoints import CheckpointDirs
     from recipes.training.runtime import Runtime
 
     from_hf = H.make_recipe(assets, pp=2, micro=2, accum=4)
@@ -141,7 +141,7 @@ def test_a_converted_start_and_a_resume_read_no_hf_weights(converted):
 
 
 def test_what_cannot_start_is_refused_before_the_engine(converted, tmp_path):
-    from recipes.planning.checks import RecipeCheckError, preflight
+    from recipes.checks.preflight import RecipeCheckError, preflight
 
     recipe = H.make_recipe(converted["assets"])
     recipe.data.train = str(tmp_path / "no-data")

@@ -1,5 +1,5 @@
 """DeepSpeed's part of a run's checkpoints: its own state in the step directory, and resuming onto
-another data-parallel size (`recipes.training.checkpoints` owns the directories and `latest`).
+another data-parallel size (`recipes.reliability.checkpoints` owns the directories and `latest`).
 
 DeepSpeed 0.19.8 loads ZeRO optimizer state only onto the data-parallel size that saved it; for another
 size the checkpoint is converted once to DeepSpeed's universal format (`deepspeed.checkpoint.
@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from recipes.training.checkpoint_writes import guarded_write
-from recipes.training.checkpoints import CheckpointDirs
+from recipes.reliability.checkpoint_writes import guarded_write
+from recipes.reliability.checkpoints import CheckpointDirs
 
 
 # the recipe key behind each entry of layout.json, for the messages
@@ -44,7 +44,7 @@ def run_layout(recipe, data_parallel: int) -> dict:
 
 def resume_problem(saved: dict, layout: dict, where) -> str | None:
     """Why a checkpoint saved with layout `saved` cannot resume at `layout` (None: it can, at another
-    data-parallel size through the universal conversion). `recipes.planning.checks` asks before any
+    data-parallel size through the universal conversion). `recipes.checks.preflight` asks before any
     model is built; `universal_tag_to_load` again at resume."""
     for key, recipe_key in _LAYOUT_KEYS.items():
         if saved.get(key) != layout.get(key):
@@ -155,7 +155,7 @@ def save_state(engine, directory: Path, step: int, trainable_only: bool = False)
     would otherwise add ~140 GB to every checkpoint.
 
     DeepSpeed writes through `torch.save` (a failure is held until every rank can agree:
-    `recipes.training.checkpoint_writes`), except rank 0's copy of its recovery scripts (shutil, between
+    `recipes.reliability.checkpoint_writes`), except rank 0's copy of its recovery scripts (shutil, between
     its writes and its closing barrier), registered here to be held the same way."""
     with guarded_write(engine, "_copy_recovery_script", "DeepSpeed's recovery scripts (zero_to_fp32.py)"):
         engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"step": step},

@@ -24,7 +24,7 @@ import torch
 
 from numloss import NumericVocab, Objective
 from recipes.config import Recipe
-from recipes.training.checkpoints import CheckpointDirs
+from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime, clear_method_caches
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
@@ -116,7 +116,7 @@ class DeepSpeedEngine:
 
     def load_state(self, directory: Path) -> None:
         """The checkpoint's model, optimizer and schedule state; then this recipe's optimizer hyperparameters
-        and LR schedule at the loaded step (a resume may change them: `recipes.training.resume_policy`)."""
+        and LR schedule at the loaded step (a resume may change them: `recipes.reliability.resume_policy`)."""
         checkpoints.load_state(self.engine, directory, self._load_tag, trainable_only=self.lora is not None)
         apply_recipe_schedule(self.scheduler, self.recipe)
 

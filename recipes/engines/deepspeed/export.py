@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.training.checkpoints import fsync_path
+from recipes.reliability.checkpoints import fsync_path
 from recipes.training.file_modes import give_default_mode
 from recipes.training.runtime import Runtime
 

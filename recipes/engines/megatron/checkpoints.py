@@ -111,7 +111,7 @@ def _optimizer_sharded(optimizer, model_sharded: dict, loading: bool) -> dict:
 
 def _load_optimizer(optimizer, loaded: dict) -> None:
     """The saved optimizer state and schedule, then this run's recipe's hyperparameters and schedule at
-    the saved step (a resume may change them: `recipes.training.resume_policy`)."""
+    the saved step (a resume may change them: `recipes.reliability.resume_policy`)."""
     if hasattr(optimizer, "schedulers"):
         optimizer.optimizer.load_state_dict(loaded["optimizer"])
         for scheduler, state in zip(optimizer.schedulers, loaded["schedulers"]):
@@ -127,7 +127,7 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
 
-    from recipes.training.checkpoint_writes import guarded_write
+    from recipes.reliability.checkpoint_writes import guarded_write
 
     path = Path(directory) / SUBDIR
     path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing writes into an existing directory
@@ -137,7 +137,7 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
              "rng": _sharded_rng(), "layout": _layout()}
     # its writes go through torch.save, and its writer processes' errors are raised on every rank by
     # dist_checkpointing itself; rank 0's metadata.json (before its last barrier) is held like them
-    # (recipes.training.checkpoint_writes)
+    # (recipes.reliability.checkpoint_writes)
     with guarded_write(serialization, "save_config", "dist_checkpointing's metadata.json"):
         dist_checkpointing.save(state, str(path))
     return path

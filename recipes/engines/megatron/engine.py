@@ -25,7 +25,7 @@ import torch
 from numloss import NumericVocab, Objective
 from recipes.config import Recipe
 from recipes.inputs.tokenizer import load_tokenizer
-from recipes.training.checkpoints import CheckpointDirs
+from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime
 
@@ -154,7 +154,7 @@ class MegatronEngine:
                 chunk.enable_forward_pre_hook()
 
     def weights_finite(self) -> bool:
-        """This rank's parameters (its TP / PP shards) are all finite (`recipes.training.health`)."""
+        """This rank's parameters (its TP / PP shards) are all finite (`recipes.reliability.health`)."""
         return all(bool(torch.isfinite(p).all()) for chunk in self.model for p in chunk.parameters())
 
     def save_state(self, directory: Path, step: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recipes.engines.deepspeed.checkpoints import load_failure_hint
-from recipes.training.health import NonFiniteTraining
+from recipes.reliability.health import NonFiniteTraining
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,4 +1,4 @@
-"""Issue 27: checkpoints are verified (recipes.training.checkpoints), on 2 real gloo ranks with a stand-in
+"""Issue 27: checkpoints are verified (recipes.reliability.checkpoints), on 2 real gloo ranks with a stand-in
 engine that writes one state file per rank, as DeepSpeed writes its shards.
 
 - a truncated file in the newest checkpoint (before: `PytorchStreamReader failed reading zip archive`
@@ -56,7 +56,7 @@ def _engine_state(rank):
 
 
 def _rank(rank, world, root: str):
-    from recipes.training.checkpoints import CheckpointCorrupt, CheckpointDirs, MANIFEST
+    from recipes.reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, MANIFEST
     from recipes.training.runtime import Runtime
 
     root = Path(root)
@@ -125,7 +125,7 @@ def _failed_and_unfinished_saves(rank, world, root: str):
     import resource
     import signal
 
-    from recipes.training.checkpoints import MANIFEST, CheckpointDirs, CheckpointSaveFailed
+    from recipes.reliability.checkpoints import MANIFEST, CheckpointDirs, CheckpointSaveFailed
     from recipes.training.runtime import Runtime
 
     root = Path(root)

@@ -1,5 +1,5 @@
 """Issue 27, static part: what a recipe can get wrong is refused before any model is built, by the same
-checks in `recipes.validate` and `recipes.train` (`recipes.planning.checks`).
+checks in `recipes.validate` and `recipes.train` (`recipes.checks.preflight`).
 
 Each case is a fault a cluster user met: data smaller than one global batch (the loop spun forever),
 a non-finite learning rate (a NaN model, exit 0), a negative term weight, NTIL on integers, SMMD's
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from recipes.config import load_recipe
-from recipes.planning import checks
+from recipes.checks import preflight as checks
 from recipes.planning import validate as V
 
 REPO = Path(__file__).resolve().parents[3]

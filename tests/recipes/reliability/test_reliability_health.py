@@ -1,4 +1,4 @@
-"""recipes.training.health: the pieces of the non-finite guard that need no training run."""
+"""recipes.reliability.health: the pieces of the non-finite guard that need no training run."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from recipes.training.health import ZeroGradWatch, nonfinite_keys, strict_json_row, weights_finite
+from recipes.reliability.health import ZeroGradWatch, nonfinite_keys, strict_json_row, weights_finite
 from tests.distributed import run_ranks
 
 

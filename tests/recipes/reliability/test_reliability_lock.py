@@ -1,4 +1,4 @@
-"""Issue 27: one run per train.out_dir (recipes.training.run_lock) and a metrics.jsonl that a restart
+"""Issue 27: one run per train.out_dir (recipes.reliability.run_lock) and a metrics.jsonl that a restart
 trims instead of duplicating (recipes.training.run_log).
 
 A second run used to start in a used out_dir without a word: both exited 0, the second resumed from the
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from recipes.training.run_lock import LOCK, RunLock, RunLocked
+from recipes.reliability.run_lock import LOCK, RunLock, RunLocked
 from recipes.training.run_log import append_row, truncate_rows
 
 REPO = Path(__file__).resolve().parents[3]
-HOLD = ("import sys, time; from recipes.training.run_lock import RunLock; "
+HOLD = ("import sys, time; from recipes.reliability.run_lock import RunLock; "
         "RunLock(sys.argv[1], True).acquire(); print('held', flush=True); time.sleep(120)")
 
 

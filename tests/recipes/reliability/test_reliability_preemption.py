@@ -139,7 +139,7 @@ def test_preemption_saves_once_whatever_the_delivery_and_resumes(recipe, monkeyp
 _COALESCE = """
 import datetime, os, signal, sys, threading, time
 import torch.distributed as dist
-from recipes.training.preemption import PreemptionWatch
+from recipes.reliability.preemption import PreemptionWatch
 
 window = float(sys.argv[2])
 watch = PreemptionWatch(sys.argv[1], rank=0, window_s=window)

@@ -1,5 +1,5 @@
 """Issue 38: a run never loses a checkpoint to a failed save, and a changed recipe on resume does what
-docs/reliability.md says (recipes.training.checkpoints, checkpoint_writes, resume_policy, recipe_history).
+docs/reliability.md says (recipes.reliability.checkpoints, checkpoint_writes, resume_policy, recipe_history).
 Real runs: `recipes.train` on a tiny Llama, DeepSpeed ZeRO-3 on 2 torchrun ranks and Megatron on 1.
 
 DeepSpeed, one run directory, in order:
@@ -167,12 +167,12 @@ def test_megatron_a_lower_lr_on_resume_runs_from_the_resume_step(workspace):
 
 
 def test_every_recipe_key_has_a_resume_policy():
-    """A key added to the recipe must be classified (resumable or refused) in recipes.training.resume_policy;
+    """A key added to the recipe must be classified (resumable or refused) in recipes.reliability.resume_policy;
     an unclassified one is refused, which would turn a harmless change into a refusal."""
     import dataclasses
 
     from recipes.config import LoraSection, Recipe
-    from recipes.training.resume_policy import POLICY, classify
+    from recipes.reliability.resume_policy import POLICY, classify
 
     def leaves(value, path=""):
         if dataclasses.is_dataclass(value):

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing import ProcessExitedException
 
-from recipes.training.watchdog import Beat, Seen, Stall, find_stall
+from recipes.reliability.watchdog import Beat, Seen, Stall, find_stall
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.timeout(900)
@@ -88,7 +88,7 @@ def test_the_settings_are_checked_and_named(override):
 
 
 def _stuck_in_data(rank: int, world: int, out: str) -> None:
-    from recipes.training.watchdog import mark_phase, start_watchdog
+    from recipes.reliability.watchdog import mark_phase, start_watchdog
 
     Path(out, f"pid_{rank}").write_text(str(os.getpid()))
     start_watchdog(2.0, rank, world, Path(out) / "checkpoints", 4)

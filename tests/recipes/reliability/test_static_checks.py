@@ -1,5 +1,5 @@
 """Issue 38: every check that needs only the recipe, the manifest and the model's config runs before any model
-is built (`recipes.planning.checks.preflight`, on every rank of `recipes.train`, and `recipes.validate`).
+is built (`recipes.checks.preflight.preflight`, on every rank of `recipes.train`, and `recipes.validate`).
 
 Each case is a fault that used to surface after the model was built (exit 1, a traceback, some without
 a shard or row): data built with a Llama-3-sized tokenizer (128,256 tokens, assembled offline) against
@@ -27,9 +27,9 @@ import pytest
 
 from data_prep.stats import write_stats
 from recipes.config import recipe_from_dict
-from recipes.planning import checks
+from recipes.checks import preflight as checks
 from recipes.planning import validate as V
-from recipes.planning.model_checks import context_limit
+from recipes.checks.model_checks import context_limit
 
 REPO = Path(__file__).resolve().parents[3]
 VOCAB = 128_256
@@ -209,7 +209,7 @@ def test_autotp_with_fewer_kv_heads_than_ranks_under_zero3_is_refused(real):
 
 
 def _checkpoint(out_dir: Path, layout: dict) -> None:
-    """A run directory whose latest checkpoint recorded `layout` (as recipes.training.checkpoints writes it)."""
+    """A run directory whose latest checkpoint recorded `layout` (as recipes.reliability.checkpoints writes it)."""
     step = out_dir / "checkpoints" / "step_00000002"
     step.mkdir(parents=True)
     (step / "layout.json").write_text(json.dumps(layout))
@@ -270,7 +270,7 @@ def test_train_refuses_all_of_them_at_once_with_status_2_before_building_anythin
 def test_a_manifest_without_statistics_is_scanned_or_refused_with_the_command(real, tmp_path, monkeypatch):
     """Data built before the statistics: scanned at start-up (a line per shard) and checked the same; above
     the scan limit, refused naming the one command that records them."""
-    from recipes.planning import data_checks
+    from recipes.checks import data_checks
 
     data = tmp_path / "old"
     shutil.copytree(real["data"], data)

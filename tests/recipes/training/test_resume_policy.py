@@ -1,4 +1,4 @@
-"""recipes.training.resume_policy and recipe_history without processes: the decisions a real run does not
+"""recipes.reliability.resume_policy and recipe_history without processes: the decisions a real run does not
 reach in tests/recipes/reliability/test_reliability_resume.py (which runs the rest end to end)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from recipes.config import recipe_from_dict
-from recipes.training.recipe_history import HISTORY, read_history, record_start, recipe_of_step
-from recipes.training.resume_policy import ResumeRefused, decide
+from recipes.reliability.recipe_history import HISTORY, read_history, record_start, recipe_of_step
+from recipes.reliability.resume_policy import ResumeRefused, decide
 
 
 def _recipe(tmp_path, *overrides: str):

@@ -1,7 +1,7 @@
 """What a resumed run may change in its recipe, decided before any model is built.
 
 A run resumes from its checkpoint with the recipe it is started with, compared key by key with the
-recipe that checkpoint was trained with (its `recipe.json`, `recipes.training.checkpoints`). Every key
+recipe that checkpoint was trained with (its `recipe.json`, `recipes.reliability.checkpoints`). Every key
 of the recipe is one of three kinds (`POLICY`, longest prefix first; a key not in it is refused):
 
 - training: what the updates depend on and a user changes on purpose: the optimizer and its schedule
@@ -19,7 +19,7 @@ of the recipe is one of three kinds (`POLICY`, longest prefix first; a key not i
   optimizer kind, LoRA's shape. Refused (exit 2) naming the key, the old and the new value.
 
 Every accepted change is printed with the step it takes effect, put in that step's metrics.jsonl row
-(`recipe_changed`), and recorded in `<out_dir>/recipe_history.jsonl` (`recipes.training.recipe_history`).
+(`recipe_changed`), and recorded in `<out_dir>/recipe_history.jsonl` (`recipes.reliability.recipe_history`).
 
 A finished run (its checkpoint at `train.steps`, and `final/` there when it exports) started again with
 the same recipe, or with changes of the run kind only, says so and does nothing (exit 0, `final/`
@@ -43,8 +43,8 @@ from numloss import ObjectiveConfig
 from recipes.config import Recipe
 
 from .checkpoints import CheckpointDirs, tag_step
-from .runtime import Runtime
-from .schedule import Schedule
+from recipes.training.runtime import Runtime
+from recipes.training.schedule import Schedule
 
 TRAINING, RUN, REFUSED = "training", "run", "refused"
 
@@ -121,7 +121,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "eval": (RUN, "evaluation"),
     "cluster": (RUN, "where and how the run is launched"),
 }
-UNCLASSIFIED = (REFUSED, "not yet classified as resumable (recipes/training/resume_policy.py)")
+UNCLASSIFIED = (REFUSED, "not yet classified as resumable (recipes/reliability/resume_policy.py)")
 
 
 class ResumeRefused(ValueError):

@@ -11,7 +11,7 @@ dist_checkpointing write through it, and the loop's own per-rank state) and the 
 registers with `guarded_write` do not raise: the first failure is held, with the file it was writing
 and the free space of that filesystem (`shutil.disk_usage`), the rank's later writes are skipped (the
 save is lost already, and a full disk would fail them too), and the rank goes on through the engine's
-collectives. Then every rank exchanges what it holds (`recipes.training.checkpoints.CheckpointDirs`,
+collectives. Then every rank exchanges what it holds (`recipes.reliability.checkpoints.CheckpointDirs`,
 one all-gather) and all raise `CheckpointSaveFailed` together, naming each failed rank, file, error and
 free space; `python -m recipes.train` exits 74 (EX_IOERR).
 

@@ -4,7 +4,7 @@ and the checkpoint the run would resume from was saved by this engine at a layou
 - `train.out_dir` (or a part of its path) naming a file, or a directory the run may not write, is
   refused (it would fail at the lock or the first save, after the model was built).
 - Resume: the checkpoint `checkpoints/latest` names is read for its `layout.json` only (it is verified
-  byte for byte later, at resume: `recipes.training.checkpoints`). A checkpoint of the other engine
+  byte for byte later, at resume: `recipes.reliability.checkpoints`). A checkpoint of the other engine
   (Megatron's layout has `pipeline_parallel`) is refused; a DeepSpeed one is asked
   `recipes.engines.deepspeed.checkpoints.resume_problem` (the same tensor-parallel size, ZeRO stage and
   LoRA, and for LoRA the same data-parallel size: a 70B base would otherwise load before the refusal).

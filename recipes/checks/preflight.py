@@ -8,7 +8,7 @@ Loading the recipe already refuses bad types, choices, non-finite or negative op
 (`recipes.config.Recipe.validate`) and bad term weights and options (`numloss.ObjectiveConfig`). Here,
 what needs more than one section, the data, the model's config or the run directory:
 - settings the engine would ignore: refused, or `model.gradient_checkpointing` mapped onto
-  `megatron.recompute` with a note (`recipes.planning.engine_settings`);
+  `megatron.recompute` with a note (`recipes.checks.engine_settings`);
 - the objective against the numeric vocabulary: NTIL needs the digits policy;
 - the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
   at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
@@ -20,10 +20,10 @@ what needs more than one section, the data, the model's config or the run direct
   case), and the data's tokenizer may never be larger than the model's (its ids would index past the
   embedding);
 - the data's tokens against the recipe and the model, from the manifest's per-shard statistics
-  (`recipes.planning.data_checks`: row lengths, data.seq_len, positions, vocabulary, scored labels);
-- the model's config against the recipe (`recipes.planning.model_checks`: the tokenizer fits its
+  (`recipes.checks.data_checks`: row lengths, data.seq_len, positions, vocabulary, scored labels);
+- the model's config against the recipe (`recipes.checks.model_checks`: the tokenizer fits its
   vocabulary, the parallel layout divides its heads and layers, the world divides the layout);
-- the run directory (`recipes.planning.run_dir_checks`: train.out_dir can be written; the checkpoint it
+- the run directory (`recipes.checks.run_dir_checks`: train.out_dir can be written; the checkpoint it
   would resume from is of this engine and loads at this layout).
 """
 
@@ -37,18 +37,11 @@ from typing import Callable
 
 from data_prep.shards import MANIFEST
 
+from recipes.checks.model_checks import data_parallel_size
+
 
 class RecipeCheckError(ValueError):
     """The recipe cannot run as it stands; the message lists every error, one per line."""
-
-
-def data_parallel_size(recipe, world_size: int) -> int:
-    """Data-parallel ranks of a world: world / tp (DeepSpeed AutoTP) or world / (tp x pp) (Megatron)."""
-    if recipe.train.engine == "megatron":
-        model_parallel = recipe.megatron.tp_size * recipe.megatron.pp_size
-    else:
-        model_parallel = recipe.deepspeed.tp_size
-    return max(1, world_size // model_parallel)
 
 
 def objective_problems(recipe) -> list[str]:
@@ -147,7 +140,7 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
     (None: not compared); `config`: the model's config (None: resolved here, `model_checks.model_config`);
     `check_model`: false when the caller already reported that the config cannot be read; `say`: progress
     lines (an old manifest's scan)."""
-    from recipes.planning import data_checks, model_checks, run_dir_checks
+    from recipes.checks import data_checks, model_checks, run_dir_checks
 
     found = Findings(errors=objective_problems(recipe) + run_dir_checks.out_dir_problems(recipe))
     if config is None and check_model:
@@ -190,7 +183,7 @@ def megatron_start_problems(recipe, here: bool = True) -> list[str]:
     will resume: it reads its own checkpoint, not the conversion)."""
     from recipes.engines.megatron.converted import converted_problems
     from recipes.engines.megatron.kernels import plan_kernels
-    from recipes.training.checkpoints import LATEST
+    from recipes.reliability.checkpoints import LATEST
 
     problems = []
     try:
@@ -208,7 +201,7 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
     """Every static check of the module docstring for a run on `world_size` ranks; raises
     RecipeCheckError listing the errors, returns the warnings (prefixed "warning: ") and notes.
     `tokenizer`: the model's (default: loaded as `model_tokenizer`); `say`: progress lines."""
-    from recipes.planning.engine_settings import engine_setting_problems
+    from recipes.checks.engine_settings import engine_setting_problems
 
     errors, mapped = engine_setting_problems(recipe)
     if recipe.train.engine == "megatron":

@@ -3,7 +3,7 @@
 One row per recipe, in step order: `{"first_step": n, "checkpoint": tag or null, "changed": {key: [old,
 new]}, "lr_first_step": [old, new] or null, "recipe": {...}}`; the recipe of row i trained steps
 `first_step_i` to `first_step_{i+1} - 1` (the last row's to the end). A new run writes the first row
-(`first_step` 1); a resume that changes the recipe (`recipes.training.resume_policy`) appends one from the
+(`first_step` 1); a resume that changes the recipe (`recipes.reliability.resume_policy`) appends one from the
 first step after its checkpoint. Rows whose steps are trained again (a start from an older checkpoint)
 are dropped, as metrics.jsonl drops the rows after the checkpoint, so the history describes the steps
 metrics.jsonl holds: a result table can say that steps 1-10 used another weight (`recipe_of_step`).

@@ -32,7 +32,7 @@ exit callback runs (the run lock); and the process ends at once with `exit_statu
 recipes.train`: 4), from this thread, as the main thread is blocked in a collective. torchrun then
 reports each rank's status and exits 1; Ray restarts the group from the last checkpoint (a failed
 attempt); a SLURM job ends with torchrun's status. `latest` only ever names a complete checkpoint
-(`recipes.training.checkpoints`), so the last checkpoint stays intact even when a rank froze mid-save.
+(`recipes.reliability.checkpoints`), so the last checkpoint stays intact even when a rank froze mid-save.
 
 Off when `train.watchdog_s` is 0 or the world is one process. The store is the one the process group was
 made with: under torchrun the agent's, which a frozen rank cannot freeze. Where a rank hosts it (Ray
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Callable
 
 from .run_lock import process_start
-from .runtime import side_store
+from recipes.training.runtime import side_store
 
 # The phases in the order a rank passes them within one step (a later phase of the same step is further on).
 PHASES = ("start", "data", "train_step", "collective", "log", "save", "export")

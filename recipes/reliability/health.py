@@ -11,7 +11,7 @@ one all-reduce): an update can make the weights infinite while the loss of that 
 (`optim.lr: 1e39`), and the next step would only see NaN after a save.
 
 The ranks agree through `any_rank`, one MAX all-reduce over the world per step (it also carries the
-preemption request, `recipes.training.preemption`), so every rank stops at the same step and no rank is
+preemption request, `recipes.reliability.preemption`), so every rank stops at the same step and no rank is
 left waiting in a collective.
 """
 

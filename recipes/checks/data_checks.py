@@ -6,7 +6,7 @@ Each error names the key and the shard, row (and record, position) where the dat
   and num_tokens of one length (else a bare shape error in the model);
 - `data.seq_len`, when given, at least the longest row (else the reader fails at that row's batch);
 - the positions a row uses (its length; packed: its longest example) and `data.seq_len` within the
-  model's (`recipes.planning.model_checks.context_limit`; else a learned position table indexes out of
+  model's (`recipes.checks.model_checks.context_limit`; else a learned position table indexes out of
   range, or RoPE runs past what the model was trained or scaled for, silently);
 - token ids and labels (other than -100) in [0, vocab_size) of the model (else an index error at the
   first forward that meets them);

@@ -1,5 +1,5 @@
 """What the model's config (AutoConfig, never the weights) says a recipe cannot do: run before any model is
-built by `recipes.planning.checks` (so by `recipes.train` on every rank and by `recipes.validate`).
+built by `recipes.checks.preflight` (so by `recipes.train` on every rank and by `recipes.validate`).
 
 - Positions: the most positions a row may use, `context_limit`: `max_position_embeddings` (or GPT-2's
   `n_positions`, ...); with RoPE scaling (linear, dynamic, yarn, longrope, llama3: any kind with a
@@ -77,12 +77,19 @@ def vocabulary_problems(cfg, tokenizer_length: int | None) -> list[str]:
             f"config with vocab_size >= {tokenizer_length})"]
 
 
+def data_parallel_size(recipe, world_size: int) -> int:
+    """Data-parallel ranks of a world: world / tp (DeepSpeed AutoTP) or world / (tp x pp) (Megatron)."""
+    if recipe.train.engine == "megatron":
+        model_parallel = recipe.megatron.tp_size * recipe.megatron.pp_size
+    else:
+        model_parallel = recipe.deepspeed.tp_size
+    return max(1, world_size // model_parallel)
+
+
 def layout_problems(recipe, cfg, world_size: int | None = None) -> list[str]:
     """Errors, each naming its keys, of the recipe's parallel layout against the model's shape (and,
     with `world_size`, against the world: `recipes.train` knows it, `recipes.validate` checks the
     recipe's cluster section instead). See the module docstring."""
-    from recipes.planning.checks import data_parallel_size
-
     errors: list[str] = []
     t = recipe.train
     if recipe.train.engine == "megatron":

@@ -25,7 +25,7 @@ the rule above. The stop at once is a SIGKILL of the rank itself: the default ac
 cannot be restored from a thread.
 
 The ranks agree on a request through the same MAX all-reduce as the non-finite check
-(`recipes.training.health.any_rank`), at four points, so all of them stop at the same place and save
+(`recipes.reliability.health.any_rank`), at four points, so all of them stop at the same place and save
 together: before the first step (a request during the start, the engine build or the checkpoint load:
 nothing was trained, nothing is saved, the checkpoint it started from stays `latest`), after every step
 (the step is saved), right after a periodic save (the step just saved is the one kept: no second save),

@@ -19,7 +19,7 @@ and removes only directories older than all of them, so the checkpoint just save
 before it are never the ones deleted.
 
 A save that fails on any rank (a full disk, an I/O error, a permission) fails on every rank together
-(`recipes.training.checkpoint_writes`): one `CheckpointSaveFailed` naming each failed rank, file, error
+(`recipes.reliability.checkpoint_writes`): one `CheckpointSaveFailed` naming each failed rank, file, error
 and the free space of its filesystem; the staging directory is removed, `latest` still names the
 previous checkpoint, and `python -m recipes.train` exits 74.
 
@@ -34,7 +34,7 @@ planted in a shared run directory cannot run code at resume.
 The engine writes its own state (model, optimizer, schedule) into the step directory; beside it each
 rank saves the data reader's position and its RNG state (`rank_XXXXX.pt`), and rank 0 the layout
 (`layout.json`) that the engine compares at resume and the recipe (`recipe.json`) that the resume policy
-compares (`recipes.training.resume_policy`). The reader's position is a count of samples of one global
+compares (`recipes.reliability.resume_policy`). The reader's position is a count of samples of one global
 order, so it does not depend on the layout; ranks without a file of their own (more ranks than saved)
 take rank 0's (the same position, and rank 0's RNG state).
 """
@@ -56,7 +56,7 @@ from data_prep.reader import ShardDataset
 from data_prep.shards import sha256_file
 
 from .checkpoint_writes import CheckpointSaveFailed, DeferredWrites, WriteFailure, free_space
-from .runtime import Runtime
+from recipes.training.runtime import Runtime
 
 LATEST = "latest"
 MANIFEST = "checkpoint.json"
