@@ -45,8 +45,8 @@ def _engine_accumulation(trainer) -> int | None:
 
 def check_first_step(trainer, micro_batches: int) -> None:
     """At the first optimizer step, on every process: the Trainer's world size and process index equal
-    torch.distributed's (the group the counts are summed over), the accelerator leaves gradient
-    accumulation to the Trainer (its own would divide the loss again), DeepSpeed steps every
+    torch.distributed's (the group the counts are summed over), outside DeepSpeed the accelerator
+    leaves gradient accumulation to the Trainer (its own would divide the loss again), DeepSpeed steps every
     `gradient_accumulation_steps` micro-batches as the Trainer reads them, and every process reads the
     same number of micro-batches for the step. Raises RuntimeError naming each disagreement with both
     values, on every process alike.
@@ -57,7 +57,10 @@ def check_first_step(trainer, micro_batches: int) -> None:
     mine = {"trainer_world": accelerator.num_processes, "trainer_rank": accelerator.process_index,
             "args_world": args.world_size, "args_rank": args.process_index,
             "accumulation": args.gradient_accumulation_steps,
-            "accelerator_accumulation": accelerator.gradient_accumulation_steps,
+            # accelerate divides the loss by its own accumulation outside DeepSpeed (DeepSpeed's engine
+            # takes the accelerator's from its config, and the Trainer tells it not to scale)
+            "accelerator_accumulation": None if getattr(trainer, "is_deepspeed_enabled", False)
+            else accelerator.gradient_accumulation_steps,
             "engine_accumulation": _engine_accumulation(trainer), "micro_batches": micro_batches}
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
@@ -65,30 +68,38 @@ def check_first_step(trainer, micro_batches: int) -> None:
         dist.all_gather_object(everyone, mine)
     else:
         world, everyone = 1, [mine]
-    problems = []
+    problems, hints = [], []
     for rank, info in enumerate(everyone):
         for source, size, index in (("the Trainer (accelerate)", info["trainer_world"], info["trainer_rank"]),
                                     ("TrainingArguments", info["args_world"], info["args_rank"])):
             if (size, index) != (world, rank):
                 problems.append(f"process {rank}: {source} has world size {size}, process index {index}, but"
                                 f" torch.distributed has world size {world}, rank {rank}")
+                hints.append(LAUNCH_HINT)
                 break
-        if info["accelerator_accumulation"] != 1:
+        if info["accelerator_accumulation"] not in (None, 1):
             problems.append(f"process {rank}: the accelerator accumulates gradients over"
                             f" {info['accelerator_accumulation']} micro-batches itself (it would divide the loss"
                             " again); the Trainer's gradient_accumulation_steps is"
                             f" {info['accumulation']} and the accelerator's must be 1")
+            hints.append(ACCUMULATION_HINT)
         engine = info["engine_accumulation"]
         if engine is not None and engine != info["accumulation"]:
             problems.append(f"process {rank}: DeepSpeed steps every {engine} micro-batches but the Trainer's"
                             f" gradient_accumulation_steps is {info['accumulation']} (changed after the"
                             " trainer was made?)")
+            hints.append(ACCUMULATION_HINT)
     batches = [info["micro_batches"] for info in everyone]
     if len(set(batches)) > 1:
         problems.append(f"the processes read different numbers of micro-batches for the first step: {batches}")
     if problems:
         raise RuntimeError(
             "numloss: the Trainer's layout does not match the process group the step's counts are summed over"
-            " (the loss and its gradient would be wrong): " + "; ".join(problems) + ". Launch every process"
-            " with torchrun or accelerate launch (they set WORLD_SIZE, RANK and LOCAL_RANK, from which the"
-            " Trainer reads its layout), or set those variables before making TrainingArguments")
+            " (the loss and its gradient would be wrong): " + "; ".join(problems) + "."
+            + "".join(" " + hint for hint in dict.fromkeys(hints)))
+
+
+LAUNCH_HINT = ("Launch every process with torchrun or accelerate launch (they set WORLD_SIZE, RANK and LOCAL_RANK,"
+               " from which the Trainer reads its layout), or set those variables before making TrainingArguments.")
+ACCUMULATION_HINT = ("Set gradient_accumulation_steps in TrainingArguments before making the trainer (DeepSpeed's"
+                     " config takes it then), and leave the accelerator's gradient accumulation to the Trainer.")

@@ -76,3 +76,47 @@ def layout_rank(rank: int, world: int, tok_dir: str, out: str, launched: bool) -
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+
+
+def deepspeed_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
+    """One process (launched: WORLD_SIZE etc. set) training the README's Trainer snippet under DeepSpeed ZeRO-2
+    through the Trainer (`deepspeed.init_distributed()` and `use_cpu=True` first, as on a CPU machine):
+    micro-batch 2 x accumulation 2 over the 4 rows, then a trainer whose gradient_accumulation_steps is
+    changed after it was made (DeepSpeed's config took the old one). Writes `deepspeed.json`."""
+    import sys as _sys
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed.comm.torch  # noqa: F401
+    _sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # inference-only op: skip its CPU build
+    import deepspeed
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq, TrainingArguments
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericTrainer
+
+    deepspeed.init_distributed()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+    result = {}
+    for name, accumulation, changed_to in (("trained", 2, None), ("changed", 1, 2)):
+        model = H.model(tokenizer)
+        if name == "trained":
+            torch.save(model.state_dict(), Path(out) / "init.pt")
+        args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=2, max_steps=1,
+                                 gradient_accumulation_steps=accumulation, logging_steps=1, learning_rate=1e-3,
+                                 report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+                                 log_level="error", deepspeed=config)
+        trainer = NumericTrainer(model=model, args=args, train_dataset=H.rows(tokenizer, 4),
+                                 data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
+                                 numeric_vocab=NumericVocab.from_tokenizer(tokenizer, policy="digits"), objective=H.SPEC)
+        if changed_to is not None:
+            trainer.args.gradient_accumulation_steps = changed_to
+        try:
+            trainer.train()
+            result[name] = {"log_history": trainer.state.log_history}
+        except RuntimeError as err:
+            result[name] = {"error": str(err)}
+        trainer.accelerator.free_memory()
+    (Path(out) / "deepspeed.json").write_text(json.dumps(result))

@@ -80,3 +80,27 @@ def test_without_trl_the_sft_trainer_names_the_extra_to_install():
                          env={**os.environ, "PYTHONPATH": str(H.REPO)})
     assert run.returncode == 0, run.stderr[-2000:]
     assert "NumericSFTTrainer needs TRL's SFTTrainer" in run.stdout and "pip install 'numloss[hf]'" in run.stdout
+
+
+def test_deepspeed_through_the_trainer_trains_the_global_batch_and_its_accumulation_is_checked(tok_dir, tmp_path):
+    """ZeRO-2 in one process (the Trainer's DeepSpeed path, which steps the optimizer on DeepSpeed's own
+    accumulation boundary): at accumulation 2 the logged loss and gradient norm are the whole batch's;
+    a gradient_accumulation_steps changed on trainer.args after the trainer was made (DeepSpeed's config
+    kept 1, so it would step after every micro-batch on counts of two) is refused naming both."""
+    from transformers import AutoTokenizer, DataCollatorForSeq2Seq
+
+    from numloss import NumericVocab
+    from tests.integrations.hf_trainer_ranks import deepspeed_rank
+
+    run_ranks(1, deepspeed_rank, str(tok_dir), str(tmp_path), timeout=240)
+    result = json.loads((tmp_path / "deepspeed.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    initial = H.model(tok)
+    initial.load_state_dict(torch.load(tmp_path / "init.pt"))
+    want = H.whole_batch_objective(initial, NumericVocab.from_tokenizer(tok, policy="digits"), H.SPEC,
+                                   DataCollatorForSeq2Seq(tok, label_pad_token_id=-100)(H.rows(tok, 4)))
+    logged = result["trained"]["log_history"][0]
+    for key in ("loss", "ce", "term/smmd", "term/ntl_was", "numeric_positions", "grad_norm"):
+        assert logged[key] == pytest.approx(want[key], rel=1e-5), (key, logged[key], want[key])
+    assert "DeepSpeed steps every 1 micro-batches but the Trainer's gradient_accumulation_steps is 2" \
+        in result["changed"]["error"], result["changed"]
