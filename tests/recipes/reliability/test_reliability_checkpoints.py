@@ -154,6 +154,7 @@ def _failed_and_unfinished_saves(rank, world, root: str):
     dist.barrier()
     assert (root / "latest").read_text() == "step_00000002"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]  # nothing of step 4 left
+    dist.barrier()  # every rank has looked before rank 0 plants the leftovers below
 
     # what saves killed half-way leave: a staging directory, a step directory without checkpoint.json
     # (an older version's partial save: its name sorted after every good checkpoint, so pruning by name
