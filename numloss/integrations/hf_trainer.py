@@ -23,7 +23,8 @@ TRL deprecates and removes in 2.0):
   (`numloss.normalization.reduce_counts`); they replace the Trainer's token count as the step's
   `num_items_in_batch`. At the first step the Trainer's layout is checked against the process group
   (`trainer_layout.check_first_step`).
-- `compute_loss`: one forward of the model without labels, the objective on its logits with those
+- `compute_loss`: one forward of the model without labels (the LM head from the batch's first labelled
+  position on, through the model's `logits_to_keep`), the objective on its logits with those
   counts (each micro-batch's share of the global batch's loss) times the number of processes (which
   undoes DDP's, or DeepSpeed's, mean over ranks); `loss_is_scaled_for_ga = True` tells the Trainer not
   to divide it by the accumulation steps. The labels it sees are the batch's: TRL's completion-only /
