@@ -169,6 +169,7 @@ def _failed_and_unfinished_saves(rank, world, root: str):
     dirs = CheckpointDirs(root, keep_last=1, runtime=runtime)
     assert dirs.load(data, load) == 2 and data.position == 0
     assert sorted(p.name for p in root.iterdir()) == ["latest", "skipped_step_00000007", "step_00000002"]
+    dist.barrier()  # every rank has looked before rank 0 stages step 3
     dirs.save(3, data, _engine_writing(rank, 64), {})  # keep_last 1: step 3 alone
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_00000003"]
     assert (root / "latest").read_text() == "step_00000003"
