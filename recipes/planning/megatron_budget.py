@@ -170,9 +170,12 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
 
 
-def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False) -> float:
-    """Parameters one GPU of pipeline stage `stage` holds (its TP shard; norms are replicated over TP)."""
+def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False
+                 ) -> float:
+    """Parameters one GPU of pipeline stage `stage` holds (its TP shard; norms are replicated over TP,
+    Qwen3's per-head q / k norms too: `qk_norm`)."""
     layer = (layer_matmul_params(s) + (s.heads + 2 * s.kv_heads) * s.head_dim * qkv_bias) / lay.tp + 2 * s.hidden
+    layer += 2 * s.head_dim * qk_norm
     vocab = padded_vocab(s.vocab, lay.tp) * s.hidden / lay.tp
     n = s.layers // lay.pp * layer
     if stage == 0:
@@ -295,7 +298,7 @@ def tp_collectives(s: Shape, lay: Layout, stage: int, tokens: float, e: int, rec
 def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied: bool, seq: int | None = None,
          rows: sm.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
          overlap_grad_reduce: bool = True, overlap_param_gather: bool = True, chunked_head: bool = False,
-         chunk_size: int = 1024, qkv_bias: bool = False, hw: Hardware | None = None, e: int = 2,
+         chunk_size: int = 1024, qkv_bias: bool = False, qk_norm: bool = False, hw: Hardware | None = None, e: int = 2,
          timed: bool = True, thd: bool = True) -> Plan:
     """Memory, traffic and time of every pipeline stage of `lay` (module docstring): memory at `rows.peak`
     tokens per row, time at the rows `rows.deal` gives; `seq` alone: rows of exactly that many tokens.
@@ -321,7 +324,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     stages = []
     dp_colls: list[list[Collective]] = []
     for r in range(p):
-        st = Stage(r, stage_params(s, lay, r, tied, qkv_bias))
+        st = Stage(r, stage_params(s, lay, r, tied, qkv_bias, qk_norm))
         mem = st.memory
         mem["model states"] = model_state_bytes(st.params, lay.dp, distributed_optimizer)
         held = layers_in_flight(lay, s.layers, m, r)

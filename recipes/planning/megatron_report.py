@@ -58,6 +58,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
     the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
     longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal)."""
+    from recipes.engines.megatron.convert import qk_norm as has_qk_norm
+
     mg, tr, m = recipe.megatron, recipe.train, recipe.model
     lay, _ = layout_of(recipe)  # its own errors are megatron_layout's (section 5)
     try:
@@ -73,12 +75,13 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     text = getattr(cfg, "text_config", None) or cfg
     tied = bool(getattr(text, "tie_word_embeddings", False))
     qkv_bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
+    qk_norm = has_qk_norm(text)  # Qwen3's per-head q / k norms
     e = 2 if m.dtype == "bfloat16" else 4
     pl = plan(shape, lay, micro_batch_size=tr.micro_batch_size, rows=rows, grad_accum=tr.grad_accum, tied=tied,
               recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
               chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-              hw=hw, e=e, thd=mg.transformer_impl != "local")
+              qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local")
     peak = pl.peak
     first, last = pl.stages[0], pl.stages[-1]
     busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)
@@ -103,7 +106,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     rec = {None: "none", "selective": "selective", "full": "full"}
     other = "full" if mg.recompute != "full" else None
     alt = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
-               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, e=e, hw=hw)
+               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, qk_norm=qk_norm, e=e, hw=hw)
     rep.add("activations", f"{_gib(first.memory['activations'])} on the first stage with recompute "
                            f"{rec[mg.recompute]}; recompute {rec[other]} would make it "
                            f"{_gib(alt.stages[0].memory['activations'])}")

@@ -97,11 +97,14 @@ def deepspeed_options(recipe, shape: B.Shape, params: int, largest: int, hw: sm.
 
 
 def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows, global_batch: int) -> list[Option]:
+    from recipes.engines.megatron.convert import qk_norm as has_qk_norm
+
     cl, mg = recipe.cluster, recipe.megatron
     world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
     text_cfg = getattr(cfg, "text_config", None) or cfg
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     qkv_bias = bool(getattr(text_cfg, "attention_bias", False)) or getattr(text_cfg, "model_type", "") == "qwen2"
+    qk_norm = has_qk_norm(text_cfg)  # Qwen3's per-head q / k norms
     e = 2 if recipe.model.dtype == "bfloat16" else 4
     out = []
     for tp in (t for t in (1, 2, 4, 8) if per_node % t == 0):
@@ -116,7 +119,7 @@ def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows
                 m = global_batch // (dp * b)
                 kwargs = dict(micro_batch_size=b, grad_accum=m, tied=tied, rows=rows, distributed_optimizer=True,
                               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-                              qkv_bias=qkv_bias, hw=hw, e=e, thd=mg.transformer_impl != "local")
+                              qkv_bias=qkv_bias, qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local")
                 for recompute in (None, "selective", "full"):
                     if M.plan(shape, lay, recompute=recompute, timed=False, **kwargs).peak.total <= hw.mem_gib * GiB:
                         break

@@ -17,19 +17,27 @@ LLAMA = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_
                            "original_max_position_embeddings": 16}}
 QWEN2 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0}
+# head_dim 32, not hidden / heads = 16 (Qwen3-0.6B too: 128 vs 64); YaRN with a short original context, so
+# the ramp falls inside the head and attention_factor (1 + 0.1 ln 4) scales the scores
+QWEN3 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 64, "tie_word_embeddings": False,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16}}
+CONFIGS = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
-def save_tiny(kind: str, out: str | Path, seed: int = 0) -> Path:
+def save_tiny(kind: str, out: str | Path, seed: int = 0, **overrides) -> Path:
     """A random-weight tiny `kind` ("llama": tied, 4 layers, GQA, Llama-3 rope; "qwen2": QKV bias,
-    untied) saved as several safetensors shards with their index. Biases get random values (HF
-    initialises them to zero, which would hide a misplaced bias)."""
+    untied; "qwen3": q/k norms, head_dim 32, YaRN, untied), its config changed by `overrides`, saved as
+    several safetensors shards with their index. Biases and norms get random values (HF initialises them
+    to zero and one, which would hide a misplaced one)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out)
     if (out / "config.json").is_file():
         return out
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(kind, **(LLAMA if kind == "llama" else QWEN2))
+    config = AutoConfig.for_model(kind, **{**CONFIGS[kind], **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,7 +1,8 @@
 """Hugging Face Llama-family checkpoints <-> megatron-core GPTModel state dicts (our own conversion).
 
-Supported: `model_type` llama (SmolLM2 is one), qwen2 (QKV bias), mistral (no sliding window).
-RMSNorm, SwiGLU, RoPE (default, linear and Llama-3 scaling), GQA, tied or untied embeddings.
+Supported: `model_type` llama (SmolLM2 is one), qwen2 (QKV bias), mistral (no sliding window), qwen3
+(dense: per-head RMSNorm on q and k before RoPE, head_dim independent of hidden / heads, no biases).
+RMSNorm, SwiGLU, RoPE (`rope.py`: default, linear, Llama-3 and YaRN scaling), GQA, tied or untied embeddings.
 
 Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
 - `linear_qkv.weight` `[(G/T)·(q+2)·d, H]`: the query groups g of rank r, each as `[q_g; k_g; v_g]`
@@ -10,6 +11,9 @@ Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
 - `linear_proj.weight` `[H, heads·d/T]`: o_proj's columns of rank r's heads (row-parallel).
 - `linear_fc1.weight` `[2·F/T, H]`: `[gate_r; up_r]`, rank r's rows of gate_proj then of up_proj.
 - `linear_fc2.weight` `[H, F/T]`: down_proj's columns of rank r (row-parallel).
+- `q_layernorm.weight`, `k_layernorm.weight` `[d]` (Qwen3's `q_norm` / `k_norm`, megatron's `qk_layernorm`):
+  replicated, the same name under both specs; applied per head, so each TP rank's gradient covers its own
+  heads only and megatron's `finalize_model_grads` sums them over TP (whenever `qk_layernorm` is set).
 - norms: replicated. With the Transformer Engine spec the input norm lives in
   `self_attention.linear_qkv.layer_norm_weight` and the pre-MLP norm in `mlp.linear_fc1.layer_norm_weight`
   (`te_names=True`); the local spec keeps `input_layernorm.weight` / `pre_mlp_layernorm.weight`.
@@ -26,7 +30,6 @@ of the first stage has the embedding, the last chunk of the last stage the final
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,13 +37,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+from .rope import attention_score_scale, rope_inv_freq, rope_settings  # noqa: F401  (rope_inv_freq: model.py)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+QKV_BIAS_TYPES = ("qwen2",)  # q/k/v with a bias and no other linear layer (megatron's add_qkv_bias)
+QK_NORM_TYPES = ("qwen3",)  # RMSNorm over each head's q and k before RoPE (megatron's qk_layernorm)
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix (megatron's local spec
 # saves its norms under these names too: its `sharded_state_dict_keys_map`)
 _TE_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# Qwen3's per-head q / k norms: HF layer suffix -> megatron layer suffix (the same under the TE spec, whose
+# TENorm is a separate module there too)
+_QK_NORMS = {"self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attention.k_layernorm.weight"}
 
 
 def te_name(name: str) -> str:
@@ -55,46 +66,6 @@ def te_name(name: str) -> str:
 # ---- configuration -----------------------------------------------------------------------------------
 
 
-def rope_settings(hf_config) -> tuple[float, dict | None]:
-    """(rope theta, scaling dict or None) from a transformers 5 `rope_parameters` or a transformers 4
-    `rope_theta` + `rope_scaling`. Raises for scaling kinds this conversion cannot reproduce."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
-    else:
-        theta = float(getattr(hf_config, "rope_theta", None) or 10000.0)
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind not in ("linear", "llama3"):
-        raise NotImplementedError(f"rope scaling {kind!r}: the Megatron engine supports default, linear and llama3 "
-                                  f"RoPE (a {kind} model would get the wrong positions)")
-    return theta, {**params, "rope_type": kind}
-
-
-def rope_inv_freq(hf_config, kv_channels: int) -> torch.Tensor:
-    """The RoPE inverse frequencies `[d/2]` (fp32) the HF model uses. Megatron's own `rope_scaling`
-    hard-codes Llama 3.1's constants (factor 8 default, original context 8192), so the engine writes
-    these into the built model instead (`build_gpt_model`)."""
-    theta, scaling = rope_settings(hf_config)
-    inv = 1.0 / (theta ** (torch.arange(0, kv_channels, 2, dtype=torch.int64).float() / kv_channels))
-    if scaling is None:
-        return inv
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return inv / factor
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)  # long wavelengths: divided by factor
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-    return torch.where(medium, smoothed, scaled)
-
-
 def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
     """Megatron's padded vocabulary: the next multiple of `divisible_by · tp_size`."""
     multiple = divisible_by * tp_size
@@ -103,6 +74,11 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = DEFAULT
 
 def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def qk_norm(hf_config) -> bool:
+    """Whether the model normalises each head's q and k (Qwen3's `q_norm` / `k_norm`)."""
+    return getattr(hf_config, "model_type", None) in QK_NORM_TYPES
 
 
 def check_supported(hf_config) -> None:
@@ -115,6 +91,10 @@ def check_supported(hf_config) -> None:
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
         raise NotImplementedError("attention_bias / mlp_bias: Megatron adds biases to q/k/v only (add_qkv_bias) or to"
                                   " every linear layer; a Llama with o_proj or MLP biases is not converted")
+    layer_types = set(getattr(hf_config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        raise NotImplementedError(f"layer_types {sorted(layer_types)}: Megatron's local attention has no sliding "
+                                  "window; every layer must be full_attention (use_sliding_window: false)")
     window = getattr(hf_config, "sliding_window", None)
     uses_window = getattr(hf_config, "use_sliding_window", kind == "mistral")
     if uses_window and window is not None and window < hf_config.max_position_embeddings:
@@ -128,7 +108,7 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
                                dtype: torch.dtype = torch.float32, recompute: str | None = None,
                                perform_initialization: bool = True, use_cpu_initialization: bool | None = None,
                                fusions: Mapping[str, bool] | None = None):
-    """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral config and a layout.
+    """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral / Qwen3 config and a layout.
 
     No dropout (fine-tuning), fp32 softmax. `fusions`: the fused kernels to use, TransformerConfig field ->
     bool (`kernels.KernelPlan.fusions`); every one left out is off (default: all off, plain torch ops).
@@ -157,12 +137,14 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
         recompute_args = {"recompute_granularity": "selective"}
     elif recompute is not None:
         raise ValueError(f"recompute {recompute!r}: expected None, 'full' or 'selective'")
-    qkv_bias = hf_config.model_type == "qwen2"
+    d = head_dim(hf_config)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups, kv_channels=head_dim(hf_config),
+        num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups, kv_channels=d,
         ffn_hidden_size=hf_config.intermediate_size, normalization="RMSNorm", layernorm_epsilon=hf_config.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=qkv_bias,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=hf_config.model_type in QKV_BIAS_TYPES, qk_layernorm=qk_norm(hf_config),
+        softmax_scale=attention_score_scale(hf_config, d),  # None but for YaRN (rope.py)
         hidden_dropout=0.0, attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
@@ -367,6 +349,9 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
             # groups interleave from its own blocks, nothing else read
             q, k, v = (_tp_slice(source, hf + f"self_attn.{p}_proj.{kind}", tp_rank, tp_size) for p in "qkv")
             put(mg + f"self_attention.linear_qkv.{kind}", interleave_qkv(q, k, v, groups // tp_size))
+        if config.qk_layernorm:
+            for hf_norm, mg_norm in _QK_NORMS.items():
+                put(mg + mg_norm, source(hf + hf_norm))
         put(mg + "self_attention.linear_proj.weight", _tp_slice(source, hf + "self_attn.o_proj.weight", tp_rank,
                                                                 tp_size, dim=1))
         gate, up = (_tp_slice(source, hf + f"mlp.{p}_proj.weight", tp_rank, tp_size) for p in ("gate", "up"))
@@ -382,6 +367,9 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
 
 
 # ---- Megatron -> HF -------------------------------------------------------------------------------------
+
+
+_MG_QK_NORMS = {mg: hf for hf, mg in _QK_NORMS.items()}
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -455,6 +443,8 @@ def megatron_to_hf(shards: Mapping[str, Sequence[torch.Tensor] | torch.Tensor], 
             out[hf + "mlp.up_proj.weight"] = torch.cat([u for _, u in gate_up])
         elif rest == "mlp.linear_fc2.weight":
             out[hf + "mlp.down_proj.weight"] = full
+        elif rest in _MG_QK_NORMS:
+            out[hf + _MG_QK_NORMS[rest]] = full
         else:
             raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
     return {k: v.contiguous() for k, v in out.items()}

@@ -99,9 +99,9 @@ class RMSNorm(torch.nn.Module):
 
 def layer_spec(config, pp_rank: int, vp_stage: int | None = None, plan: KernelPlan | None = None):
     """This chunk's decoder block spec for `plan.spec` (`kernels.py`): megatron's Transformer Engine spec
-    (its norms fused into linear_qkv / linear_fc1, `TENorm` as the final norm), else its local spec with
-    `RMSNorm` (above) as every norm, including the final one, and `plan.core_attention` as its attention
-    when given."""
+    (its norms fused into linear_qkv / linear_fc1, `TENorm` as the final norm and, with `qk_layernorm`, as
+    the q / k norms), else its local spec with `RMSNorm` (above) as every norm, including the final one and
+    the q / k norms, and `plan.core_attention` as its attention when given."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
@@ -115,11 +115,17 @@ def layer_spec(config, pp_rank: int, vp_stage: int | None = None, plan: KernelPl
     if plan.te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage, pp_rank=pp_rank)
-    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     attention = local.submodules.self_attention
     if plan.core_attention is not None:
         attention = dataclasses.replace(attention, submodules=dataclasses.replace(
             attention.submodules, core_attention=plan.core_attention))
+    if config.qk_layernorm:
+        # the local spec puts torch.nn.RMSNorm there (megatron's WrappedTorchNorm), which asserts that
+        # sequence parallelism is off and keeps an fp32 weight whatever params_dtype; ours computes as HF's
+        # Qwen3RMSNorm (fp32 statistics, rounded, then the weight)
+        attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+            attention.submodules, q_layernorm=RMSNorm, k_layernorm=RMSNorm))
     sub = dataclasses.replace(local.submodules, input_layernorm=RMSNorm, pre_mlp_layernorm=RMSNorm,
                               self_attention=attention)
     layer = dataclasses.replace(local, submodules=sub)
@@ -194,7 +200,7 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
     are left uninitialised for a checkpoint to fill (a resume, `megatron.load_converted`), and no byte of
     the HF weights is read (only its config.json and generation_config.json). From `model.config` the
     weights are megatron's random init. dtype: `model.dtype`; activation recomputation:
-    `megatron.recompute`. RoPE frequencies are the HF model's (`rope_inv_freq`, Llama-3 scaling included).
+    `megatron.recompute`. RoPE frequencies are the HF model's (`rope.rope_inv_freq`, its scaling included).
     Attached for later: `hf_config` and `generation_config` (the export writes them), `kernel_plan`.
 
     Parallel contract: `initialize_model_parallel(recipe)` first; every rank calls it (a collective when
