@@ -94,6 +94,10 @@ class LossConfig:
     space_variants: bool = False
     head: str = "logits"  # logits | chunked (hidden states, no full logits)
     chunk_size: int = 1024
+    # mixture-of-experts models: the weight of the router's load-balancing loss (`router/aux`, added to the
+    # objective and logged on its own; recipes/training/router_loss.py defines it). None: the HF config's
+    # router_aux_loss_coef; 0: off. Dense models ignore it
+    router_aux_coeff: float | None = None
 
 
 @dataclass
@@ -127,10 +131,18 @@ class MegatronSection:
     """The Megatron-core engine's layout (`train.engine: megatron`): data-parallel size = world / (tp x pp).
 
     Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron's default
-    order), so with ranks ordered by node a TP group stays inside a node."""
+    order), so with ranks ordered by node a TP group stays inside a node. Expert parallelism (`ep_size`,
+    mixture-of-experts models) is folded into data parallelism as Megatron defines it: the data-parallel
+    size stays world / (tp x pp), and each group of `ep_size` consecutive data-parallel ranks splits the
+    experts of every MoE layer among them (so ep_size must divide the data-parallel size); the experts'
+    own tensor-parallel size is tp_size."""
 
     tp_size: int = 1
     pp_size: int = 1
+    ep_size: int = 1  # expert-parallel size: ranks among which each MoE layer's experts are split
+    # auto: "alltoall" on CUDA, "allgather" on CPU (gloo has no all_to_all_single with uneven splits);
+    # alltoall | allgather force one (Megatron's moe_token_dispatcher_type). Routing is dropless
+    moe_token_dispatcher: str = "auto"
     sequence_parallel: bool = False
     virtual_pp_size: int | None = None  # interleaved 1F1B: model chunks per pipeline rank
     distributed_optimizer: bool = True  # GPUs: Megatron's DistributedOptimizer; CPU: torch AdamW (named in the log)
@@ -254,6 +266,7 @@ class Recipe:
             "data.verify": (self.data.verify, ("size", "full", "none")),
             "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
             "megatron.transformer_impl": (self.megatron.transformer_impl, ("auto", "transformer_engine", "local")),
+            "megatron.moe_token_dispatcher": (self.megatron.moe_token_dispatcher, ("auto", "alltoall", "allgather")),
             "deepspeed.reduce_dtype": (self.deepspeed.reduce_dtype, ("fp32", "bf16")),
         }
         for key, (value, allowed) in choices.items():
@@ -271,6 +284,9 @@ class Recipe:
                                    " tensor-parallel size is megatron.tp_size")):
                 if bad:
                     raise ValueError(f"{key}: {why}")
+        elif self.megatron.ep_size != 1:
+            raise ValueError(f"megatron.ep_size: {self.megatron.ep_size} needs train.engine: megatron (the DeepSpeed"
+                             f" engine keeps every expert on every rank)")
         if self.megatron.sequence_parallel and self.megatron.tp_size == 1:
             raise ValueError("megatron.sequence_parallel: needs megatron.tp_size > 1")
         if self.deepspeed.zero_stage not in (0, 1, 2, 3):
@@ -278,11 +294,16 @@ class Recipe:
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
                     "train.grad_accum": self.train.grad_accum, "deepspeed.tp_size": self.deepspeed.tp_size,
                     "loss.chunk_size": self.loss.chunk_size, "megatron.tp_size": self.megatron.tp_size,
-                    "megatron.pp_size": self.megatron.pp_size, "train.keep_last": self.train.keep_last,
+                    "megatron.pp_size": self.megatron.pp_size, "megatron.ep_size": self.megatron.ep_size,
+                    "train.keep_last": self.train.keep_last,
                     "cluster.nodes": self.cluster.nodes, "cluster.cpu_ranks_per_node": self.cluster.cpu_ranks_per_node}
         for key, value in positive.items():
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
+        aux = self.loss.router_aux_coeff
+        if aux is not None and not (math.isfinite(aux) and aux >= 0):
+            raise ValueError(f"loss.router_aux_coeff: must be a finite number >= 0 (0: off, null: the model's"
+                             f" router_aux_loss_coef), got {aux}")
         if self.train.grad_diagnostics_every is not None and self.train.grad_diagnostics_every < 0:
             raise ValueError(f"train.grad_diagnostics_every: must be >= 0 (0: off), got {self.train.grad_diagnostics_every}")
         if self.train.dist_timeout_minutes <= 0:

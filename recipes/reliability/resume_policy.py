@@ -79,6 +79,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "loss.space_variants": (REFUSED, "the numeric vocabulary the terms score"),
     "loss.head": (RUN, "how the logits are computed (the same loss)"),
     "loss.chunk_size": (RUN, "how the logits are computed (the same loss)"),
+    "loss.router_aux_coeff": (TRAINING, "the router load-balancing loss's weight"),
     "optim": (TRAINING, "the optimizer's hyperparameters and LR schedule"),
     # the engines
     "deepspeed.zero_stage": (REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it"),
@@ -92,6 +93,9 @@ POLICY: dict[str, tuple[str, str]] = {
     "megatron.pp_size": (RUN, "the layout (the checkpoint reshards)"),
     "megatron.virtual_pp_size": (RUN, "the layout (the checkpoint reshards)"),
     "megatron.sequence_parallel": (RUN, "the layout"),
+    # the experts' checkpoint keys are global expert numbers, but a resume at another EP size is not tested
+    "megatron.ep_size": (REFUSED, "the expert-parallel layout of the checkpoint (resharding across EP sizes not tested)"),
+    "megatron.moe_token_dispatcher": (RUN, "how tokens reach their experts (the same routing and loss)"),
     "megatron.overlap_grad_reduce": (RUN, "communication overlap"),
     "megatron.overlap_param_gather": (RUN, "communication overlap"),
     "megatron.recompute": (RUN, "activation recomputation"),
