@@ -25,6 +25,7 @@ from functools import cached_property
 
 import torch
 
+from . import fused_pass
 from .parallel import (
     ShardLayout,
     all_gather,
@@ -190,24 +191,39 @@ class _LogitStatsFn(torch.autograd.Function):
     """logits [T, V_local] -> (lse [T], target_logit [T], numeric logits [M, N]), fp32, the same on every
     TP rank.
 
-    Backward returns one fresh gradient tensor and issues no communication: the loss is the same on
-    every TP rank, so each rank's gradient of its shard is its local softmax times d loss / d lse, plus
-    its own target and numeric columns.
+    Backward returns one gradient tensor and issues no communication: the loss is the same on every TP
+    rank, so each rank's gradient of its shard is its local softmax times d loss / d lse, plus its own
+    target and numeric columns. `fused`: the row statistics and the gradient come from the Triton kernels
+    of `numloss.fused_pass` (same values; no fp32 [T, V] buffer). `in_place` (fused only): the gradient is
+    written into the logits' own storage, whose version counter is then bumped, so any other autograd use
+    of those logits after this backward fails loudly instead of reading a gradient as logits.
     """
 
     @staticmethod
-    def forward(ctx, logits, target_local, owns_target, valid, num_rows, num_cols, layout, group):
-        x = logits.float()  # no copy for fp32 input; the input is never written to
-        numeric_owned = x[num_rows[:, None], num_cols[None, :]]
-        lse, target, numeric = combine_across_ranks(*local_row_stats(x, target_local, owns_target), owns_target,
-                                                    valid, numeric_owned, layout, group)
-        ctx.layout = layout
+    def forward(ctx, logits, target_local, owns_target, valid, num_rows, num_cols, layout, group, fused, in_place):
+        if fused:
+            row_stats = fused_pass.row_stats(logits, target_local, owns_target)
+            numeric_owned = logits[num_rows[:, None], num_cols[None, :]].float()
+        else:
+            x = logits.float()  # no copy for fp32 input; the input is never written to
+            numeric_owned = x[num_rows[:, None], num_cols[None, :]]
+            row_stats = local_row_stats(x, target_local, owns_target)
+        lse, target, numeric = combine_across_ranks(*row_stats, owns_target, valid, numeric_owned, layout, group)
+        ctx.layout, ctx.fused, ctx.in_place = layout, fused, in_place
         ctx.save_for_backward(logits, lse, target_local, owns_target, num_rows, num_cols)
         return lse, target, numeric
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target, grad_numeric):
         logits, lse, target_local, owns_target, num_rows, num_cols = ctx.saved_tensors
+        if ctx.fused:
+            in_place = ctx.in_place and logits.stride(1) == 1  # else the kernel reads a contiguous copy
+            out = logits if in_place else None
+            grad = fused_pass.write_gradient(logits, lse, grad_lse, target_local, owns_target, grad_target, num_rows,
+                                             num_cols, own_columns_gradient(grad_numeric, ctx.layout), out=out)
+            if in_place:
+                torch.autograd.graph.increment_version(logits)  # the logits now hold their gradient
+            return grad, None, None, None, None, None, None, None, None, None
         grad = logits.float() - lse[:, None] if logits.dtype == torch.float32 else logits.float().sub_(lse[:, None])
         grad.exp_().mul_(grad_lse[:, None])
         rows = torch.arange(grad.shape[0], device=grad.device)
@@ -215,7 +231,7 @@ class _LogitStatsFn(torch.autograd.Function):
         if num_rows.numel() and num_cols.numel():
             grad.index_put_((num_rows[:, None], num_cols[None, :]), own_columns_gradient(grad_numeric, ctx.layout),
                             accumulate=True)
-        return grad.to(logits.dtype), None, None, None, None, None, None, None
+        return grad.to(logits.dtype), None, None, None, None, None, None, None, None, None
 
 
 class _SparseGradient:
@@ -380,6 +396,9 @@ def compute_logit_stats(
     vocab_start: int = 0,
     ignore_index: int = IGNORE_INDEX,
     numeric: bool = True,
+    *,
+    fused: bool | None = None,
+    grad_in_place: bool = False,
 ) -> LogitStats:
     """One pass over `logits` [..., V_local] with `labels` [...] (aligned; the caller shifts).
 
@@ -388,13 +407,20 @@ def compute_logit_stats(
     size is `vocab.vocab_size`. The returned stats are identical on every rank (up to which rank's
     gradient flows into which shard). Without a group the logits are the full vocabulary.
     `numeric=False` skips the numeric columns (M = 0, no gather): what plain CE needs.
+
+    `fused`: run the pass as the Triton kernels of `numloss.fused_pass` (None: on CUDA when triton
+    imports, unless NUMLOSS_FUSED=0; see `fused_pass.use_fused`); the eager code is the reference.
+    `grad_in_place=True` (fused only; ignored by the eager path): the logits are dead after this loss, and
+    the caller must not read them again: backward writes their gradient into their own storage instead of
+    a new [T, V] buffer, and bumps their version counter, so a later autograd use of them raises.
     """
     _check_logits(logits, labels)
     v_local = logits.shape[-1]
     plan = plan_labels(labels, vocab, v_local, logits.device, group, vocab_start, ignore_index, numeric)
+    run_fused = fused_pass.use_fused(logits, fused)
     lse, target_logit, numeric_logits = _LogitStatsFn.apply(
         logits.reshape(-1, v_local), plan.target_local, plan.owns_target, plan.valid, plan.num_rows,
-        plan.layout.local_cols.to(logits.device), plan.layout, group,
+        plan.layout.local_cols.to(logits.device), plan.layout, group, run_fused, run_fused and grad_in_place,
     )
     return plan.stats(lse, target_logit, numeric_logits)
 

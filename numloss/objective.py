@@ -186,9 +186,10 @@ class Objective:
     """
 
     def __init__(self, vocab: NumericVocab, config: ObjectiveConfig | dict | None = None, *,
-                 diagnostics: bool = False):
+                 diagnostics: bool = False, fused: bool | None = None):
         """`diagnostics`: compute the per-part gradient sums (`numloss.diagnostics`) on every call unless
-        a call says otherwise (its `diagnostics=` argument)."""
+        a call says otherwise (its `diagnostics=` argument). `fused`: the pass over the logits as Triton
+        kernels (`numloss.fused_pass`); None: on CUDA when triton imports, unless NUMLOSS_FUSED=0."""
         if config is None:
             config = ObjectiveConfig()
         elif isinstance(config, dict):
@@ -199,18 +200,23 @@ class Objective:
         self.vocab = vocab
         self.config = config
         self.diagnostics = diagnostics
+        self.fused = fused
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0, *,
                  counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                 diagnostics: bool | None = None) -> ObjectiveOutput:
+                 diagnostics: bool | None = None, grad_in_place: bool = False) -> ObjectiveOutput:
         """`counts`: the step's denominators (see `numloss.normalization`); None: this batch's own.
+        `grad_in_place=True`: the logits are dead after this loss, and the caller must not read them again:
+        on the fused path backward writes their gradient into their storage (no second [T, V] buffer;
+        `compute_logit_stats`).
         `sequence_ids` (labels-shaped): which example each position belongs to in packed rows (NTIL
         averages over examples); None: each row is one sequence. `diagnostics`: also return the
         gradient sums of `numloss.diagnostics` in `out.grad_sums` (None: the objective's default)."""
+        diagnosing = self._diagnosing(diagnostics)  # they read the logits in forward: in place is safe
         stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
-                                    numeric=bool(self.config.terms))
+                                    numeric=bool(self.config.terms), fused=self.fused, grad_in_place=grad_in_place)
         probe = None
-        if self._diagnosing(diagnostics):
+        if diagnosing:
             probe = stats if self.config.terms else with_numeric_block(
                 stats, labels, self.vocab, logits.shape[-1], group, vocab_start, self.config.ignore_index,
                 lambda rows, cols: logits.detach().reshape(-1, logits.shape[-1])[rows[:, None], cols[None, :]])
