@@ -79,10 +79,18 @@ class Shape:
 
     @classmethod
     def of(cls, config) -> "Shape":
+        """The config's shape; a mixture-of-experts model's `intermediate` is the SwiGLU width one token runs
+        through (top-k experts + the shared expert; averaged with the dense MLP over the layers when some
+        have none: recipes.planning.moe), so FLOPs and SwiGLU activations count its active experts."""
+        from recipes.planning.moe import MoEShape
+
         c = getattr(config, "text_config", None) or config
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return cls(c.num_hidden_layers, c.hidden_size, c.intermediate_size, heads,
+        moe = MoEShape.of(c)
+        width = c.intermediate_size if moe is None else round(
+            moe.sparse_fraction * moe.active_intermediate + (1 - moe.sparse_fraction) * moe.dense_intermediate)
+        return cls(c.num_hidden_layers, c.hidden_size, width, heads,
                    getattr(c, "num_key_value_heads", None) or heads, head_dim, c.vocab_size)
 
 

@@ -1,0 +1,208 @@
+"""The arithmetic of a mixture-of-experts model that the planners need: its expert shape from the HF
+config, total and active parameters, and, per GPU of a Megatron layout with expert parallelism, the
+expert weights it holds, the activations its MoE layers keep, the all-to-all bytes its token dispatcher
+moves and the GEMM time of its experts. recipes.planning.megatron_budget builds its plan on these;
+recipes.planning.budget.Shape.of gives an MoE model the MLP width a token runs through (top-k experts +
+the shared expert), so the dense arithmetic (FLOPs, SwiGLU activations) counts the active experts.
+
+Families (HF config keys; transformers 5 stores each layer's experts as fused 3-D parameters
+`experts.gate_up_proj` [E, 2 I, h] and `experts.down_proj` [E, h, I], the router as `gate.weight` [E, h]):
+- qwen3_moe / qwen2_moe: `num_experts` E, `num_experts_per_tok` k, `moe_intermediate_size` I; layer l is an
+  MoE layer when l is not in `mlp_only_layers` and (l + 1) % `decoder_sparse_step` == 0, else a dense
+  SwiGLU MLP of `intermediate_size`. qwen2_moe adds a shared expert (a SwiGLU MLP of
+  `shared_expert_intermediate_size` every token runs) and its sigmoid gate `shared_expert_gate` [1, h].
+- mixtral: `num_local_experts` E, `num_experts_per_tok` k, `intermediate_size` I, every layer MoE.
+
+Parameters (tied embeddings counted once, as transformers' `parameters()` does):
+  total  = embeddings (V h, x 2 untied) + final norm h + L x (attention + 2 h norms [+ 2 d q/k norms])
+           + per MoE layer (E x 3 h I experts + E h router [+ 3 h I_s + h shared expert and gate])
+           + per dense layer 3 h I_dense
+  active = total - per MoE layer (E - k) x 3 h I: what one token runs through (its top-k experts, the
+           shared expert, the router, attention, both embeddings).
+Published totals reproduced from the public configs (tests/recipes/test_moe_planning.py):
+Qwen3-30B-A3B 30.53B total / 3.35B active (Qwen: 30.5B / 3.3B), Mixtral-8x22B 140.6B / 39.2B
+(Mistral: 141B / 39B).
+
+Megatron with expert parallelism (megatron-core 0.16.1, parallel_state.initialize_model_parallel): the
+dense parts are laid out as without experts, tp x pp x D with D = world / (tp pp); the experts on a
+second grid of the same ranks, expert-TP (default: tp) x ep x pp x D_e with D_e = world / (tp ep pp) =
+D / ep, rank = tp_rank + tp (ep_rank + ep (edp_rank + D_e pp_rank)) (order "tp-cp-ep-dp-pp"): an EP group
+is ep consecutive data-parallel ranks (tp apart), inside a node when tp ep divides the GPUs of a node.
+So ep must divide D and E (moe_layer.py asserts E % ep == 0), and the experts' width I must divide by
+tp. One GPU of a stage holds E / ep experts of each of its MoE layers, each sliced 1/tp:
+(E / ep) 3 h I / tp parameters a layer; the router (E h) is replicated over TP and EP.
+- Model states: the dense parameters (2 + 4 + 12 / D) bytes each with the distributed optimizer, the
+  expert parameters (2 + 4 + 12 / D_e): their optimizer state is sharded over the expert-data-parallel
+  group only (Megatron's DDP gives expert parameters their own buffers, reduced over that group).
+- Activations of an MoE layer per micro-batch of T tokens (balanced routing: each GPU of the EP group
+  receives T k tokens; dropless routing lets a popular expert get more, which this does not count):
+  the SwiGLU intermediates 4 I / tp of the T k routed tokens (Shape.of's k I width, as dense), plus the
+  permuted tokens the experts read and the expert outputs the combine reads, 2 e k h per token, and the
+  router's fp32 logits and probabilities, 8 E per token. Full recompute keeps the layer's input only.
+- All-to-all (Megatron's alltoall dispatcher): per MoE layer per micro-batch, dispatch and combine in
+  forward, their gradients in backward: 4 all-to-alls of the T_local k tokens' hidden states (T_local =
+  T / tp under sequence parallelism: the dispatcher exchanges the sequence shard and gathers inside the
+  TP group after), each GPU sending T_local k h e (ep - 1) / ep bytes per all-to-all; full recompute
+  runs the forward's two again. Of those bytes (ep - g) / (ep - 1) go to the ranks of other nodes
+  (g: the group's ranks on one node), over the network; the rest over NVLink.
+- Expert GEMMs: each of the E / ep local experts receives T k ep / E tokens; its three GEMM shapes (gate
+  + up [h, 2 I / tp], down [I / tp, h]), forward and both backward GEMMs, each at the rate of its own
+  shape (recipes.planning.gemm_rates): small experts run small, slow GEMMs. The router GEMM [T, h] x
+  [h, E] and the shared expert at their rates too. Grouped-GEMM kernels, permutation and the MoE
+  layer's extra launches (MOE_KERNELS_PER_LAYER, a guess) are not measured here: none of this ran on a
+  GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes.planning import gemm_rates as gr
+
+MOE_KERNELS_PER_LAYER = 30  # router, top-k, permute / unpermute, all-to-alls, forward + backward (a guess)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The experts of an MoE model (module docstring); `moe_layers` of `layers` have them."""
+
+    family: str
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    moe_layers: int
+    layers: int
+    dense_intermediate: int = 0  # the dense MLP of the layers without experts
+    shared_intermediate: int = 0  # qwen2_moe's shared expert (0: none)
+
+    @property
+    def active_intermediate(self) -> int:
+        """The SwiGLU width one token of an MoE layer runs through: top-k experts + the shared expert."""
+        return self.top_k * self.expert_intermediate + self.shared_intermediate
+
+    @property
+    def sparse_fraction(self) -> float:
+        return self.moe_layers / self.layers
+
+    @classmethod
+    def of(cls, config) -> "MoEShape | None":
+        """The config's experts, None for a dense model (or an unknown family without expert keys)."""
+        c = getattr(config, "text_config", None) or config
+        kind = getattr(c, "model_type", "")
+        layers = c.num_hidden_layers
+        if kind in ("qwen3_moe", "qwen2_moe"):
+            experts = int(getattr(c, "num_experts", 0) or 0)
+            step = int(getattr(c, "decoder_sparse_step", 1) or 1)
+            only = set(getattr(c, "mlp_only_layers", None) or [])
+            sparse = sum(1 for i in range(layers) if i not in only and experts > 0 and (i + 1) % step == 0)
+            if not sparse:
+                return None
+            shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0) if kind == "qwen2_moe" else 0
+            return cls(kind, experts, int(c.num_experts_per_tok), int(c.moe_intermediate_size), sparse, layers,
+                       int(c.intermediate_size), shared)
+        if kind == "mixtral":
+            return cls(kind, int(c.num_local_experts), int(c.num_experts_per_tok), int(c.intermediate_size), layers,
+                       layers, 0, 0)
+        if any(getattr(c, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+            raise ValueError(f"model: {kind!r} is a mixture-of-experts model the planner does not size "
+                             f"(known: {', '.join(FAMILIES)})")
+        return None
+
+    # ---- parameters of one layer (all ranks) ------------------------------------------------------------
+
+    def expert_params(self, hidden: int) -> int:
+        """One MoE layer's routed experts: E x 3 h I."""
+        return self.experts * 3 * hidden * self.expert_intermediate
+
+    def router_and_shared_params(self, hidden: int) -> int:
+        """One MoE layer's parameters every token uses: the router E h, the shared expert and its gate."""
+        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
+        return self.experts * hidden + shared
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int  # per token
+    experts: int  # the routed experts' weights, all layers
+
+
+def parameter_counts(config) -> ParamCounts:
+    """Total, active-per-token and routed-expert parameters from the config alone (module docstring);
+    a dense model's active equals its total."""
+    c = getattr(config, "text_config", None) or config
+    moe = MoEShape.of(c)
+    heads = c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    h, kind = c.hidden_size, getattr(c, "model_type", "")
+    attn = h * (heads + 2 * kv) * d + heads * d * h
+    if getattr(c, "attention_bias", False) or (kind == "qwen2_moe" and getattr(c, "qkv_bias", False)):
+        attn += (heads + 2 * kv) * d + (h if getattr(c, "attention_bias", False) else 0)
+    if kind in ("qwen3", "qwen3_moe"):
+        attn += 2 * d  # per-head q / k RMSNorm
+    layer = attn + 2 * h
+    embed = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    total = embed + h + c.num_hidden_layers * layer
+    if moe is None:
+        total += c.num_hidden_layers * 3 * h * c.intermediate_size
+        return ParamCounts(total, total, 0)
+    dense_layers = moe.layers - moe.moe_layers
+    total += dense_layers * 3 * h * moe.dense_intermediate
+    experts = moe.moe_layers * moe.expert_params(h)
+    total += experts + moe.moe_layers * moe.router_and_shared_params(h)
+    idle = moe.moe_layers * (moe.experts - moe.top_k) * 3 * h * moe.expert_intermediate
+    return ParamCounts(total, total - idle, experts)
+
+
+# ---- per GPU of a Megatron layout with expert parallelism --------------------------------------------------
+
+
+def expert_params_per_gpu(moe: MoEShape, hidden: int, tp: int, ep: int) -> float:
+    """One MoE layer's expert parameters on one GPU: (E / ep) x 3 h I / tp."""
+    return moe.experts / ep * 3 * hidden * moe.expert_intermediate / tp
+
+
+def dense_mlp_params_per_gpu(moe: MoEShape, hidden: int, tp: int) -> float:
+    """One MoE layer's parameters outside the routed experts on one GPU: the router (replicated over TP),
+    the shared expert sliced 1/tp and its gate (replicated)."""
+    shared = (3 * hidden * moe.shared_intermediate / tp + hidden) if moe.shared_intermediate else 0.0
+    return moe.experts * hidden + shared
+
+
+def extra_activation_bytes(moe: MoEShape, hidden: int, tokens: float, e: int) -> float:
+    """What one MoE layer keeps per micro-batch of `tokens` beyond the SwiGLU intermediates the dense
+    arithmetic counts at the active width: the permuted tokens and the expert outputs (2 e k h per token)
+    and the router's fp32 logits and probabilities (8 E per token)."""
+    return tokens * (2 * e * moe.top_k * hidden + 8 * moe.experts)
+
+
+def all_to_all_bytes(tokens: float, top_k: int, hidden: int, e: int, ep: int) -> float:
+    """Bytes one GPU sends in one all-to-all of its `tokens` tokens' k routed copies: T k h e (ep - 1) / ep."""
+    return tokens * top_k * hidden * e * (ep - 1) / ep if ep > 1 else 0.0
+
+
+def all_to_alls_per_layer(recompute: str | None) -> int:
+    """Dispatch and combine, forward and backward; full recompute runs the forward's again."""
+    return 6 if recompute == "full" else 4
+
+
+def expert_compute(table: gr.RateTable, moe: MoEShape, hidden: int, tokens: float, tp: int, ep: int,
+                   recompute: str | None = None) -> tuple[float, float]:
+    """(seconds, FLOPs) of one MoE layer's expert, shared-expert and router GEMMs on one GPU for a
+    micro-batch of `tokens` tokens per data-parallel rank, forward and both backward GEMMs (full
+    recompute: the forward again), each GEMM shape at its own rate (module docstring)."""
+    per_expert = tokens * moe.top_k * ep / moe.experts
+    gemms = [(per_expert, hidden, 2 * moe.expert_intermediate / tp, moe.experts / ep),
+             (per_expert, moe.expert_intermediate / tp, hidden, moe.experts / ep),
+             (tokens, hidden, moe.experts, 1)]  # the router, replicated over TP
+    if moe.shared_intermediate:
+        gemms += [(tokens, hidden, 2 * moe.shared_intermediate / tp, 1), (tokens, moe.shared_intermediate / tp, hidden, 1)]
+    passes = 4 if recompute == "full" else 3
+    seconds = flops = 0.0
+    for m, k, n, count in gemms:
+        f = passes * 2.0 * m * n * k * count
+        seconds += f / (table.tflops(gr.intensity(m, n, k)) * 1e12)
+        flops += f
+    return seconds, flops
