@@ -1,7 +1,8 @@
 """Hugging Face Llama-family checkpoints <-> megatron-core GPTModel state dicts (our own conversion).
 
 Supported: `model_type` llama (SmolLM2 is one), qwen2 (QKV bias), mistral (no sliding window), qwen3
-(dense: per-head RMSNorm on q and k before RoPE, head_dim independent of hidden / heads, no biases).
+(dense: per-head RMSNorm on q and k before RoPE, head_dim independent of hidden / heads, no biases), and the
+mixture-of-experts qwen3_moe and mixtral (`moe.py`: router and experts, their names, expert parallelism).
 RMSNorm, SwiGLU, RoPE (`rope.py`: default, linear, Llama-3 and YaRN scaling), GQA, tied or untied embeddings.
 
 Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
@@ -14,6 +15,8 @@ Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
 - `q_layernorm.weight`, `k_layernorm.weight` `[d]` (Qwen3's `q_norm` / `k_norm`, megatron's `qk_layernorm`):
   replicated, the same name under both specs; applied per head, so each TP rank's gradient covers its own
   heads only and megatron's `finalize_model_grads` sums them over TP (whenever `qk_layernorm` is set).
+- MoE layers (`moe.py`): `mlp.router.weight` replicated, and per local expert j of the EP rank
+  `mlp.experts.local_experts.j.linear_fc1.weight` / `linear_fc2.weight`, TP-split as fc1 / fc2 above.
 - norms: replicated. With the Transformer Engine spec the input norm lives in
   `self_attention.linear_qkv.layer_norm_weight` and the pre-MLP norm in `mlp.linear_fc1.layer_norm_weight`
   (`te_names=True`); the local spec keeps `input_layernorm.weight` / `pre_mlp_layernorm.weight`.
@@ -37,11 +40,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import moe
 from .rope import attention_score_scale, rope_inv_freq, rope_settings  # noqa: F401  (rope_inv_freq: model.py)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", *moe.MOE_MODEL_TYPES)
 QKV_BIAS_TYPES = ("qwen2",)  # q/k/v with a bias and no other linear layer (megatron's add_qkv_bias)
-QK_NORM_TYPES = ("qwen3",)  # RMSNorm over each head's q and k before RoPE (megatron's qk_layernorm)
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k before RoPE (megatron's qk_layernorm)
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix (megatron's local spec
@@ -84,6 +88,7 @@ def qk_norm(hf_config) -> bool:
 def check_supported(hf_config) -> None:
     """Raise for configs this conversion would get wrong (rather than train a different model)."""
     kind = getattr(hf_config, "model_type", None)
+    moe.check_supported_moe(hf_config)  # the MoE families refused by name first
     if kind not in SUPPORTED_MODEL_TYPES:
         raise NotImplementedError(f"model_type {kind!r}: the Megatron engine converts {list(SUPPORTED_MODEL_TYPES)}")
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -107,8 +112,11 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
                                virtual_pp_size: int | None = None, sequence_parallel: bool = False,
                                dtype: torch.dtype = torch.float32, recompute: str | None = None,
                                perform_initialization: bool = True, use_cpu_initialization: bool | None = None,
-                               fusions: Mapping[str, bool] | None = None):
-    """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral / Qwen3 config and a layout.
+                               fusions: Mapping[str, bool] | None = None, ep_size: int = 1,
+                               moe_token_dispatcher: str = "auto", router_aux_coeff: float | None = None):
+    """A megatron-core `TransformerConfig` for an HF Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Mixtral
+    config and a layout. MoE: `ep_size`, the token dispatcher and the router loss's weight
+    (`moe.moe_config_kwargs`: dropless, EP must divide the experts, TP > 1 needs SP).
 
     No dropout (fine-tuning), fp32 softmax. `fusions`: the fused kernels to use, TransformerConfig field ->
     bool (`kernels.KernelPlan.fusions`); every one left out is off (default: all off, plain torch ops).
@@ -138,6 +146,9 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
     elif recompute is not None:
         raise ValueError(f"recompute {recompute!r}: expected None, 'full' or 'selective'")
     d = head_dim(hf_config)
+    moe_args = moe.moe_config_kwargs(hf_config, ep_size=ep_size, tp_size=tp_size,
+                                     sequence_parallel=sequence_parallel and tp_size > 1,
+                                     dispatcher=moe_token_dispatcher, router_aux_coeff=router_aux_coeff)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers, hidden_size=hf_config.hidden_size,
         num_attention_heads=hf_config.num_attention_heads, num_query_groups=groups, kv_channels=d,
@@ -152,7 +163,7 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         **{**NO_FUSIONS, **(fusions or {})}, attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
         use_cpu_initialization=(not torch.cuda.is_available()) if use_cpu_initialization is None else use_cpu_initialization,
-        perform_initialization=perform_initialization, **recompute_args)
+        perform_initialization=perform_initialization, **recompute_args, **moe_args)
 
 
 def gpt_model_kwargs(hf_config, tp_size: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> dict:
@@ -308,7 +319,7 @@ def _vocab_slice(source, name: str, rank: int, size: int, padded: int) -> torch.
 
 def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config, *, tp_rank: int, tp_size: int,
                    pp_rank: int, pp_size: int, vp_stage: int | None = None, te_names: bool = False,
-                   divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> dict[str, torch.Tensor]:
+                   divisible_by: int = DEFAULT_VOCAB_DIVISOR, ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """This rank's GPTModel state dict (one model chunk: `vp_stage`) from an HF checkpoint.
 
     Parallel contract: no communication; each rank calls it for itself and reads (through `get_tensor`:
@@ -317,7 +328,9 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
     TP slice of each split tensor (`read_range`), so a rank's reads are its share of the stage. Returns
     tensors in `config.params_dtype`, local layer names (`decoder.layers.0` is the chunk's first layer),
     `te_names` for the Transformer Engine spec.
-    Tied embeddings: the last stage's `output_layer.weight` is the (padded) embedding shard too."""
+    Tied embeddings: the last stage's `output_layer.weight` is the (padded) embedding shard too.
+    MoE: `ep_rank` of `config.expert_model_parallel_size` reads and holds its experts only (`moe.py`);
+    under the TE spec an MoE layer's pre-MLP norm keeps its own name (nothing to fuse it into)."""
     if (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) != (tp_size, pp_size):
         raise ValueError(f"config is TP {config.tensor_model_parallel_size} x PP {config.pipeline_model_parallel_size},"
                          f" asked for TP {tp_size} x PP {pp_size}")
@@ -341,7 +354,8 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
         hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
         norm_in, norm_mlp = ("input_layernorm.weight", "pre_mlp_layernorm.weight")
         if te_names:
-            norm_in, norm_mlp = _TE_NORMS[norm_in], _TE_NORMS[norm_mlp]  # `te_name`
+            norm_in = _TE_NORMS[norm_in]  # `te_name`
+            norm_mlp = norm_mlp if config.num_moe_experts else _TE_NORMS[norm_mlp]
         put(mg + norm_in, source(hf + "input_layernorm.weight"))
         put(mg + norm_mlp, source(hf + "post_attention_layernorm.weight"))
         for kind in ("weight", "bias") if config.add_qkv_bias else ("weight",):
@@ -354,6 +368,17 @@ def hf_to_megatron(get_tensor: Callable[[str], torch.Tensor], config, hf_config,
                 put(mg + mg_norm, source(hf + hf_norm))
         put(mg + "self_attention.linear_proj.weight", _tp_slice(source, hf + "self_attn.o_proj.weight", tp_rank,
                                                                 tp_size, dim=1))
+        if config.num_moe_experts:
+            router, experts = moe.hf_moe_names(hf_config, layer)
+            put(mg + "mlp.router.weight", source(router))
+            ep = config.expert_model_parallel_size
+            for j, e in enumerate(moe.local_expert_range(config.num_moe_experts, ep_rank, ep)):
+                gate_name, up_name, down_name = experts[e]
+                gate, up = (_tp_slice(source, n, tp_rank, tp_size) for n in (gate_name, up_name))
+                put(mg + f"mlp.experts.local_experts.{j}.linear_fc1.weight", torch.cat([gate, up]))
+                put(mg + f"mlp.experts.local_experts.{j}.linear_fc2.weight",
+                    _tp_slice(source, down_name, tp_rank, tp_size, dim=1))
+            continue
         gate, up = (_tp_slice(source, hf + f"mlp.{p}_proj.weight", tp_rank, tp_size) for p in ("gate", "up"))
         put(mg + "mlp.linear_fc1.weight", torch.cat([gate, up]))
         put(mg + "mlp.linear_fc2.weight", _tp_slice(source, hf + "mlp.down_proj.weight", tp_rank, tp_size, dim=1))
@@ -396,7 +421,8 @@ def megatron_to_hf(shards: Mapping[str, Sequence[torch.Tensor] | torch.Tensor], 
                    ) -> dict[str, torch.Tensor]:
     """HF tensors (names, shapes, unpadded vocabulary) from Megatron tensors.
 
-    `shards`: Megatron name with the *global* layer number (`global_layer_names`) -> the TP shards in
+    `shards`: Megatron name with the *global* layer number (`global_layer_names`) and, for experts, the
+    global expert number (`moe.global_expert_names`) -> the TP shards in
     TP-rank order (a list), or one tensor for a replicated one (norms). Local or TE norm names. Any
     subset of the model (e.g. one pipeline stage's) converts on its own. Tied embeddings: the output
     layer's copy is dropped (HF ties lm_head to embed_tokens). Pure: no communication."""
@@ -445,6 +471,21 @@ def megatron_to_hf(shards: Mapping[str, Sequence[torch.Tensor] | torch.Tensor], 
             out[hf + "mlp.down_proj.weight"] = full
         elif rest in _MG_QK_NORMS:
             out[hf + _MG_QK_NORMS[rest]] = full
+        elif rest == "mlp.router.weight" or rest.startswith("mlp.experts.local_experts."):
+            router, experts = moe.hf_moe_names(hf_config, int(m.group(1)))
+            if rest == "mlp.router.weight":
+                out[router] = full
+                continue
+            expert, kind = rest[len("mlp.experts.local_experts."):].split(".", 1)
+            gate_name, up_name, down_name = experts[int(expert)]
+            if kind == "linear_fc1.weight":
+                gate_up = [p.chunk(2, dim=0) for p in parts]
+                out[gate_name] = torch.cat([g for g, _ in gate_up])
+                out[up_name] = torch.cat([u for _, u in gate_up])
+            elif kind == "linear_fc2.weight":
+                out[down_name] = full
+            else:
+                raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
         else:
             raise KeyError(f"megatron_to_hf: no HF name for {name!r}")
     return {k: v.contiguous() for k, v in out.items()}

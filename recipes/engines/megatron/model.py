@@ -18,7 +18,7 @@ import torch.distributed as dist
 from recipes.config import Recipe
 from recipes.training.runtime import clear_method_caches
 
-from . import cpu_shim
+from . import cpu_shim, moe
 from .convert import (
     SafetensorsReader,
     gpt_model_kwargs,
@@ -36,7 +36,10 @@ def initialize_model_parallel(recipe: Recipe) -> None:
     `MegatronSection`'s order) and seed the model-parallel RNGs (`seed_model_parallel`).
 
     Parallel contract: a collective over the default group, which must be initialised (gloo on CPU,
-    NCCL on GPUs); data-parallel size = world / (tp x pp). Applies the CPU shim first when there is no
+    NCCL on GPUs); data-parallel size = world / (tp x pp). Expert parallelism (`megatron.ep_size`) is
+    folded into data parallelism as megatron-core defines it: its expert grid is tp x ep x (expert-DP) x
+    pp with the experts' TP size the model's, so ep must divide the data-parallel size; each group of ep
+    consecutive DP ranks splits every MoE layer's experts. Applies the CPU shim first when there is no
     CUDA."""
     from megatron.core import parallel_state
 
@@ -47,6 +50,10 @@ def initialize_model_parallel(recipe: Recipe) -> None:
     if world % (m.tp_size * m.pp_size):
         raise ValueError(f"world size {world} is not a multiple of megatron.tp_size {m.tp_size} x megatron.pp_size "
                          f"{m.pp_size} = {m.tp_size * m.pp_size}: data-parallel size = world / (tp x pp)")
+    dp = world // (m.tp_size * m.pp_size)
+    if dp % m.ep_size:
+        raise ValueError(f"megatron.ep_size {m.ep_size} does not divide the data-parallel size {dp} (world {world} / "
+                         f"(tp {m.tp_size} x pp {m.pp_size})): expert parallelism splits data-parallel ranks")
     if m.virtual_pp_size is not None and (m.pp_size < 2 or m.virtual_pp_size < 2):
         raise ValueError(f"megatron.virtual_pp_size {m.virtual_pp_size}: interleaving needs pp_size >= 2 and "
                          f"virtual_pp_size >= 2 (pp_size is {m.pp_size}); leave it null otherwise")
@@ -57,7 +64,9 @@ def initialize_model_parallel(recipe: Recipe) -> None:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=m.tp_size,
                                              pipeline_model_parallel_size=m.pp_size,
-                                             virtual_pipeline_model_parallel_size=m.virtual_pp_size)
+                                             virtual_pipeline_model_parallel_size=m.virtual_pp_size,
+                                             expert_model_parallel_size=m.ep_size,
+                                             expert_tensor_parallel_size=m.tp_size)
     seed_model_parallel(recipe.train.seed)
 
 
@@ -115,7 +124,9 @@ def layer_spec(config, pp_rank: int, vp_stage: int | None = None, plan: KernelPl
     if plan.te:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage, pp_rank=pp_rank)
-    local = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    # MoE (`config.num_moe_experts`): megatron's MoELayer with a SequentialMLP of local-linear experts
+    local = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                     normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     attention = local.submodules.self_attention
     if plan.core_attention is not None:
         attention = dataclasses.replace(attention, submodules=dataclasses.replace(
@@ -160,12 +171,12 @@ def local_checkpoint_dir(name_or_path: str) -> Path:
 
 
 def load_hf_weights(model, reader, hf_config, *, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                    vp_stage: int | None = None, te: bool = False) -> dict:
+                    vp_stage: int | None = None, te: bool = False, ep_rank: int = 0) -> dict:
     """Write this rank's converted HF weights (`hf_to_megatron`) into a built GPTModel chunk, both tied
     copies included. No communication. Raises if any parameter is left unloaded or any converted tensor
     has no home. Returns the converted state dict (for checks)."""
     state = hf_to_megatron(reader, model.config, hf_config, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                           pp_size=pp_size, vp_stage=vp_stage, te_names=te)
+                           pp_size=pp_size, vp_stage=vp_stage, te_names=te, ep_rank=ep_rank)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
@@ -220,7 +231,9 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
     config = transformer_config_from_hf(hf_config, tp_size=tp_size, pp_size=pp_size, virtual_pp_size=mg.virtual_pp_size,
                                         sequence_parallel=mg.sequence_parallel, dtype=getattr(torch, m.dtype),
                                         recompute=mg.recompute, perform_initialization=m.name_or_path is None,
-                                        fusions=plan.fusions)
+                                        fusions=plan.fusions, ep_size=mg.ep_size,
+                                        moe_token_dispatcher=mg.moe_token_dispatcher,
+                                        router_aux_coeff=recipe.loss.router_aux_coeff)
     if (pre_process, post_process) != stage_ends(config, pp_rank, vp_stage):
         raise ValueError(f"pre_process/post_process {pre_process}/{post_process} do not match pipeline rank {pp_rank}"
                          f" chunk {vp_stage}: expected {stage_ends(config, pp_rank, vp_stage)}")
@@ -228,6 +241,8 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
         # gloo: megatron's batched p2p (`batch_isend_irecv`) delivered wrong activations to interleaved
         # 1F1B from the third micro-batch on (found by the engine's layout tests); unbatched p2p is right
         config.batch_p2p_comm = False
+    if config.num_moe_experts:
+        moe.patch_router_gemm()
     spec = layer_spec(config, pp_rank, vp_stage, plan)
     model = GPTModel(config, spec, pre_process=pre_process, post_process=post_process, parallel_output=True,
                      vp_stage=vp_stage, **gpt_model_kwargs(hf_config, tp_size))
@@ -236,7 +251,7 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
     if m.name_or_path is not None and read_hf_weights:
         reader = SafetensorsReader(local_checkpoint_dir(m.name_or_path))
         load_hf_weights(model, reader, hf_config, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
-                        vp_stage=vp_stage, te=plan.te)
+                        vp_stage=vp_stage, te=plan.te, ep_rank=parallel_state.get_expert_model_parallel_rank())
     model.hf_config = hf_config  # what export writes back as config.json
     model.generation_config = generation_config_for(recipe, hf_config)  # and as generation_config.json
     model.kernel_plan = plan
