@@ -9,6 +9,11 @@ loss given to backward is multiplied by `grad_accum * dp` to undo both, so the u
 of the global batch's loss at any layout. AutoTP ranks hold the same rows and labels and compute the
 same loss.
 
+Mixture-of-experts models (`recipes.engines.deepspeed.moe`): each micro-batch's router/aux
+(`recipes.training.router_loss`) goes to backward unscaled, so that DeepSpeed's mean makes the update
+the gradient of the step's mean router/aux over micro-batches and ranks; the logged `loss` is the
+objective plus that mean, and `router/aux` is logged beside the terms.
+
 LoRA (`model.lora`, `recipes.engines.deepspeed.lora`): the adapters are injected before the wrapper is
 built, the optimizer and the checkpoints hold the adapters only (the frozen base is rebuilt at every
 start), and the export writes the adapter (`final/adapter/`) and, with `model.lora.export_merged`, the
@@ -87,12 +92,20 @@ class DeepSpeedEngine:
         started = time.perf_counter()
         for i, inputs in enumerate(window):
             result = self.engine(**inputs, loss_counts=counts, diagnostics=diagnostics)
-            self.engine.backward(result.loss * scale)
+            aux = result.get("router_aux")  # mixture-of-experts: this micro-batch's router/aux
+            # router/aux unscaled: DeepSpeed's mean over micro-batches and ranks makes its gradient that of
+            # the step's mean router/aux, as Megatron's MoEAuxLossAutoScaler does (recipes.training.router_loss)
+            self.engine.backward(result.loss * scale if aux is None else result.loss * scale + aux)
             if i == len(window) - 1:  # the step's time split (recipes.training.throughput): 2 syncs per step
                 _synchronize(self.runtime.device)
                 backward_done = time.perf_counter()
             self.engine.step()  # the optimizer runs at the last micro-batch (the accumulation boundary)
-            for key, value in result.log_dict().items():
+            logged = result.log_dict()
+            if aux is not None:  # the step's loss is objective + router/aux; its SUM over ranks is the mean
+                share = float(aux.detach()) / scale
+                logged["loss"] += share
+                logged["router/aux"] = share
+            for key, value in logged.items():
                 sums[key] = sums.get(key, 0.0) + value
         _synchronize(self.runtime.device)
         self.timings = {"fwd_bwd_s": backward_done - started, "optimizer_s": time.perf_counter() - backward_done}

@@ -13,6 +13,8 @@ from numloss.chunked_head import DEFAULT_CHUNK_SIZE
 
 from recipes.config import Recipe
 
+from .moe import MoeNumericCausalLM, is_moe_model, moe_routing
+
 
 def build_model(recipe: Recipe, ds_config: dict, device: torch.device):
     """The backbone, built under a live HfDeepSpeedConfig for ZeRO-3 so its weights are partitioned as
@@ -140,8 +142,16 @@ def training_module(model, objective, recipe: Recipe):
     (NumericCausalLM), or under AutoTP (`deepspeed.tp_size` > 1) the HF model itself computing it
     (`numeric_autotp_model`). Either way its forward takes (input_ids, labels, attention_mask, ...,
     loss_counts=, sequence_ids=, diagnostics=), returns a NumericLMOutput, and `counts(labels, sequence_ids)` gives a
-    batch's loss denominators."""
+    batch's loss denominators. A mixture-of-experts model (router/aux on) gets `MoeNumericCausalLM`, whose
+    output also holds `router_aux` (`recipes.engines.deepspeed.moe`); AutoTP is refused for it."""
     chunked = recipe.loss.head == "chunked"
+    if is_moe_model(model) and recipe.deepspeed.tp_size > 1:
+        raise ValueError(f"deepspeed.tp_size: {recipe.deepspeed.tp_size} on a mixture-of-experts model "
+                         f"({type(model).__name__}): AutoTP is not tested with its experts and routers; use "
+                         "deepspeed.tp_size 1 (ZeRO shards the experts) or train.engine: megatron (megatron.ep_size)")
+    routing = moe_routing(model, recipe.loss.router_aux_coeff)
+    if routing is not None:
+        return MoeNumericCausalLM(model, objective, routing, chunked=chunked, chunk_size=recipe.loss.chunk_size)
     if recipe.deepspeed.tp_size > 1:
         problem = autotp_problem(model.config, recipe.deepspeed.tp_size, recipe.deepspeed.zero_stage)
         if problem:

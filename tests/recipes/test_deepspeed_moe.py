@@ -1,0 +1,333 @@
+"""Mixture-of-experts models on the DeepSpeed engine: router/aux and what a user gets.
+
+Tiny random Qwen3-MoE (q/k norms, norm_topk_prob) and Mixtral (softmax-then-top-k renormalised), 4 experts,
+top-2, 2 layers, router_aux_loss_coef 0.3 (large, so that a wrong router term moves the loss far past 1e-5).
+
+- one process: router/aux (`recipes.training.router_loss`) on two hand-computed cases and equal to a NumPy
+  computation of the definition on random logits; the training module's router/aux equals that NumPy
+  computation on the router logits the HF model itself returns (`output_router_logits=True`), on the
+  logits and the chunked head, and its gradient equals an independent torch rewrite's; the objective is
+  the dense model's; the coefficient comes from the HF config when `loss.router_aux_coeff` is null;
+  coefficient 0 gives the plain module; AutoTP and an MoE family whose loss is not defined are refused;
+- two gloo processes (DP 2), the engine's step 1 against a single-process reference (the HF model on the
+  whole global batch: objective with the step's counts, router/aux as the mean of the four micro-batches'
+  NumPy values, the gradient norm of their sum): ZeRO-2 and ZeRO-3 at micro-batch 2 x accumulation 2, and
+  ZeRO-2 at micro-batch 4 x accumulation 1 (the same objective, its own router/aux: the mean of two
+  larger micro-batches' values); with router_aux_coeff 0 the loss is the dense objective.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+
+VOCAB = 300
+COEF = 0.3
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+          "num_experts_per_tok": 2, "router_aux_loss_coef": COEF}
+FAMILIES = {
+    "qwen3_moe": {**COMMON, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+                  "norm_topk_prob": True},
+    "mixtral": {**COMMON, "intermediate_size": 32, "num_local_experts": 4, "sliding_window": None},
+}
+
+
+def numpy_router_aux(layers, top_k: int, coeff: float) -> float:
+    """The definition, in float64 NumPy: sum over layers of coeff * E / (k T^2) * sum_e P_e c_e."""
+    total = 0.0
+    for logits in layers:
+        x = np.asarray(logits, dtype=np.float64).reshape(-1, np.shape(logits)[-1])
+        tokens, experts = x.shape
+        p = np.exp(x - x.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        chosen = np.argsort(-p, axis=1, kind="stable")[:, :top_k]
+        counts = np.bincount(chosen.ravel(), minlength=experts)
+        total += coeff * experts / (top_k * tokens**2) * float((p.sum(axis=0) * counts).sum())
+    return total
+
+
+def torch_router_aux(layers, top_k: int, coeff: float) -> torch.Tensor:
+    """A second, differentiable implementation (one-hot counts) for the gradient check."""
+    total = 0.0
+    for logits in layers:
+        probs = torch.softmax(logits.double(), dim=-1)
+        tokens, experts = probs.shape
+        mask = torch.nn.functional.one_hot(probs.topk(top_k, dim=-1).indices, experts).sum(dim=(0, 1))
+        total = total + coeff * experts / (top_k * tokens**2) * (probs.sum(0) * mask.double()).sum()
+    return total
+
+
+def tiny(family: str, seed: int = 0, **changes):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **{**FAMILIES[family], **changes})
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def digits_objective():
+    from numloss import NumericVocab, Objective
+
+    vocab = NumericVocab(list(range(10, 20)), [float(d) for d in range(10)], vocab_size=VOCAB)
+    return Objective(vocab, {"terms": {"smmd": {}, "ntl_was": {}}})
+
+
+def batch(seed: int = 1, rows: int = 3, seq: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, seq), generator=g)
+    ids[:, 4:7] = torch.randint(10, 20, (rows, 3), generator=g)  # numbers
+    labels = ids.clone()
+    labels[:, :2] = -100
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # right padding: its positions still go through the routers
+    labels[0, -3:] = -100
+    return ids, labels, mask
+
+
+def recipe_with(**loss):
+    from recipes.config import recipe_from_dict
+
+    return recipe_from_dict({"name": "moe", "model": {"name_or_path": "unused"}, "data": {"train": "unused"},
+                             "loss": loss, "train": {"out_dir": "unused"}})
+
+
+# ---- the formula (one process) ------------------------------------------------------------------------
+
+
+def test_router_aux_on_hand_computed_cases():
+    from recipes.training.router_loss import router_aux_loss
+
+    ln3 = math.log(3.0)
+    # two tokens, two experts, top-1: probabilities (1/4, 3/4) and (3/4, 1/4), one token each: P = (1, 1),
+    # c = (1, 1), E / (k T^2) = 1/2: aux = 1/2 * (1 + 1) = 1
+    balanced = torch.tensor([[0.0, ln3], [ln3, 0.0]])
+    assert float(router_aux_loss([balanced], 1, 1.0)) == pytest.approx(1.0, rel=1e-6)
+    # both tokens to expert 1: P = (1/2, 3/2), c = (0, 2): aux = 1/2 * 3 = 1.5; two such layers, coeff 0.1
+    skewed = torch.tensor([[0.0, ln3], [0.0, ln3]])
+    assert float(router_aux_loss([skewed, skewed], 1, 0.1)) == pytest.approx(0.3, rel=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_router_aux_equals_numpy(top_k):
+    from recipes.training.router_loss import router_aux_loss
+
+    g = torch.Generator().manual_seed(top_k)
+    layers = [torch.randn(37, 8, generator=g) * 2 for _ in range(3)]
+    expected = numpy_router_aux([t.numpy() for t in layers], top_k, 0.01)
+    assert float(router_aux_loss(layers, top_k, 0.01)) == pytest.approx(expected, rel=1e-6)
+    # bf16 router logits (a bf16 model): the same softmax in float32 of the same bf16 values (distinct within
+    # a row: bf16 rounding of random values makes ties, which either top-k may break its own way)
+    steps = torch.arange(8) * 0.375 - 1.5
+    low = [torch.stack([steps[torch.randperm(8, generator=g)] for _ in range(37)]).bfloat16() for _ in range(3)]
+    expected = numpy_router_aux([t.float().numpy() for t in low], top_k, 0.01)
+    assert float(router_aux_loss(low, top_k, 0.01)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_bad_router_inputs_are_refused():
+    from recipes.training.router_loss import router_aux_coeff, router_aux_loss
+
+    with pytest.raises(ValueError, match="top-k 5 must be in"):
+        router_aux_loss([torch.zeros(3, 4)], 5, 1.0)
+    with pytest.raises(ValueError, match="no router logits"):
+        router_aux_loss([], 2, 1.0)
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="LlamaConfig does not have"):
+        router_aux_coeff(None, LlamaConfig())
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        router_aux_coeff(-1.0, LlamaConfig())
+
+
+# ---- the training module (one process) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("head", ["logits", "chunked"])
+def test_module_router_aux_equals_numpy_on_hf_router_logits(family, head):
+    from numloss.adapters.hf import NumericCausalLM
+    from recipes.engines.deepspeed.model import training_module
+
+    model, objective = tiny(family), digits_objective()
+    ids, labels, mask = batch()
+    module = training_module(model, objective, recipe_with(head=head, chunk_size=128))
+    assert type(module).__name__ == "MoeNumericCausalLM" and module.routing.coeff == COEF  # from the HF config
+    out = module(ids, labels, mask)
+    hf = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    assert len(hf.router_logits) == 2 and hf.router_logits[0].shape == (ids.numel(), 4)
+    expected = numpy_router_aux([t.detach().numpy() for t in hf.router_logits], 2, COEF)
+    assert float(out.router_aux.detach()) == pytest.approx(expected, rel=1e-6)
+    assert expected > 0.3  # at least coeff per layer x ~balanced; a dropped layer would be far off
+    # the objective is untouched: the dense wrapper's loss on the same model
+    dense = NumericCausalLM(model, objective, chunked=head == "chunked", chunk_size=128)(ids, labels, mask)
+    assert float(out.loss) == pytest.approx(float(dense.loss), rel=1e-6)
+    # the gradient of router/aux reaches every router, equal to an independent implementation's
+    routers = [layer.mlp.gate.weight for layer in model.model.layers]
+    grads = torch.autograd.grad(out.router_aux, routers)
+    reference = torch.autograd.grad(torch_router_aux(list(hf.router_logits), 2, COEF), routers)
+    for got, want in zip(grads, reference):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-8)
+
+
+def test_gradient_checkpointing_records_each_router_once():
+    from recipes.engines.deepspeed.model import training_module
+
+    model = tiny("qwen3_moe")
+    ids, labels, mask = batch()
+    module = training_module(model, digits_objective(), recipe_with(router_aux_coeff=0.7))
+    assert module.routing.coeff == 0.7  # the recipe's coefficient over the config's
+    plain = module(ids, labels, mask)
+    model.gradient_checkpointing_enable()
+    model.train()
+    calls = []
+    model.model.layers[0].mlp.gate.register_forward_hook(lambda *_: calls.append(1))
+    out = module(ids, labels, mask)
+    assert float(out.router_aux) == pytest.approx(float(plain.router_aux), rel=1e-6)
+    (out.loss + out.router_aux).backward()  # the recomputed forward records nothing
+    assert len(calls) == 2  # the router ran twice: in forward and in the recomputation
+    assert module.router_logits.recorded is None
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().max() > 0
+
+
+def test_what_a_moe_model_cannot_take_is_refused():
+    from numloss.adapters.hf import NumericCausalLM
+    from recipes.engines.deepspeed.model import training_module
+
+    objective = digits_objective()
+    off = training_module(tiny("mixtral"), objective, recipe_with(router_aux_coeff=0.0))
+    assert type(off) is NumericCausalLM  # coefficient 0: the plain module, no router term at all
+    recipe = recipe_with()
+    recipe.deepspeed.tp_size = 2
+    with pytest.raises(ValueError, match="deepspeed.tp_size: 2 on a mixture-of-experts model"):
+        training_module(tiny("qwen3_moe"), objective, recipe)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    olmoe = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "olmoe", vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
+    with pytest.raises(ValueError, match=r"olmoe\) is a mixture-of-experts model whose load-balancing"):
+        training_module(olmoe, objective, recipe_with())
+    assert type(training_module(olmoe, objective, recipe_with(router_aux_coeff=0))) is NumericCausalLM
+
+
+# ---- the engine on two gloo processes ------------------------------------------------------------------
+
+# (name, zero stage, micro-batch, accumulation, router_aux_coeff)
+RUNS = [("zero2", 2, 2, 2, None), ("zero3", 3, 2, 2, None), ("zero2_micro4", 2, 4, 1, None),
+        ("zero2_off", 2, 2, 2, 0.0)]
+
+
+def _engine_recipe(assets: dict, family: str, zero: int, micro: int, accum: int, coeff):
+    from tests.engine_megatron import engine_helpers as H
+
+    recipe = H.make_recipe({"tokenizer": assets["tokenizer"], "model": assets[family]}, micro=micro, accum=accum,
+                           steps=1)
+    recipe.train.engine, recipe.deepspeed.zero_stage = "deepspeed", zero
+    recipe.loss.router_aux_coeff = coeff
+    return recipe
+
+
+def _engine_ranks(rank, world, assets, out):
+    import torch.distributed as dist
+
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
+
+    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only
+    import deepspeed
+
+    from recipes.engines.deepspeed.engine import DeepSpeedEngine
+    from recipes.reliability.checkpoints import CheckpointDirs
+    from tests.engine_megatron import engine_helpers as H
+
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    runtime, out = Runtime(rank, world, rank, torch.device("cpu")), Path(out)
+    rows = {}
+    for family in FAMILIES:
+        for name, zero, micro, accum, coeff in RUNS:
+            recipe = _engine_recipe(assets, family, zero, micro, accum, coeff)
+            engine = DeepSpeedEngine(recipe, runtime, CheckpointDirs(out / f"{family}_{name}", 1, runtime))
+            rows[f"{family}/{name}"] = H.run_steps(engine, assets, 1, 1)[0]
+            engine.close()
+    if rank == 0:
+        H.write(out / "rows.json", rows)
+    dist.barrier()
+
+
+def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict[str, float]:
+    """Step 1 in one process: the HF model on the global batch (2 replicas x `accum` micro-batches)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from numloss import NumericVocab, Objective
+    from numloss.adapters.hf import NumericCausalLM
+    from tests.engine_megatron import engine_helpers as H
+
+    recipe = _engine_recipe(assets, family, 2, micro, accum, coeff)
+    model = AutoModelForCausalLM.from_pretrained(assets[family], dtype=torch.float32)
+    vocab = NumericVocab.from_tokenizer(AutoTokenizer.from_pretrained(assets["tokenizer"]), policy="digits",
+                                        max_value=recipe.loss.numeric_max_value,
+                                        space_variants=recipe.loss.space_variants, vocab_size=VOCAB)
+    wrapper = NumericCausalLM(model, Objective(vocab, recipe.objective_config()), chunked=False)
+    rows = H.global_batch(1, assets["tokenizer"])
+    whole = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
+    out = wrapper(whole["input_ids"], whole["labels"], whole["attention_mask"])  # the step's objective
+    micro_batches = [mb for r in range(2) for mb in H.replica_window(1, assets["tokenizer"], r, 2, micro)]
+    assert len(micro_batches) == 2 * accum
+    aux_values, aux_graph = [], 0.0
+    for mb in micro_batches:
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                       output_router_logits=True).router_logits
+        aux_values.append(numpy_router_aux([t.detach().numpy() for t in logits], 2, COEF if coeff is None else coeff))
+        aux_graph = aux_graph + torch_router_aux(list(logits), 2, COEF if coeff is None else coeff)
+    aux = float(np.mean(aux_values))
+    (out.loss + aux_graph / len(micro_batches)).backward()
+    norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    return {"loss": float(out.loss) + aux, "ce": float(out.ce), "router/aux": aux, "grad_norm": norm,
+            **{f"term/{k}": float(v) for k, v in out.terms.items()}}
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    from recipes.experiments.tiny import train_tokenizer
+
+    root = tmp_path_factory.mktemp("deepspeed_moe")
+    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
+    tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+    assets = {"tokenizer": str(root / "tokenizer")}
+    for family in FAMILIES:
+        tiny(family, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(root / family))
+        assets[family] = str(root / family)
+    out = root / "out"
+    out.mkdir()
+    run_ranks(2, _engine_ranks, assets, str(out), timeout=500)
+    from tests.engine_megatron import engine_helpers as H
+
+    return assets, H.read(out / "rows.json")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_step_one_equals_the_single_process_reference(engine_runs, family):
+    assets, rows = engine_runs
+    for name, _, micro, accum, coeff in RUNS:
+        row, want = rows[f"{family}/{name}"], _reference(assets, family, micro, accum, coeff)
+        if coeff == 0:
+            assert "router/aux" not in row  # off: no router term, the dense objective
+            want["loss"] -= want.pop("router/aux")
+        else:
+            assert want["router/aux"] > 0.01 * want["loss"]  # large enough that a wrong one shows at 1e-5
+        for key, value in want.items():
+            assert row[key] == pytest.approx(value, rel=1e-5, abs=1e-9), f"{family} {name} {key}: {row[key]} != {value}"
+    # accumulation 2 x micro-batch 2 and one micro-batch of 4: the same objective, and router/aux each the
+    # mean of its own micro-batches' values, which differ (the definition is per micro-batch)
+    two, four = rows[f"{family}/zero2"], rows[f"{family}/zero2_micro4"]
+    assert two["ce"] == pytest.approx(four["ce"], rel=1e-6)
+    assert abs(two["router/aux"] - four["router/aux"]) > 1e-6 * two["router/aux"]
