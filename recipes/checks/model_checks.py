@@ -89,9 +89,30 @@ def data_parallel_size(recipe, world_size: int) -> int:
 def layout_problems(recipe, cfg, world_size: int | None = None) -> list[str]:
     """Errors, each naming its keys, of the recipe's parallel layout against the model's shape (and,
     with `world_size`, against the world: `recipes.train` knows it, `recipes.validate` checks the
-    recipe's cluster section instead). See the module docstring."""
-    errors: list[str] = []
+    recipe's cluster section instead), a model the Megatron engine cannot convert, and the global batch.
+    See the module docstring."""
+    errors = parallel_layout_problems(recipe, cfg, world_size)
     t = recipe.train
+    if recipe.train.engine == "megatron":
+        from recipes.engines.megatron.convert import check_supported
+
+        try:
+            check_supported(text_config(cfg))
+        except NotImplementedError as err:
+            errors.append(f"model: the Megatron engine cannot convert this model: {err}")
+    if world_size is not None and t.global_batch_size is not None:
+        dp = data_parallel_size(recipe, world_size)
+        if t.global_batch_size != t.micro_batch_size * t.grad_accum * dp:
+            errors.append(f"train.global_batch_size: {t.global_batch_size} != micro_batch_size {t.micro_batch_size} x "
+                          f"grad_accum {t.grad_accum} x {dp} data-parallel ranks (= "
+                          f"{t.micro_batch_size * t.grad_accum * dp}) on {world_size} ranks")
+    return errors
+
+
+def parallel_layout_problems(recipe, cfg, world_size: int | None = None) -> list[str]:
+    """The layouts the model (or the world) cannot take: TP / PP / EP against the heads, KV heads, widths,
+    layers and experts (`recipes.validate` exits 2 on these, as on a recipe that does not load)."""
+    errors: list[str] = []
     if recipe.train.engine == "megatron":
         errors += _megatron_problems(recipe, cfg, world_size)
     else:
@@ -103,19 +124,13 @@ def layout_problems(recipe, cfg, world_size: int | None = None) -> list[str]:
         problem = autotp_problem(cfg, tp, recipe.deepspeed.zero_stage) if tp > 1 else None
         if problem:
             errors.append(problem)
-    if world_size is not None and t.global_batch_size is not None:
-        dp = data_parallel_size(recipe, world_size)
-        if t.global_batch_size != t.micro_batch_size * t.grad_accum * dp:
-            errors.append(f"train.global_batch_size: {t.global_batch_size} != micro_batch_size {t.micro_batch_size} x "
-                          f"grad_accum {t.grad_accum} x {dp} data-parallel ranks (= "
-                          f"{t.micro_batch_size * t.grad_accum * dp}) on {world_size} ranks")
     return errors
 
 
 def _megatron_problems(recipe, cfg, world_size: int | None) -> list[str]:
-    from recipes.engines.megatron.convert import check_supported
     from recipes.planning.budget import Shape
     from recipes.planning.megatron_budget import Layout, layout_problems as shape_problems
+    from recipes.planning.moe import MoEShape
 
     mg, errors = recipe.megatron, []
     if world_size is not None:
@@ -125,15 +140,16 @@ def _megatron_problems(recipe, cfg, world_size: int | None) -> list[str]:
         if mg.virtual_pp_size is not None and (mg.pp_size < 2 or mg.virtual_pp_size < 2):
             errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size}: interleaving needs megatron.pp_size >= 2 "
                           f"and a value >= 2 (pp_size is {mg.pp_size}); leave it null otherwise")
-    text = text_config(cfg)
     try:
-        check_supported(text)
-    except NotImplementedError as err:
-        errors.append(f"model: the Megatron engine cannot convert this model: {err}")
-    try:
-        shape = Shape.of(cfg)
+        shape, moe = Shape.of(cfg), MoEShape.of(cfg)
     except AttributeError as err:
         return errors + [f"model: the config lacks a layer shape the Megatron layout needs ({err})"]
+    except ValueError as err:  # an MoE family the planner does not know
+        return errors + [str(err)]
     vpp = mg.virtual_pp_size if mg.virtual_pp_size and mg.virtual_pp_size > 1 else 1
-    layout = Layout(mg.tp_size, mg.pp_size, 1, vpp, mg.sequence_parallel and mg.tp_size > 1)
-    return errors + shape_problems(shape, layout, recipe.train.grad_accum)
+    # data-parallel size = world / (tp x pp) with EP folded in (megatron-core's parallel_state); unknown
+    # without the world (recipes.validate checks the cluster's in recipes.planning.megatron_report)
+    divides = world_size is not None and world_size % (mg.tp_size * mg.pp_size) == 0
+    dp = world_size // (mg.tp_size * mg.pp_size) if divides else mg.ep_size
+    layout = Layout(mg.tp_size, mg.pp_size, dp, vpp, mg.sequence_parallel and mg.tp_size > 1, ep=mg.ep_size)
+    return errors + shape_problems(shape, layout, recipe.train.grad_accum, moe)

@@ -66,6 +66,26 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True),
     },
+    # The two MoE classes of recipes/configs/scale/ (issue 39). Values of the public config.json files as
+    # recalled (not fetched here: no hub); the counts they give (recipes.planning.moe.parameter_counts)
+    # reproduce the published totals: Qwen3-30B-A3B 30.53B total / 3.35B active (Qwen: 30.5B / 3.3B),
+    # Mixtral-8x22B 140.6B / 39.2B (Mistral: 141B / 39B). Prefer the hub's config when reachable.
+    "Qwen/Qwen3-30B-A3B": {
+        "confidence": "medium (recalled; reproduces the published 30.5B total / 3.3B active)",
+        "text": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    },
+    "mistralai/Mixtral-8x22B-Instruct-v0.1": {
+        "confidence": "medium (recalled; reproduces the published 141B total / 39B active)",
+        "text": dict(model_type="mixtral", vocab_size=32768, hidden_size=6144, intermediate_size=16384,
+                     num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8, num_local_experts=8,
+                     num_experts_per_tok=2, router_aux_loss_coef=0.001, max_position_embeddings=65536,
+                     rope_theta=1000000.0, rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False),
+    },
     "mistralai/Ministral-3-3B-Instruct-2512": {
         "confidence": "low (recalled, not checked against config.json)",
         "text": dict(model_type="ministral3", vocab_size=131072, hidden_size=3072, intermediate_size=9216,

@@ -89,8 +89,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from recipes.planning import moe as moe_math
 from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape, head_bytes
+from recipes.planning.moe import MoEShape
 from recipes.planning.step_model import FIXED_BUFFER_GIB, Collective, Hardware, layer_matmul_params
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by (the engine's padding)
 GRAD_BYTES = 4  # fp32 main grads, reduced in fp32 (the engine's grad_reduce_in_fp32=True)
@@ -107,10 +109,16 @@ class Layout:
     sp: bool = False
     gpus_per_node: int = 8
     order: str = "tp-dp-pp"
+    ep: int = 1  # expert parallel: ep consecutive DP ranks share out the experts (recipes.planning.moe)
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def edp(self) -> int:
+        """The expert-data-parallel size, world / (tp ep pp) = D / ep (megatron-core's)."""
+        return max(1, self.dp // self.ep)
 
 
 def rank_of(lay: Layout, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
@@ -146,14 +154,29 @@ def split_ring(lay: Layout, group: list[int], ring_bytes: float) -> tuple[float,
     return sm.split_ring(ring_bytes, *span(lay, group))
 
 
-def layout_problems(shape: Shape, lay: Layout, grad_accum: int) -> list[str]:
-    """Errors, each naming its keys, for a layout Megatron refuses or the estimate does not cover."""
+def layout_problems(shape: Shape, lay: Layout, grad_accum: int, moe: MoEShape | None = None) -> list[str]:
+    """Errors, each naming its keys, for a layout Megatron refuses or the estimate does not cover; with
+    `moe`, expert parallelism's too (recipes.planning.moe: ep divides the experts and the DP size, tp
+    the experts' width)."""
     out = []
     if shape.layers % (lay.pp * lay.vpp):
         out.append(f"megatron.pp_size x megatron.virtual_pp_size: {lay.pp} x {lay.vpp} does not divide the "
                    f"model's {shape.layers} layers")
-    for what, n in (("attention heads", shape.heads), ("KV heads (query groups)", shape.kv_heads),
-                    ("intermediate size", shape.intermediate)):
+    if moe is None:
+        widths = [("intermediate size", shape.intermediate)]
+        if lay.ep > 1:
+            out.append(f"megatron.ep_size: {lay.ep} > 1, but the model has no experts (a dense MLP)")
+    else:
+        widths = [("experts' intermediate size (moe_intermediate_size)" if moe.family != "mixtral" else
+                   "experts' intermediate size", moe.expert_intermediate)]
+        widths += [("shared expert's intermediate size", moe.shared_intermediate)] * bool(moe.shared_intermediate)
+        widths += [("dense layers' intermediate size", moe.dense_intermediate)] * (moe.moe_layers < moe.layers)
+        if moe.experts % lay.ep:
+            out.append(f"megatron.ep_size: {lay.ep} does not divide the model's {moe.experts} experts")
+        if lay.dp % lay.ep:
+            out.append(f"megatron.ep_size: {lay.ep} does not divide the data-parallel size {lay.dp} = world / (tp x pp)"
+                       f" (megatron-core lays the experts out as tp x ep x pp x world / (tp ep pp))")
+    for what, n in (("attention heads", shape.heads), ("KV heads (query groups)", shape.kv_heads), *widths):
         if n % lay.tp:
             out.append(f"megatron.tp_size: {lay.tp} does not divide the model's {n} {what}")
     if lay.vpp > 1 and grad_accum % lay.pp:
@@ -170,12 +193,20 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
 
 
-def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False
-                 ) -> float:
+def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False,
+                 moe: MoEShape | None = None) -> float:
     """Parameters one GPU of pipeline stage `stage` holds (its TP shard; norms are replicated over TP,
-    Qwen3's per-head q / k norms too: `qk_norm`)."""
-    layer = (layer_matmul_params(s) + (s.heads + 2 * s.kv_heads) * s.head_dim * qkv_bias) / lay.tp + 2 * s.hidden
+    Qwen3's per-head q / k norms too: `qk_norm`); with `moe`, its E / ep experts' 1/tp slices and the
+    router of each MoE layer, the dense MLP of the others (stage_expert_params: the experts alone)."""
+    matrices = layer_matmul_params(s)
+    if moe is not None:  # s.intermediate is the active width: put the layer's real MLPs in its place
+        f = moe.sparse_fraction
+        matrices += -3 * s.hidden * s.intermediate + (1 - f) * 3 * s.hidden * moe.dense_intermediate
+    layer = (matrices + (s.heads + 2 * s.kv_heads) * s.head_dim * qkv_bias) / lay.tp + 2 * s.hidden
     layer += 2 * s.head_dim * qk_norm
+    if moe is not None:
+        layer += moe.sparse_fraction * moe_math.dense_mlp_params_per_gpu(moe, s.hidden, lay.tp)
+        layer += stage_expert_params(s, lay, moe) / (s.layers // lay.pp)
     vocab = padded_vocab(s.vocab, lay.tp) * s.hidden / lay.tp
     n = s.layers // lay.pp * layer
     if stage == 0:
@@ -183,6 +214,13 @@ def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool =
     if stage == lay.pp - 1:
         n += s.hidden + (vocab if not tied or lay.pp > 1 else 0)
     return n
+
+
+def stage_expert_params(s: Shape, lay: Layout, moe: MoEShape | None) -> float:
+    """The routed experts' parameters one GPU of a stage holds: its MoE layers' E / ep experts, 1/tp each."""
+    if moe is None:
+        return 0.0
+    return moe.sparse_fraction * (s.layers // lay.pp) * moe_math.expert_params_per_gpu(moe, s.hidden, lay.tp, lay.ep)
 
 
 def model_state_bytes(params: float, dp: int, distributed_optimizer: bool) -> float:
@@ -236,6 +274,10 @@ class Stage:
     t_tp: float = 0.0
     t_p2p: float = 0.0
     t_dp_exposed: float = 0.0
+    expert_params: float = 0.0  # of `params`: the routed experts' (model states sharded over edp)
+    ep_inter: float = 0.0  # per step, EP all-to-alls
+    ep_intra: float = 0.0
+    t_ep: float = 0.0  # seconds per micro-batch
 
     @property
     def total(self) -> float:
@@ -243,7 +285,7 @@ class Stage:
 
     @property
     def t_mb(self) -> float:
-        return self.t_compute + self.t_tp + self.t_p2p
+        return self.t_compute + self.t_tp + self.t_p2p + self.t_ep
 
 
 @dataclass
@@ -299,12 +341,14 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
          rows: sm.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
          overlap_grad_reduce: bool = True, overlap_param_gather: bool = True, chunked_head: bool = False,
          chunk_size: int = 1024, qkv_bias: bool = False, qk_norm: bool = False, hw: Hardware | None = None, e: int = 2,
-         timed: bool = True, thd: bool = True) -> Plan:
+         timed: bool = True, thd: bool = True, moe: MoEShape | None = None) -> Plan:
     """Memory, traffic and time of every pipeline stage of `lay` (module docstring): memory at `rows.peak`
     tokens per row, time at the rows `rows.deal` gives; `seq` alone: rows of exactly that many tokens.
     `timed` False: memory only (the step time is left at infinity). `thd`: the Transformer Engine spec's
     form, a micro-batch's real tokens back to back (megatron.transformer_impl other than local, on GPUs);
-    False: the local spec's rows cut at their last real column."""
+    False: the local spec's rows cut at their last real column. `moe`: the model's experts, spread over
+    `lay.ep` (recipes.planning.moe: their model states over the expert-data-parallel group, the MoE
+    layers' activations, the all-to-alls, the experts' GEMMs)."""
     t, p, v, m = lay.tp, lay.pp, lay.vpp, grad_accum
     rows = rows or sm.Rows(seq, seq, f"{seq} tokens per row", np.array([seq]))
     hw = hw or Hardware(gpus_per_node=lay.gpus_per_node, nics_per_node=lay.gpus_per_node)
@@ -323,32 +367,42 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     full_layer = layer_activation_bytes(s, T, t, lay.sp, None, e)
     stages = []
     dp_colls: list[list[Collective]] = []
+    moe_extra = 0.0 if moe is None else moe.sparse_fraction * moe_math.extra_activation_bytes(moe, s.hidden, T, e)
+    full_layer += moe_extra
     for r in range(p):
-        st = Stage(r, stage_params(s, lay, r, tied, qkv_bias, qk_norm))
+        st = Stage(r, stage_params(s, lay, r, tied, qkv_bias, qk_norm, moe), expert_params=stage_expert_params(s, lay, moe))
         mem = st.memory
-        mem["model states"] = model_state_bytes(st.params, lay.dp, distributed_optimizer)
+        mem["model states"] = model_state_bytes(st.params - st.expert_params, lay.dp, distributed_optimizer)
+        if moe is not None:
+            mem["expert states"] = model_state_bytes(st.expert_params, lay.edp, distributed_optimizer)
         held = layers_in_flight(lay, s.layers, m, r)
         if recompute == "full":
             mem["activations"] = held * layer_activation_bytes(s, T, t, lay.sp, "full", e) + full_layer
         else:
-            mem["activations"] = held * layer_activation_bytes(s, T, t, lay.sp, recompute, e)
+            mem["activations"] = held * (layer_activation_bytes(s, T, t, lay.sp, recompute, e) + moe_extra)
         if r == p - 1:
             mem["head"] = 2 * e * s.hidden * T / seq_split + head_bytes(head_shape, T, t, e, chunked_head, chunk_size)
         mem["buffers"] = full_layer + 2 * U / seq_split + (U if lay.sp else 0) + FIXED_BUFFER_GIB * GiB
         # traffic per step at the mean padded micro-batch
         st.tp_bytes = m * sum(c.ring for c in tp_collectives(s, lay, r, T_run, e, recompute))
         st.pp_inter, st.pp_intra = (m * x for x in _p2p_bytes(lay, r, U_run / seq_split))
+        st.ep_inter, st.ep_intra = (m * x for x in _a2a_bytes(s, lay, moe, T_run, e, recompute))
         # DP, once per step
         dp_group = [rank_of(lay, 0, d, r) for d in range(lay.dp)]
-        nodes, per_node = span(lay, dp_group)
-        buckets = max(1, -(-int(st.params) // DDP_BUCKET))
-        ring = sm.ring_bytes("reduce_scatter" if distributed_optimizer else "all_reduce", st.params * GRAD_BYTES, lay.dp)
-        colls = [Collective("DP gradient reduce-scatter" if distributed_optimizer else "DP gradient all-reduce", ring,
-                            nodes, per_node, 1, "reduce_scatter" if distributed_optimizer else "all_reduce", lay.dp,
-                            buckets)]
-        if distributed_optimizer:
-            colls.append(Collective("DP parameter all-gather", sm.ring_bytes("all_gather", st.params * e, lay.dp), nodes,
-                                    per_node, 1, "all_gather", lay.dp, buckets))
+        edp_group = [rank_of(lay, 0, lay.ep * d, r) for d in range(lay.edp)]  # the DP ranks of one EP rank
+        colls = []
+        for what, n_params, group in (("DP", st.params - st.expert_params, dp_group),
+                                      ("expert DP", st.expert_params, edp_group)):
+            n, (nodes, per_node) = len(group), span(lay, group)
+            if not n_params:
+                continue
+            buckets = max(1, -(-int(n_params) // DDP_BUCKET))
+            kind = "reduce_scatter" if distributed_optimizer else "all_reduce"
+            colls.append(Collective(f"{what} gradient {kind.replace('_', '-')}", sm.ring_bytes(kind, n_params * GRAD_BYTES, n),
+                                    nodes, per_node, 1, kind, n, buckets))
+            if distributed_optimizer:
+                colls.append(Collective(f"{what} parameter all-gather", sm.ring_bytes("all_gather", n_params * e, n), nodes,
+                                        per_node, 1, "all_gather", n, buckets))
         if tied and p > 1 and r in (0, p - 1):
             other = rank_of(lay, 0, 0, p - 1 - r) // lay.gpus_per_node != rank_of(lay, 0, 0, r) // lay.gpus_per_node
             colls.append(Collective("tied embedding all-reduce", vp * GRAD_BYTES, 2 if other else 1, 1, 1, "all_reduce", 2))
@@ -363,7 +417,13 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     def stage_cost(r: int, tokens: int) -> tuple[dict, float, float]:
         c = sm.micro_batch_compute(head_shape, rows=b, length=tokens / b, tp=t, layers=s.layers / p, hw=hw,
                                    engine="megatron", dtype=dtype, recompute=recompute, head=r == p - 1,
-                                   head_gemms=4 if chunked_head else 3)
+                                   head_gemms=4 if chunked_head else 3, mlp=moe is None)
+        experts_s = experts_f = a2a = 0.0
+        if moe is not None:  # the MLPs' GEMMs, the MoE layers' launches and all-to-alls (recipes.planning.moe)
+            experts_s, experts_f = moe_math.expert_compute(hw.rates(dtype), moe, s.hidden, tokens, t, lay.ep, recompute)
+            experts_s = (experts_s + moe.sparse_fraction * moe_math.MOE_KERNELS_PER_LAYER * sm.gr.KERNEL_OVERHEAD_S
+                         ) * s.layers / p
+            a2a = sum(x.time(hw) for x in _a2a_collectives(s, lay, moe, tokens, e, recompute))
         msg = tokens * s.hidden * e / seq_split
         inter, intra = _p2p_bytes(lay, r, msg)
         # the engine leaves overlap_p2p_comm off: each send on the critical path, one NCCL hop each
@@ -372,7 +432,11 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
         tp = sum(x.time(hw) for x in tp_collectives(s, lay, r, tokens, e, recompute))
         parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s,
                  "output layer": c.head_s, "TP collectives": tp, "pipeline p2p": p2p}
-        return parts, c.flops, c.rate
+        if moe is not None:
+            parts.update({"expert GEMMs": experts_s, "EP all-to-all": a2a})
+        flops = c.flops + experts_f * s.layers / p
+        work_s = c.gemm_s + c.attention_s + c.head_s + experts_s
+        return parts, flops, flops / work_s / 1e12 if work_s else 0.0
 
     # the stages differ by the embedding (first), the output layer (last) and where their p2p peers sit
     roles = {0, p - 1} | ({max(range(1, p - 1), key=lambda r: stages[r].pp_inter)} if p > 2 else set())
@@ -384,11 +448,13 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     typical = dealt.typical.median
     for st in stages:
         parts, st.flops_mb, _ = stage_cost(st.index, typical)
-        st.t_compute = parts["GEMMs"] + parts["attention"] + parts["kernel launches"] + parts["output layer"]
-        st.t_tp, st.t_p2p = parts["TP collectives"], parts["pipeline p2p"]
+        st.t_compute = (parts["GEMMs"] + parts["attention"] + parts["kernel launches"] + parts["output layer"]
+                        + parts.get("expert GEMMs", 0.0))
+        st.t_tp, st.t_p2p, st.t_ep = parts["TP collectives"], parts["pipeline p2p"], parts.get("EP all-to-all", 0.0)
     for st, colls in zip(stages, dp_colls):
-        times = [c.time(hw) for c in colls]
-        rs, ag, rest = times[0], (times[1] if distributed_optimizer else 0.0), sum(times[1 + distributed_optimizer:])
+        rs = sum(c.time(hw) for c in colls if "gradient" in c.name)
+        ag = sum(c.time(hw) for c in colls if "parameter all-gather" in c.name)
+        rest = sum(c.time(hw) for c in colls if "tied" in c.name)
         if overlap_grad_reduce:  # behind the last micro-batch's backward
             rs = max(0.0, rs - 2 / 3 * st.t_compute)
         if overlap_param_gather and distributed_optimizer:  # behind the next step's first forward
@@ -420,3 +486,20 @@ def _p2p_bytes(lay: Layout, r: int, msg: float) -> tuple[float, float]:
             inter = sum(n * msg for peer, n in sends if rank_of(lay, k, d, peer) // lay.gpus_per_node != me)
             worst = max(worst, (inter, sum(n * msg for _, n in sends) - inter))
     return worst
+
+
+
+def _a2a_collectives(s: Shape, lay: Layout, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
+                     ) -> list[Collective]:
+    """One micro-batch's EP all-to-alls on a GPU of a stage (recipes.planning.moe), where its EP group sits."""
+    if moe is None or lay.ep == 1:
+        return []
+    nodes, per_node = span(lay, [rank_of(lay, 0, d, 0) for d in range(lay.ep)])
+    return [moe_math.all_to_all_collective(moe, s.hidden, s.layers / lay.pp, tokens / (lay.tp if lay.sp else 1), e,
+                                           lay.ep, nodes, per_node, recompute)]
+
+
+def _a2a_bytes(s: Shape, lay: Layout, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
+               ) -> tuple[float, float]:
+    colls = _a2a_collectives(s, lay, moe, tokens, e, recompute)
+    return sum(c.net for c in colls), sum(c.nvl for c in colls)

@@ -33,19 +33,24 @@ def layout_of(recipe) -> tuple[Layout, list[str]]:
                       "(null: no interleaving)")
         vpp = 1
     dp = max(1, world // (mg.tp_size * mg.pp_size))
+    ep = getattr(mg, "ep_size", 1)
+    if ep > 1 and per_node > 0 and world % (mg.tp_size * mg.pp_size) == 0 and dp % ep:
+        errors.append(f"megatron.ep_size: {ep} does not divide the data-parallel size {dp} = world / (tp x pp) "
+                      f"(megatron-core lays the experts out as tp x ep x pp x world / (tp ep pp))")
     return Layout(mg.tp_size, mg.pp_size, dp, vpp, mg.sequence_parallel and mg.tp_size > 1,
-                  max(1, per_node)), errors
+                  max(1, per_node), ep=ep), errors
 
 
 def megatron_layout(rep, recipe) -> tuple[int, str]:
     """validate's section 5 for Megatron recipes: errors on rep; (data-parallel size, layout line)."""
     lay, errors = layout_of(recipe)
-    rep.errors.extend(errors)
+    rep.refuse_layout(errors)
     mg, cl = recipe.megatron, recipe.cluster
     unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
     inter = f", interleaved x {lay.vpp}" if lay.vpp > 1 else ""
+    experts = f" (EP {lay.ep} x expert-DP {lay.edp})" if lay.ep > 1 else ""
     text = (f"{cl.nodes} node(s) x {cl.ranks_per_node()} {unit}, Megatron TP {lay.tp}{' + SP' if lay.sp else ''} "
-            f"x PP {lay.pp}{inter} x DP {lay.dp}, {'distributed' if mg.distributed_optimizer else 'replicated'} "
+            f"x PP {lay.pp}{inter} x DP {lay.dp}{experts}, {'distributed' if mg.distributed_optimizer else 'replicated'} "
             f"optimizer, recompute {mg.recompute or 'none'}")
     return lay.dp, text
 
@@ -59,6 +64,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
     longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal)."""
     from recipes.engines.megatron.convert import qk_norm as has_qk_norm
+    from recipes.planning.moe import MoEShape
 
     mg, tr, m = recipe.megatron, recipe.train, recipe.model
     lay, _ = layout_of(recipe)  # its own errors are megatron_layout's (section 5)
@@ -67,8 +73,13 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     except AttributeError as err:
         rep.warnings.append(f"memory: no layer shapes in the model config ({err}); Megatron plan not estimated")
         return None
-    problems = layout_problems(shape, lay, tr.grad_accum)
-    rep.errors.extend(problems)
+    try:
+        moe = MoEShape.of(cfg)
+    except ValueError as err:
+        rep.errors.append(str(err))
+        return None
+    problems = layout_problems(shape, lay, tr.grad_accum, moe)
+    rep.refuse_layout(problems)
     if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
         return None
     seq = rows.peak
@@ -81,7 +92,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
               recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
               overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
               chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-              qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local")
+              qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local", moe=moe)
     peak = pl.peak
     first, last = pl.stages[0], pl.stages[-1]
     busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)
@@ -99,6 +110,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
             + f"; model states {_gib(peak.memory['model states'])} = {peak.params / 1e9:.2f}B parameters x "
             f"({per_param}) bytes; {tr.micro_batch_size} x {seq} tokens per micro-batch at the longest rows")
     rep.add("tokens per row", rows.note)
+    if moe is not None:
+        _report_experts(rep, cfg, moe, pl, lay, e)
     if lay.pp > 1:
         rep.add("memory by stage", ", ".join(f"{st.index}: {_gib(st.total)}" for st in pl.stages)
                 + f" (first stage holds {layers_in_flight(lay, shape.layers, tr.grad_accum, 0):g} layer-micro-batches"
@@ -106,7 +119,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     rec = {None: "none", "selective": "selective", "full": "full"}
     other = "full" if mg.recompute != "full" else None
     alt = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
-               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, qk_norm=qk_norm, e=e, hw=hw)
+               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, qk_norm=qk_norm, e=e, hw=hw,
+               moe=moe, timed=False)
     rep.add("activations", f"{_gib(first.memory['activations'])} on the first stage with recompute "
                            f"{rec[mg.recompute]}; recompute {rec[other]} would make it "
                            f"{_gib(alt.stages[0].memory['activations'])}")
@@ -142,5 +156,33 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
                           f"GiB a plan may fill (the GPU less 10 %, --gpu-mem-gb): " + ", ".join(f"{k} {_gib(v)}" for k, v in peak.memory.items())
                           + f"; the largest part is {big}" + (
                               "; set megatron.recompute (selective, full) or megatron.sequence_parallel" if big ==
-                              "activations" else "; more TP / PP, or megatron.distributed_optimizer"))
+                              "activations" else "; more TP / PP" + (" / EP" if moe is not None else "")
+                              + ", or megatron.distributed_optimizer"))
     return pl
+
+
+def _report_experts(rep, cfg, moe, pl: Plan, lay: Layout, e: int) -> None:
+    """The MoE lines (recipes.planning.moe): total and active parameters, the experts a GPU holds and
+    their states over the expert-data-parallel group, the all-to-all bytes and where the EP group sits."""
+    from recipes.planning.megatron_budget import groups, span
+    from recipes.planning.moe import parameter_counts
+
+    counts = parameter_counts(cfg)
+    peak = pl.peak
+    rep.numbers.update(total_params=counts.total, active_params=counts.active, expert_params=counts.experts,
+                       expert_state_bytes=int(peak.memory.get("expert states", 0)),
+                       ep_inter_node_bytes=int(peak.ep_inter), ep_intra_node_bytes=int(peak.ep_intra))
+    rep.add("experts", f"{moe.family}: {moe.experts} experts, top-{moe.top_k}, width {moe.expert_intermediate}"
+            f"{f', shared expert {moe.shared_intermediate}' if moe.shared_intermediate else ''} in {moe.moe_layers} of "
+            f"{moe.layers} layers; {counts.total / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active per token "
+            f"(routed experts {counts.experts / 1e9:.2f}B); FLOPs per token from the active ones")
+    if lay.ep > 1:
+        nodes, _ = span(lay, groups(lay, "dp")[0][:lay.ep])
+        where = "inside a node" if nodes == 1 else f"across {nodes} nodes"
+    else:
+        where = "no EP"
+    rep.add("expert parallel", f"EP {lay.ep} ({where}): {moe.experts // lay.ep} experts per GPU of each MoE layer, "
+            f"{peak.expert_params / 1e9:.2f}B expert parameters on the peak stage, their states "
+            f"{peak.memory.get('expert states', 0) / GiB:.1f} GiB over expert-DP {lay.edp}; all-to-all per step "
+            f"{(peak.ep_inter + peak.ep_intra) / 1e9:,.2f} GB ({peak.ep_inter / 1e9:,.2f} over the network), "
+            f"{peak.t_ep * 1e3:.1f} ms per micro-batch on the critical path (balanced routing assumed)")

@@ -58,6 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.planning import gemm_rates as gr
+from recipes.planning.step_model import Collective
 
 MOE_KERNELS_PER_LAYER = 30  # router, top-k, permute / unpermute, all-to-alls, forward + backward (a guess)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -188,17 +189,33 @@ def all_to_alls_per_layer(recompute: str | None) -> int:
     return 6 if recompute == "full" else 4
 
 
+def all_to_all_collective(moe: MoEShape, hidden: int, layers: float, tokens: float, e: int, ep: int, nodes: int,
+                          per_node: int, recompute: str | None = None) -> Collective:
+    """One micro-batch's all-to-alls on one GPU holding `tokens` tokens before dispatch (the sequence
+    shard under SP) through `layers` layers (the MoE ones among them), its EP group spanning `nodes`
+    nodes with `per_node` of its ranks on each; on the critical path (not overlapped)."""
+    calls = round(moe.sparse_fraction * layers) * all_to_alls_per_layer(recompute)
+    each = all_to_all_bytes(tokens, moe.top_k, hidden, e, ep)
+    return Collective("EP all-to-all", calls * each, nodes, per_node, calls, "all_to_all", ep)
+
+
 def expert_compute(table: gr.RateTable, moe: MoEShape, hidden: int, tokens: float, tp: int, ep: int,
                    recompute: str | None = None) -> tuple[float, float]:
-    """(seconds, FLOPs) of one MoE layer's expert, shared-expert and router GEMMs on one GPU for a
-    micro-batch of `tokens` tokens per data-parallel rank, forward and both backward GEMMs (full
-    recompute: the forward again), each GEMM shape at its own rate (module docstring)."""
+    """(seconds, FLOPs) of one layer's MLP GEMMs on one GPU, averaged over the layers (an MoE layer's
+    experts, shared expert and router; a dense layer's SwiGLU MLP), for a micro-batch of `tokens` tokens
+    per data-parallel rank, forward and both backward GEMMs (full recompute: the forward again), each
+    GEMM shape at its own rate (module docstring)."""
     per_expert = tokens * moe.top_k * ep / moe.experts
     gemms = [(per_expert, hidden, 2 * moe.expert_intermediate / tp, moe.experts / ep),
              (per_expert, moe.expert_intermediate / tp, hidden, moe.experts / ep),
              (tokens, hidden, moe.experts, 1)]  # the router, replicated over TP
     if moe.shared_intermediate:
         gemms += [(tokens, hidden, 2 * moe.shared_intermediate / tp, 1), (tokens, moe.shared_intermediate / tp, hidden, 1)]
+    if moe.moe_layers < moe.layers:  # the layers with a dense MLP, averaged in
+        frac = moe.sparse_fraction
+        gemms = [(m, k, n, c * frac) for m, k, n, c in gemms]
+        dense = moe.dense_intermediate
+        gemms += [(tokens, hidden, 2 * dense / tp, 1 - frac), (tokens, dense / tp, hidden, 1 - frac)]
     passes = 4 if recompute == "full" else 3
     seconds = flops = 0.0
     for m, k, n, count in gemms:

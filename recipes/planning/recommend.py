@@ -9,6 +9,10 @@ Candidates, each kept only when its peak stage / GPU fits the usable memory:
 - Megatron (text models without LoRA): TP 1-8 inside a node dividing the heads, KV heads and
   intermediate size (SP on above TP 1), PP up to 16 dividing the layers, DP the rest, every split of a
   replica's rows, recompute none, else selective, else full, whichever fits first; no interleaving.
+  A mixture-of-experts model (recipes.planning.moe) also gets every EP dividing its experts and the DP
+  size; an EP group that spans nodes (tp x ep above the node's GPUs) only when no layout with it inside a
+  node fits (its all-to-alls would cross the network every MoE layer). DeepSpeed runs an MoE model as
+  the HF module with every expert on every rank (its memory counts them all, its FLOPs the active ones).
 The recipe's other settings (dtype, head, reduce dtype, buckets, overlap) stay as they are. Rows: the
 recipe's, as the engine pads them (data.length_bucketing included), so a short-row recipe gets the
 layout that is fastest at its real lengths, not at the longest.
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field, fields, replace
 from recipes.planning import budget as B
 from recipes.planning import megatron_budget as M
 from recipes.planning import step_model as sm
+from recipes.planning.moe import MoEShape
 from recipes.planning.step_model import GiB
 
 MAX_PP = 16
@@ -105,37 +110,54 @@ def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows
     tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
     qkv_bias = bool(getattr(text_cfg, "attention_bias", False)) or getattr(text_cfg, "model_type", "") == "qwen2"
     qk_norm = has_qk_norm(text_cfg)  # Qwen3's per-head q / k norms
+    moe = MoEShape.of(cfg)
     e = 2 if recipe.model.dtype == "bfloat16" else 4
+    inside = _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
+                                  across_nodes=False)
+    if inside or moe is None:
+        return inside
+    return _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
+                                across_nodes=True)
+
+
+def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
+                         across_nodes: bool) -> list[Option]:
+    """megatron_options' layouts; with `moe`, EP groups inside a node, or (`across_nodes`) only those
+    that span nodes."""
+    cl, mg = recipe.cluster, recipe.megatron
+    world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
     out = []
-    for tp in (t for t in (1, 2, 4, 8) if per_node % t == 0):
-        for pp in _divisors(shape.layers, MAX_PP):
-            if world % (tp * pp):
+    for tp, pp, ep in ((t, p, x) for t in (1, 2, 4, 8) if per_node % t == 0 for p in _divisors(shape.layers, MAX_PP)
+                       for x in (_divisors(moe.experts) if moe is not None else [1])):
+        if world % (tp * pp * ep) or (moe is not None and (tp * ep > per_node) != across_nodes):
+            continue
+        dp = world // (tp * pp)
+        lay = M.Layout(tp, pp, dp, 1, tp > 1, per_node, ep=ep)
+        if global_batch % dp or M.layout_problems(shape, lay, 1, moe):
+            continue
+        for b in _divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
+            m = global_batch // (dp * b)
+            kwargs = dict(micro_batch_size=b, grad_accum=m, tied=tied, rows=rows, distributed_optimizer=True,
+                          overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
+                          qkv_bias=qkv_bias, qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local", moe=moe)
+            for recompute in (None, "selective", "full"):
+                if M.plan(shape, lay, recompute=recompute, timed=False, **kwargs).peak.total <= hw.mem_gib * GiB:
+                    break
+            else:
                 continue
-            dp = world // (tp * pp)
-            lay = M.Layout(tp, pp, dp, 1, tp > 1, per_node)
-            if global_batch % dp or M.layout_problems(shape, lay, 1):
-                continue
-            for b in _divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
-                m = global_batch // (dp * b)
-                kwargs = dict(micro_batch_size=b, grad_accum=m, tied=tied, rows=rows, distributed_optimizer=True,
-                              overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-                              qkv_bias=qkv_bias, qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local")
-                for recompute in (None, "selective", "full"):
-                    if M.plan(shape, lay, recompute=recompute, timed=False, **kwargs).peak.total <= hw.mem_gib * GiB:
-                        break
-                else:
-                    continue
-                pl = M.plan(shape, lay, recompute=recompute, **kwargs)
-                text = (f"Megatron TP {tp}{' + SP' if tp > 1 else ''} x PP {pp} x DP {dp}, {b} row(s) x {m} "
-                        f"micro-batches per replica, recompute {recompute or 'none'}")
-                settings = ["train.engine=megatron", f"megatron.tp_size={tp}", f"megatron.pp_size={pp}",
-                            f"megatron.sequence_parallel={_value(tp > 1)}", "megatron.virtual_pp_size=null",
-                            f"megatron.recompute={_value(recompute)}", "megatron.distributed_optimizer=true",
-                            f"train.micro_batch_size={b}", f"train.grad_accum={m}", "model.gradient_checkpointing=false",
-                            *(["loss.head=logits"] if recipe.loss.head != "logits" else []),
-                            *_resets(recipe, "deepspeed")]
-                out.append(Option("megatron", text, settings, pl.step_s, pl.mfu, pl.peak.total, pl.parts, pl.rate,
-                                  pl.padding_ratio))
+            pl = M.plan(shape, lay, recompute=recompute, **kwargs)
+            text = (f"Megatron TP {tp}{' + SP' if tp > 1 else ''} x PP {pp} x DP {dp}"
+                    f"{f' (EP {ep})' if moe is not None else ''}, {b} row(s) x {m} "
+                    f"micro-batches per replica, recompute {recompute or 'none'}")
+            settings = ["train.engine=megatron", f"megatron.tp_size={tp}", f"megatron.pp_size={pp}",
+                        *([f"megatron.ep_size={ep}"] if moe is not None else []),
+                        f"megatron.sequence_parallel={_value(tp > 1)}", "megatron.virtual_pp_size=null",
+                        f"megatron.recompute={_value(recompute)}", "megatron.distributed_optimizer=true",
+                        f"train.micro_batch_size={b}", f"train.grad_accum={m}", "model.gradient_checkpointing=false",
+                        *(["loss.head=logits"] if recipe.loss.head != "logits" else []),
+                        *_resets(recipe, "deepspeed")]
+            out.append(Option("megatron", text, settings, pl.step_s, pl.mfu, pl.peak.total, pl.parts, pl.rate,
+                              pl.padding_ratio))
     return out
 
 

@@ -159,8 +159,15 @@ class Collective:
 
     @property
     def net(self) -> float:
-        """Bytes this GPU sends over the network (module docstring)."""
-        return self.ring / self.per_node if self.nodes > 1 else 0.0
+        """Bytes this GPU sends over the network (module docstring); an all-to-all ("all_to_all", `ring`:
+        the bytes it sends to the group's other ranks, an equal share each) sends the shares of the ranks
+        on other nodes, (n - g) / (n - 1) of them."""
+        if self.nodes <= 1:
+            return 0.0
+        if self.kind == "all_to_all":
+            n = max(self.ranks, self.nodes * self.per_node)
+            return self.ring * (n - self.per_node) / (n - 1)
+        return self.ring / self.per_node
 
     @property
     def nvl(self) -> float:
@@ -279,16 +286,17 @@ class Compute:
 
 def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw: Hardware, engine: str,
                         dtype: str = "bfloat16", recompute: str | None = None, head: bool = False,
-                        head_gemms: float = 3.0, weight_grads: bool = True) -> Compute:
+                        head_gemms: float = 3.0, weight_grads: bool = True, mlp: bool = True) -> Compute:
     """One micro-batch of `rows` rows padded to `length` tokens through `layers` decoder layers (and the
     output layer when `head`) on one GPU of a TP group of `tp` (module docstring). `engine`
     ("megatron", "deepspeed") sets the kernels a layer runs; `recompute` None, "selective" (the
     attention again) or "full" (the layer's forward again); `head_gemms` the output layer's GEMMs (3:
     forward and both gradients; the chunked head recomputes the logits: 4; a frozen head: 2);
-    `weight_grads` False: a frozen base (LoRA), no weight-gradient GEMMs."""
+    `weight_grads` False: a frozen base (LoRA), no weight-gradient GEMMs; `mlp` False: the layers' MLP GEMMs
+    left out (an MoE model's experts are priced by recipes.planning.moe)."""
     table = hw.rates(dtype)
     tokens = rows * length
-    shapes = gr.gemm_shapes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, tp)
+    shapes = gr.gemm_shapes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, tp)[:None if mlp else 2]
     gemm_s, gemm_f = gr.layer_gemm_seconds(table, tokens, shapes)
     forward_s, forward_f = gemm_s / 3, gemm_f / 3  # one of the three GEMMs per shape, at the same rate
     if not weight_grads:

@@ -5,7 +5,10 @@
     python -m recipes.validate RECIPE.yaml --offline                           # never try the hub
 
 Exit status 0 when the recipe has no error (warnings allowed), 1 when it has errors, 2 when it does not
-load at all (unknown key, wrong type, bad choice, bad objective term/option: the message names the key).
+load at all (unknown key, wrong type, bad choice, bad objective term/option: the message names the key)
+or asks for a parallel layout the model or the cluster cannot take (TP not dividing the heads, KV heads
+or a width, PP the layers, EP the experts or the data-parallel size, TP spanning nodes, tp x pp not
+dividing the world: `Report.layout_errors`, each naming its key).
 
 What is checked, in order:
 1. Loading: `recipes.config.load_recipe` (strict types, choices, the objective's terms and options).
@@ -70,10 +73,15 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     info: list[tuple[str, str]] = field(default_factory=list)
     numbers: dict[str, Any] = field(default_factory=dict)
+    layout_errors: list[str] = field(default_factory=list)  # of `errors`: layouts that cannot run (exit 2)
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def refuse_layout(self, errors: list[str]) -> None:
+        self.errors.extend(errors)
+        self.layout_errors.extend(errors)
 
     def add(self, key: str, value: Any) -> None:
         self.info.append((key, str(value)))
@@ -264,8 +272,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     else:
         if per_node > 0 and per_node % ds.tp_size:
             key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
-            rep.errors.append(f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
-                              "(a TP group must stay inside a node)")
+            rep.refuse_layout([f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
+                              "(a TP group must stay inside a node)"])
         dp = max(1, cl.nodes * per_node // ds.tp_size)
         layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}, ZeRO-{ds.zero_stage}"
     per_step = tr.micro_batch_size * tr.grad_accum
@@ -302,6 +310,10 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     found = checks.static_checks(recipe, None, dp, tokenizer=tokenizer, config=cfg, offline=offline,
                                  missing_data_is_error=False, check_model=not (size and cfg is None))
     rep.errors.extend(found.errors)
+    if cfg is not None:  # which of them are layouts the model cannot take (exit 2)
+        from recipes.checks.model_checks import parallel_layout_problems
+
+        rep.layout_errors.extend(e for e in parallel_layout_problems(recipe, cfg) if e in found.errors)
     rep.warnings.extend(found.warnings)
     for key, note in found.notes:
         rep.add(key, note)
@@ -385,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                           "info": dict(rep.info), "numbers": rep.numbers}, indent=1))
     else:
         print(rep.render())
-    if rep.numbers.get("load_error"):
+    if rep.numbers.get("load_error") or rep.layout_errors:
         return 2
     return 0 if rep.ok else 1
 
