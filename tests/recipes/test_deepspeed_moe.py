@@ -13,7 +13,9 @@ top-2, 2 layers, router_aux_loss_coef 0.3 (large, so that a wrong router term mo
   whole global batch: objective with the step's counts, router/aux as the mean of the four micro-batches'
   NumPy values, the gradient norm of their sum): ZeRO-2 and ZeRO-3 at micro-batch 2 x accumulation 2, and
   ZeRO-2 at micro-batch 4 x accumulation 1 (the same objective, its own router/aux: the mean of two
-  larger micro-batches' values); with router_aux_coeff 0 the loss is the dense objective.
+  larger micro-batches' values); with router_aux_coeff 0 the loss is the dense objective. The ZeRO-2 and
+  ZeRO-3 runs' exports hold transformers' checkpoint names (one tensor per expert) and reload with the
+  same logits.
 """
 
 from __future__ import annotations
@@ -257,6 +259,8 @@ def _engine_ranks(rank, world, assets, out):
             recipe = _engine_recipe(assets, family, zero, micro, accum, coeff)
             engine = DeepSpeedEngine(recipe, runtime, CheckpointDirs(out / f"{family}_{name}", 1, runtime))
             rows[f"{family}/{name}"] = H.run_steps(engine, assets, 1, 1)[0]
+            if name in ("zero2", "zero3"):  # the same trained weights, gathered two ways
+                engine.export(out / f"{family}_{name}_export")
             engine.close()
     if rank == 0:
         H.write(out / "rows.json", rows)
@@ -291,8 +295,8 @@ def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict
     aux = float(np.mean(aux_values))
     (out.loss + aux_graph / len(micro_batches)).backward()
     norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
-    return {"loss": float(out.loss) + aux, "ce": float(out.ce), "router/aux": aux, "grad_norm": norm,
-            **{f"term/{k}": float(v) for k, v in out.terms.items()}}
+    return {"loss": float(out.loss.detach()) + aux, "ce": float(out.ce.detach()), "router/aux": aux, "grad_norm": norm,
+            **{f"term/{k}": float(v.detach()) for k, v in out.terms.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -311,12 +315,12 @@ def engine_runs(tmp_path_factory):
     run_ranks(2, _engine_ranks, assets, str(out), timeout=500)
     from tests.engine_megatron import engine_helpers as H
 
-    return assets, H.read(out / "rows.json")
+    return assets, H.read(out / "rows.json"), out
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_step_one_equals_the_single_process_reference(engine_runs, family):
-    assets, rows = engine_runs
+    assets, rows, _ = engine_runs
     for name, _, micro, accum, coeff in RUNS:
         row, want = rows[f"{family}/{name}"], _reference(assets, family, micro, accum, coeff)
         if coeff == 0:
@@ -331,3 +335,29 @@ def test_step_one_equals_the_single_process_reference(engine_runs, family):
     two, four = rows[f"{family}/zero2"], rows[f"{family}/zero2_micro4"]
     assert two["ce"] == pytest.approx(four["ce"], rel=1e-6)
     assert abs(two["router/aux"] - four["router/aux"]) > 1e-6 * two["router/aux"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_export_is_the_checkpoint_format_and_reloads(engine_runs, family):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    assets, _, out = engine_runs
+    keys = set()
+    for file in (out / f"{family}_zero3_export").glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            keys |= set(f.keys())
+    # transformers' own checkpoint names: one tensor per expert, as save_pretrained writes them
+    expert = {"qwen3_moe": "model.layers.1.mlp.experts.3.down_proj.weight",
+              "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight"}[family]
+    assert expert in keys and not any("gate_up_proj" in k for k in keys)
+    ids = torch.tensor([[5, 17, 12, 40, 99, 3, 250, 18]])
+    logits = {}
+    for name in ("zero2", "zero3"):
+        model = AutoModelForCausalLM.from_pretrained(out / f"{family}_{name}_export", dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits[name] = model(ids).logits
+    before = AutoModelForCausalLM.from_pretrained(assets[family], dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (before(ids).logits - logits["zero2"]).abs().max() > 1e-4  # the step changed the model
+    torch.testing.assert_close(logits["zero3"], logits["zero2"], rtol=1e-5, atol=1e-6)
