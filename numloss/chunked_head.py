@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fused_pass
 from .logit_stats import IGNORE_INDEX, LogitStats, combine_across_ranks, own_columns_gradient, plan_labels
 from .parallel import all_reduce_
 from .vocab import NumericVocab
@@ -77,13 +78,16 @@ class _ChunkBuffers:
     once per pass and reused by every chunk (the last, shorter one takes the front of each), so a pass
     allocates (and first-touches) them once instead of once per chunk."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, width: int):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, width: int, fp32_copy: bool = True):
+        """`fp32_copy=False` (the fused kernels, which read any dtype and accumulate in fp32): no fp32 copy."""
         size = hidden.shape[0] * min(width, weight.shape[0])
         self.logits = hidden.new_empty(size, dtype=weight.dtype)
-        self.fp32 = None if weight.dtype == torch.float32 else hidden.new_empty(size, dtype=torch.float32)
+        keep_fp32 = fp32_copy and weight.dtype != torch.float32
+        self.fp32 = hidden.new_empty(size, dtype=torch.float32) if keep_fp32 else None
 
     def chunk(self, hidden: torch.Tensor, weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [T, Vc] in the weight's dtype, fp32 logits [T, Vc]: the same tensor for an fp32 weight)."""
+        """(logits [T, Vc] in the weight's dtype, fp32 logits [T, Vc]: the same tensor for an fp32 weight or
+        without the fp32 copy)."""
         shape = (hidden.shape[0], weight_rows.shape[0])
         logits = torch.mm(hidden, weight_rows.t(), out=self.logits[:shape[0] * shape[1]].view(shape))
         if self.fp32 is None:
@@ -95,11 +99,15 @@ class _ChunkedHeadFn(torch.autograd.Function):
     """(hidden [T, H], weight [V_local, H]) -> (lse [T], target_logit [T], numeric logits [M, N]), fp32.
 
     See the module docstring for the forward (online log-sum-exp over vocab chunks, one TP combine) and
-    the backward (d W written once per chunk, d hidden accumulated in fp32).
+    the backward (d W written once per chunk, d hidden accumulated in fp32). `fused`: each chunk's row
+    statistics and gradient come from the Triton kernels of `numloss.fused_pass`, which read the chunk's
+    logits in the weight's dtype (no fp32 copy) and write the gradient over them in place (the chunk's
+    buffer is private to this function).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, width, group):
+    def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, width, group,
+                fused):
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         row_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros(tokens, dtype=torch.float32)
@@ -112,31 +120,39 @@ class _ChunkedHeadFn(torch.autograd.Function):
         target_cols = target_local[target_rows]
         num_order, num_bounds = _group_by_chunk(num_cols, width, vocab_local)
         num_cols = num_cols[num_order]
-        buffers = _ChunkBuffers(hidden, weight, width)
+        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not fused)
         for k, start in enumerate(range(0, vocab_local, width)):
             _, x = buffers.chunk(hidden, weight[start:start + width])  # [T, Vc] fp32
             t0, t1 = target_bounds[k], target_bounds[k + 1]
             rows = target_rows[t0:t1]
-            target[rows] = x[rows, target_cols[t0:t1] - start]
+            target[rows] = x[rows, target_cols[t0:t1] - start].float()
             n0, n1 = num_bounds[k], num_bounds[k + 1]
             if n1 > n0:
-                numeric_owned[:, num_order[n0:n1]] = x[num_rows[:, None], num_cols[None, n0:n1] - start]
+                numeric_owned[:, num_order[n0:n1]] = x[num_rows[:, None], num_cols[None, n0:n1] - start].float()
             # online log-sum-exp: rescale the running sum to the new row max, add this chunk's exp(x - max)
-            new_max = torch.maximum(row_max, torch.amax(x, dim=1))  # amax: no argmax (max(dim) is ~7x slower on CPU)
-            sum_exp.mul_(torch.exp(row_max - new_max)).add_(x.sub_(new_max[:, None]).exp_().sum(dim=1))
+            if fused:  # the chunk's own (max, sum of exp) from one read, merged by the same rule
+                chunk_max, chunk_sum, _ = fused_pass.row_stats(x)
+                new_max = torch.maximum(row_max, chunk_max)
+                sum_exp.mul_(torch.exp(row_max - new_max)).add_(chunk_sum.mul_(torch.exp(chunk_max - new_max)))
+            else:
+                new_max = torch.maximum(row_max, torch.amax(x, dim=1))  # amax: no argmax (max(dim) is ~7x slower on CPU)
+                sum_exp.mul_(torch.exp(row_max - new_max)).add_(x.sub_(new_max[:, None]).exp_().sum(dim=1))
             row_max = new_max
         del buffers
         lse, target, numeric = combine_across_ranks(row_max, sum_exp, target, owns_target, valid, numeric_owned,
                                                     layout, group)
         ctx.width, ctx.bounds = width, (target_bounds, num_bounds)
-        ctx.group, ctx.layout = group, layout
-        ctx.save_for_backward(hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order)
+        ctx.group, ctx.layout, ctx.fused = group, layout, fused
+        ctx.save_for_backward(hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order,
+                              target_local, owns_target)
         return lse, target, numeric
 
     @staticmethod
     def backward(ctx, grad_lse, grad_target, grad_numeric):
-        hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order = ctx.saved_tensors
+        (hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order, target_local,
+         owns_target) = ctx.saved_tensors
         (target_bounds, num_bounds), width = ctx.bounds, ctx.width
+        grad_target_by_row = grad_target  # [T], what the fused kernel reads
         grad_target = grad_target[target_rows]  # the owned targets' gradients, in chunk order
         grad_numeric = own_columns_gradient(grad_numeric, ctx.layout)[:, num_order]  # [M, n_local], chunk order
         # a frozen input (no gradient wanted) skips its GEMM; the same on every TP rank, as the graph is
@@ -145,21 +161,30 @@ class _ChunkedHeadFn(torch.autograd.Function):
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_hidden else None  # fp32 sum
         # bf16: a [T, H] buffer for each chunk's bf16 product before it is added (no mixed-dtype addmm on CPU)
         product = hidden.new_empty(hidden.shape) if want_hidden and weight.dtype != torch.float32 else None
-        buffers = _ChunkBuffers(hidden, weight, width)
+        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not ctx.fused)
         for k, start in enumerate(range(0, weight.shape[0], width)):
             w = weight[start:start + width]
             logits, grad = buffers.chunk(hidden, w)
-            # d loss / d logits of the chunk, fp32: the softmax scaled by d loss / d lse ...
-            grad.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
-            # ... plus the target logits and the numeric columns that fall in this chunk
-            t0, t1 = target_bounds[k], target_bounds[k + 1]
-            grad.index_put_((target_rows[t0:t1], target_cols[t0:t1] - start), grad_target[t0:t1], accumulate=True)
             n0, n1 = num_bounds[k], num_bounds[k + 1]
-            if n1 > n0 and num_rows.numel():
-                grad.index_put_((num_rows[:, None], num_cols[None, n0:n1] - start), grad_numeric[:, n0:n1],
+            if ctx.fused:  # the chunk's gradient written over its logits, fp32 arithmetic, one rounding
+                column = target_local - start
+                owned = owns_target & (column >= 0) & (column < w.shape[0])
+                numeric = n1 > n0 and num_rows.numel() > 0
+                grad = fused_pass.write_gradient(
+                    logits, lse, grad_lse, torch.where(owned, column, 0), owned, grad_target_by_row,
+                    num_rows if numeric else None, num_cols[n0:n1] - start, grad_numeric[:, n0:n1], out=logits)
+            else:
+                # d loss / d logits of the chunk, fp32: the softmax scaled by d loss / d lse ...
+                grad.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
+                # ... plus the target logits and the numeric columns that fall in this chunk
+                t0, t1 = target_bounds[k], target_bounds[k + 1]
+                grad.index_put_((target_rows[t0:t1], target_cols[t0:t1] - start), grad_target[t0:t1],
                                 accumulate=True)
-            if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
-                grad = logits.copy_(grad)
+                if n1 > n0 and num_rows.numel():
+                    grad.index_put_((num_rows[:, None], num_cols[None, n0:n1] - start), grad_numeric[:, n0:n1],
+                                    accumulate=True)
+                if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
+                    grad = logits.copy_(grad)
             if want_weight:  # d W[c] = gᵀ h, straight into its rows: each row of d W is written once
                 torch.mm(grad.t(), hidden, out=grad_weight[start:start + width])
             if product is not None:
@@ -171,7 +196,7 @@ class _ChunkedHeadFn(torch.autograd.Function):
             all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
             grad_hidden = grad_hidden.to(hidden.dtype)
         return (grad_hidden, grad_weight,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def chunked_logit_stats(
@@ -184,6 +209,8 @@ def chunked_logit_stats(
     ignore_index: int = IGNORE_INDEX,
     numeric: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    fused: bool | None = None,
 ) -> LogitStats:
     """`LogitStats` of `hidden [..., H] @ weightᵀ` with `labels [...]`, chunk by chunk over the vocabulary.
 
@@ -191,7 +218,8 @@ def chunked_logit_stats(
     a chunk has min(ceil(V_local / MIN_CHUNKS), chunk_size · V_local // T) columns.
 
     Equal (up to fp32 rounding) to `compute_logit_stats(hidden @ weight.T, labels, ...)`; see the module
-    docstring for memory, the backward and the TP/ZeRO-3 contract.
+    docstring for memory, the backward and the TP/ZeRO-3 contract. `fused`: as `compute_logit_stats`
+    (None: the Triton kernels on CUDA when triton imports, unless NUMLOSS_FUSED=0).
     """
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not align:"
@@ -207,5 +235,6 @@ def chunked_logit_stats(
     lse, target_logit, numeric_logits = _ChunkedHeadFn.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, plan.target_local, plan.owns_target, plan.valid,
         plan.num_rows, plan.layout.local_cols.to(hidden.device), plan.layout, width, group,
+        fused_pass.use_fused(hidden, fused),
     )
     return plan.stats(lse, target_logit, numeric_logits)

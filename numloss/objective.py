@@ -231,7 +231,8 @@ class Objective:
         (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
         collectives as the logits path, plus d hidden's all-reduce in backward under TP."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
-                                    self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size)
+                                    self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size,
+                                    fused=self.fused)
         probe = None
         if self._diagnosing(diagnostics):
             flat = hidden.detach().reshape(-1, hidden.shape[-1])

@@ -1,0 +1,115 @@
+"""The fused pass over the logits (`numloss.fused_pass`): its dispatch here, the interpreter checks in a
+process of their own, and on a GPU the kernels at Llama-3 sizes.
+
+- `tests/losses/fused_interpreted.py` (fused == eager for every term at N = 10 and 1000 with ignored
+  labels, the gradient in place, a strided slice, the chunked head, vocab-parallel on 2 gloo ranks) runs in
+  a fresh pytest process with TRITON_INTERPRET=1: the variable must be set before triton is first imported,
+  and in this process megatron-core may already have imported it.
+- `-k cuda` (skipped without a GPU): the compiled kernels against the eager path on logits [2048, 128256]
+  bf16, and the gradient in place allocating no second [T, V].
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from numloss import NumericVocab, Objective
+from numloss import fused_pass
+
+REPO = Path(__file__).resolve().parents[2]
+triton_missing = not fused_pass.triton_imports()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(triton_missing, reason="triton does not import")
+def test_fused_kernels_equal_eager_under_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("NUMLOSS_FUSED", None)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/losses/fused_interpreted.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=540)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def test_cpu_tensors_take_the_eager_path_unless_asked(monkeypatch):
+    x = torch.zeros(2, 3)
+    monkeypatch.delenv("NUMLOSS_FUSED", raising=False)
+    assert not fused_pass.use_fused(x)
+    monkeypatch.setenv("NUMLOSS_FUSED", "0")
+    assert not fused_pass.use_fused(x) and not fused_pass.use_fused(x, fused=False)
+    monkeypatch.setenv("NUMLOSS_FUSED", "yes")
+    with pytest.raises(ValueError, match="NUMLOSS_FUSED='yes'"):
+        fused_pass.use_fused(x)
+
+
+@pytest.mark.skipif(triton_missing, reason="triton does not import")
+def test_fused_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    if fused_pass.interpreting():
+        pytest.skip("this process runs triton's interpreter")
+    monkeypatch.delenv("NUMLOSS_FUSED", raising=False)
+    vocab = NumericVocab(torch.arange(3, 13), torch.arange(10), vocab_size=40)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        Objective(vocab, fused=True)(torch.randn(2, 5, 40), torch.randint(0, 40, (2, 5)))
+
+
+# ---- on a GPU ----------------------------------------------------------------------------------------
+
+
+def _llama3_batch(n_numeric: int, tokens: int = 2048, vocab_size: int = 128256):
+    g = torch.Generator().manual_seed(0)
+    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=vocab_size)
+    labels = torch.randint(100 + n_numeric, vocab_size, (tokens,), generator=g)
+    numeric = torch.rand(tokens, generator=g) < 0.25
+    labels[numeric] = torch.randint(100, 100 + n_numeric, (int(numeric.sum()),), generator=g)
+    labels[:7] = -100
+    logits = (2 * torch.randn(tokens, vocab_size, generator=g)).to("cuda", torch.bfloat16)
+    return vocab, logits, labels.cuda()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_missing, reason="needs a CUDA GPU and triton")
+@pytest.mark.parametrize("n,term", [(10, None), (10, "smmd"), (10, "ntil"), (1000, "smmd"), (1000, "gce")])
+def test_cuda_fused_equals_eager_at_llama3_sizes(n, term):
+    vocab, logits, labels = _llama3_batch(n)
+    config = {"terms": {} if term is None else {term: {}}}
+    results = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        x = logits.clone().requires_grad_(True)
+        out = Objective(vocab, config, fused=fused)(x, labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), x.grad))
+    (loss_e, grad_e), (loss_f, grad_f) = results
+    torch.testing.assert_close(loss_f, loss_e, rtol=1e-5, atol=1e-6)
+    step = grad_e.float().abs().clamp(min=1e-30) * 2.0 ** -7  # one bf16 step from the same fp32 value
+    assert ((grad_f.float() - grad_e.float()).abs() <= step).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_missing, reason="needs a CUDA GPU and triton")
+def test_cuda_gradient_in_place_allocates_no_second_logits():
+    vocab, logits, labels = _llama3_batch(10)
+    objective = Objective(vocab, {"terms": {"smmd": {}}}, fused=True)
+    torch.manual_seed(0)
+    x = logits.clone().requires_grad_(True)
+    reference = objective(x, labels)
+    reference.loss.backward()
+    expected = x.grad
+    x = logits.clone().requires_grad_(True)
+    seen = []
+    x.register_hook(lambda g: seen.append(g))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    objective(x, labels, grad_in_place=True).loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert seen[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert extra < 0.25 * logits.numel() * logits.element_size(), extra  # far below a second [T, V]
+    torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
