@@ -8,7 +8,7 @@ so the ramp falls inside the head and the attention factor scales the scores), a
   names (the q / k norms keep theirs under TE); every RoPE kind's frequencies and score scale equal
   transformers' own rotary embedding's (bit for bit), dynamic / longrope / partial rotary / sliding
   layers refused; the planner's parameter count equals the HF model's; a TP that does not divide the KV
-  heads is refused by `recipes.validate` (exit 1: an error in the recipe) and by the checks `recipes.train`
+  heads is refused by `recipes.validate` (exit 2: a layout the model cannot take) and by the checks `recipes.train`
   runs first (exit 2);
 - on 2 gloo processes: logits equal HF's (fp32, 1e-5) at TP 1 (DP 2), TP 2, TP 2 + SP and PP 2 for
   both checkpoints, and a training step's loss and every gradient (the q / k norms' summed over the TP
@@ -189,7 +189,7 @@ def test_a_tp_that_does_not_divide_the_kv_heads_is_refused(tmp_path):
     rep = V.validate_recipe(path, bad, offline=True)
     refusal = "megatron.tp_size: 4 does not divide the model's 2 KV heads"
     assert any(e.startswith(refusal) for e in rep.errors), rep.errors
-    assert V.main([str(path), *bad, "--offline"]) == 1
+    assert V.main([str(path), *bad, "--offline"]) == 2  # a layout the model cannot take (issue 39)
     with pytest.raises(preflight.RecipeCheckError, match="KV heads"):
         preflight.preflight(load_recipe(path, bad), world_size=4)
 

@@ -155,8 +155,9 @@ def test_step_time_by_hand(meg70):
 def test_layouts_that_do_not_divide_are_refused(overrides, message, capsys):
     rep = V.validate_recipe(MEG70, overrides, offline=True, seq_len=1024)
     assert any(message in e for e in rep.errors), rep.errors
-    # SP without TP is refused when the recipe loads (Recipe.validate: train refuses it too): exit 2
-    assert V.main([str(MEG70), *overrides, "--offline"]) == (2 if "sequence_parallel" in message else 1)
+    # a layout the model or the cluster cannot take, or one the recipe refuses as it loads (SP without
+    # TP): exit 2; the global batch's arithmetic is an error in the recipe: exit 1
+    assert V.main([str(MEG70), *overrides, "--offline"]) == (1 if "global_batch_size" in message else 2)
     assert message in capsys.readouterr().out
 
 

@@ -1,0 +1,223 @@
+"""The planner on mixture-of-experts models (recipes/planning/moe.py, megatron_budget with EP, recommend,
+validate): parameter counts against tiny HF models and the published totals, memory and all-to-all bytes
+against hand arithmetic, the recommended layouts of the scale recipes, and the layouts refused (exit 2)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from recipes.planning import megatron_budget as M
+from recipes.planning import moe as moe_math
+from recipes.planning.budget import Shape
+from recipes.planning.moe import MoEShape, parameter_counts
+
+SCALE = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale"
+
+TINY = {
+    "qwen3_moe": dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=6, num_experts_per_tok=2,
+                      tie_word_embeddings=False),
+    "qwen3_moe_mixed": dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=6, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3],
+                            tie_word_embeddings=True),
+    "mixtral": dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                      shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2),
+}
+
+# the public config.json values (stated in recipes/planning/backbones.py's offline table too)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, tie_word_embeddings=False)
+MIXTRAL_8X22B = dict(vocab_size=32768, hidden_size=6144, intermediate_size=16384, num_hidden_layers=56,
+                     num_attention_heads=48, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                     tie_word_embeddings=False)
+
+
+def _config(kind, values):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(kind.removesuffix("_mixed"), **values)
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_total_and_active_parameters_equal_the_hf_model(kind):
+    """Total: the numel sum of an HF model built from the config; active: its parameters outside the routed
+    experts plus k/E of the experts' fused tensors (each token runs k of the E experts)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(kind, TINY[kind])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    moe = MoEShape.of(cfg)
+    counts = parameter_counts(cfg)
+    assert counts.total == total
+    assert counts.experts == routed
+    assert counts.active == total - routed + routed * moe.top_k // moe.experts
+    assert counts.active < counts.total
+
+
+def test_published_totals_are_reproduced_within_one_percent():
+    q = parameter_counts(_config("qwen3_moe", QWEN3_30B_A3B))
+    assert q.total == pytest.approx(30.5e9, rel=0.01) and q.active == pytest.approx(3.3e9, rel=0.02)
+    x = parameter_counts(_config("mixtral", MIXTRAL_8X22B))
+    assert x.total == pytest.approx(141e9, rel=0.01) and x.active == pytest.approx(39e9, rel=0.01)
+    # the MLP width the dense arithmetic (FLOPs, SwiGLU activations) sees: k x the experts' width
+    assert Shape.of(_config("qwen3_moe", QWEN3_30B_A3B)).intermediate == 8 * 768
+    assert Shape.of(_config("mixtral", MIXTRAL_8X22B)).intermediate == 2 * 16384
+
+
+def test_a_dense_model_has_no_moe_shape_and_active_equals_total():
+    cfg = _config("qwen3", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert MoEShape.of(cfg) is None
+    c = parameter_counts(cfg)
+    assert c.total == c.active and c.experts == 0
+
+
+def _tiny_plan(ep, dp=8, recompute=None):
+    cfg = _config("mixtral", dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                                  num_experts_per_tok=2))
+    shape, moe = Shape.of(cfg), MoEShape.of(cfg)
+    lay = M.Layout(1, 1, dp, gpus_per_node=8, ep=ep)
+    return shape, moe, M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
+                              recompute=recompute, timed=False)
+
+
+def test_expert_states_shrink_with_ep_by_hand():
+    """Expert parameters per GPU: L x (E / ep) x 3 h I; their states (2 + 4 + 12 / (D / ep)) bytes each;
+    the dense parameters' states do not change with ep."""
+    h, i, layers, experts = 256, 512, 4, 8
+    for ep in (1, 2, 4, 8):
+        _, _, pl = _tiny_plan(ep)
+        st = pl.stages[0]
+        expert_params = layers * experts / ep * 3 * h * i
+        assert st.expert_params == expert_params
+        assert st.memory["expert states"] == pytest.approx(expert_params * (6 + 12 / (8 / ep)))
+    dense = {ep: _tiny_plan(ep)[2].stages[0].memory["model states"] for ep in (1, 8)}
+    assert dense[1] == dense[8]
+    # ep 1 -> 8 on 8 DP ranks: 8x fewer expert weights and grads, the same optimizer share (D_e = 1)
+    one, eight = _tiny_plan(1)[2].stages[0], _tiny_plan(8)[2].stages[0]
+    assert one.memory["expert states"] - eight.memory["expert states"] == pytest.approx(
+        layers * experts * 3 * h * i * (6 + 12 / 8) - layers * 3 * h * i * 18)
+    # the planner's stage parameters at tp = pp = ep = 1: the HF count
+    cfg = _config("mixtral", dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
+                                  num_experts_per_tok=2))
+    assert one.params == parameter_counts(cfg).total  # vocabulary 1024: no Megatron padding
+
+
+def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
+    """4 all-to-alls per MoE layer per micro-batch of T k h e (ep - 1)/ep bytes each; of them (ep - g)/(ep - 1)
+    cross the network when the group has g ranks on each node."""
+    T, k, h, e = 256, 2, 256, 2
+    assert moe_math.all_to_all_bytes(T, k, h, e, 4) == T * k * h * e * 3 / 4
+    shape, moe, pl = _tiny_plan(4)
+    st = pl.stages[0]
+    assert st.ep_inter == 0 and st.ep_intra == pytest.approx(4 * 4 * T * k * h * e * 3 / 4)  # 4 layers x 4
+    # EP 8 over 2 nodes of 4 GPUs: 4 of the 7 peers are on the other node
+    lay = M.Layout(1, 1, 8, gpus_per_node=4, ep=8)
+    plan = M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
+    sent = 4 * 4 * T * k * h * e * 7 / 8
+    assert plan.stages[0].ep_inter == pytest.approx(sent * 4 / 7)
+    assert plan.stages[0].ep_intra == pytest.approx(sent * 3 / 7)
+    # full recompute runs the forward's two again
+    assert _tiny_plan(4, recompute="full")[2].stages[0].ep_intra == pytest.approx(st.ep_intra * 6 / 4)
+
+
+def test_layout_problems_name_ep_and_tp():
+    cfg = _config("qwen3_moe", TINY["qwen3_moe"])
+    shape, moe = Shape.of(cfg), MoEShape.of(cfg)
+    problems = M.layout_problems(shape, M.Layout(1, 1, 8, ep=4), 1, moe)
+    assert problems == ["megatron.ep_size: 4 does not divide the model's 6 experts"]
+    problems = M.layout_problems(shape, M.Layout(1, 1, 4, ep=3), 1, moe)
+    assert problems and problems[0].startswith("megatron.ep_size: 3 does not divide the data-parallel size 4")
+    assert any("megatron.tp_size: 16" in p and "experts' intermediate size" in p
+               for p in M.layout_problems(shape, M.Layout(16, 1, 1, gpus_per_node=16), 1, moe))
+    dense = _config("qwen3", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+    assert M.layout_problems(Shape.of(dense), M.Layout(1, 1, 2, ep=2), 1, None) == [
+        "megatron.ep_size: 2 > 1, but the model has no experts (a dense MLP)"]
+
+
+@pytest.mark.parametrize("name, gpus", [("qwen3-30b-a3b-4x8", 32), ("qwen3-30b-a3b-8x8", 64),
+                                        ("mixtral-8x22b-8x8", 64), ("mixtral-8x22b-4x8", 32)])
+def test_scale_recipes_take_the_recommended_layout_with_ep_inside_a_node(name, gpus):
+    from recipes.planning import validate as V
+
+    rep = V.validate_recipe(SCALE / f"{name}.yaml", offline=True, seq_len=1024)
+    assert rep.ok, rep.render()
+    rec = rep.numbers["recommendation"]
+    assert rec["engine"] == "megatron"
+    settings = dict(s.split("=", 1) for s in rec["settings"])
+    tp, ep = int(settings["megatron.tp_size"]), int(settings["megatron.ep_size"])
+    assert ep > 1 and tp * ep <= 8  # the EP group (ep DP ranks tp apart) inside one 8-GPU node
+    assert rep.numbers["gpu_total_bytes"] <= rep.numbers["gpu_usable_bytes"]
+    assert rep.numbers["ep_inter_node_bytes"] == 0 and rep.numbers["ep_intra_node_bytes"] > 0
+    # the recipe is the recommendation (its step time is the recommended one)
+    assert rep.numbers["step_time_s"] == pytest.approx(rec["step_time_s"])
+    assert rep.numbers["active_params"] < rep.numbers["total_params"] == rep.numbers["params"]
+
+
+def test_mixtral_8x22b_does_not_fit_4x8_h100():
+    """141B parameters x 18 bytes (bf16 weights, fp32 main grads, fp32 Adam) / 32 GPUs = 79 GB > 71.2 GiB."""
+    from recipes.planning import validate as V
+
+    rep = V.validate_recipe(SCALE / "mixtral-8x22b-4x8.yaml", ["cluster.gpu=H100", "cluster.gpu_mem_gb=80"],
+                            offline=True, seq_len=1024)
+    assert any(e.startswith("memory: stage") for e in rep.errors), rep.errors
+    assert 141e9 * 18 / 32 > rep.numbers["gpu_usable_bytes"]
+
+
+def _tiny_recipe(tmp_path, kind, ep=2, tp=1):
+    path = tmp_path / f"{kind}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": kind, "model": {"config": {"model_type": kind, **TINY[kind]}, "tokenizer": "unused"},
+        "data": {"train": "unused"}, "train": {"engine": "megatron", "micro_batch_size": 1, "grad_accum": 1},
+        "megatron": {"tp_size": tp, "ep_size": ep, "sequence_parallel": tp > 1},
+        "cluster": {"nodes": 1, "gpus_per_node": 8}}))
+    return path
+
+
+@pytest.mark.parametrize("kind, bad, refusal", [
+    ("qwen3_moe", ["megatron.ep_size=4"], "megatron.ep_size: 4 does not divide the model's 6 experts"),
+    ("mixtral", ["megatron.ep_size=1", "megatron.tp_size=4"], "megatron.tp_size: 4 does not divide the model's 2 KV heads"),
+    ("qwen3_moe", ["megatron.tp_size=4", "megatron.ep_size=1"], "megatron.tp_size: 4 does not divide the model's 2 KV heads"),
+])
+def test_validate_refuses_layouts_the_model_cannot_take_with_exit_2(tmp_path, kind, bad, refusal, capsys):
+    from recipes.checks import preflight
+    from recipes.config import load_recipe
+    from recipes.planning import validate as V
+
+    path = _tiny_recipe(tmp_path, kind)
+    assert V.validate_recipe(path, [], offline=True).ok
+    assert V.main([str(path), "--offline"]) == 0
+    rep = V.validate_recipe(path, bad, offline=True)
+    assert any(e.startswith(refusal) for e in rep.errors), rep.errors
+    assert V.main([str(path), *bad, "--offline"]) == 2
+    assert refusal in capsys.readouterr().out
+    with pytest.raises(preflight.RecipeCheckError, match="megatron.(ep|tp)_size"):
+        preflight.preflight(load_recipe(path, bad), world_size=8)
+
+
+def test_ep_not_dividing_the_data_parallel_size_is_refused(tmp_path):
+    from recipes.planning import validate as V
+
+    path = _tiny_recipe(tmp_path, "mixtral")  # 8 GPUs, TP 2 -> DP 4: EP 4 divides, EP 8 does not (nor 8 > 4 experts)
+    assert V.validate_recipe(path, ["megatron.tp_size=2", "megatron.sequence_parallel=true", "megatron.ep_size=4"],
+                             offline=True).ok
+    rep = V.validate_recipe(path, ["megatron.tp_size=4", "megatron.sequence_parallel=true"], offline=True)
+    assert any(e.startswith("megatron.tp_size: 4") for e in rep.errors)
+    rep = V.validate_recipe(path, ["cluster.gpus_per_node=6"], offline=True)  # DP 6, EP 2 divides; EP 4 does not
+    assert rep.ok, rep.errors
+    rep = V.validate_recipe(path, ["cluster.gpus_per_node=6", "megatron.ep_size=4"], offline=True)
+    assert any(e.startswith("megatron.ep_size: 4 does not divide the data-parallel size 6") for e in rep.errors)
+    assert V.main([str(path), "cluster.gpus_per_node=6", "megatron.ep_size=4", "--offline"]) == 2
