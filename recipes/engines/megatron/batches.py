@@ -88,6 +88,7 @@ def mask_micro_batch(m: dict, pad_multiple: int = 1, ignore_index: int = -100, l
            "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(pad, device=device)], 1),
            "tokens_run": b * length}
     real = fit(real.long(), 0).bool()
+    out["padding_mask"] = ~real  # MoE routers leave padding out of the load-balancing loss (moe.py)
     segments = m.get("sequence_ids")
     if segments is not None:
         out["sequence_ids"] = fit(segments, 0)
@@ -140,7 +141,9 @@ def thd_micro_batch(m: dict, pad_multiple: int = 1, ignore_index: int = -100, le
     def flat(x: torch.Tensor, value: int) -> torch.Tensor:
         return torch.nn.functional.pad(x.reshape(-1)[keep], (0, pad), value=value)[None]
 
-    return {"input_ids": flat(m["input_ids"], 0), "labels": flat(labels, ignore_index),
+    padding = torch.zeros(1, total + pad, dtype=torch.bool, device=device)
+    padding[:, total:] = True  # MoE routers leave it out of the load-balancing loss (moe.py)
+    return {"input_ids": flat(m["input_ids"], 0), "labels": flat(labels, ignore_index), "padding_mask": padding,
             "position_ids": positions[None], "sequence_ids": sequence[None], "attention_mask": None,
             "packed_seq_params": thd_params(cu_seqlens, int(lengths.max())), "tokens_run": total + pad}
 

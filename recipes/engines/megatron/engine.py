@@ -13,6 +13,10 @@ per the recipe), overlapped grad reduce / param gather, and where Transformer En
 spec, fused kernels and THD packing (`kernels.py` decides; the run log names what is on); CPU (gloo,
 `cpu_shim`) uses megatron's local spec, torch AdamW with the grad norm and clip computed in `step.py`,
 and no overlap (it needs CUDA streams).
+
+Mixture-of-experts backbones (Qwen3-MoE, Mixtral: `moe.py`) add expert parallelism (`megatron.ep_size`,
+inside the data-parallel size), megatron's dropless token dispatcher (`megatron.moe_token_dispatcher`)
+and the routers' load-balancing loss, added to the objective and logged as `router/aux` (`step.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from recipes.training.runtime import Runtime
 from . import checkpoints, step
 from .converted import load_converted
 from .kernels import KernelPlan, plan_kernels
+from .moe import AuxLossScale, install_aux_loss
 from .model import build_model_chunks, initialize_model_parallel, release_model_parallel
 
 
@@ -68,7 +73,8 @@ class MegatronEngine:
         self.dp = DataParallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                                ps.get_data_parallel_group())
         self.layout = {"tensor_parallel": m.tp_size, "pipeline_parallel": m.pp_size, "data_parallel": self.dp.size,
-                       "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel}
+                       "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel,
+                       "expert_parallel": m.ep_size}
         self.tokenizer, _ = load_tokenizer(recipe)
         # rows as the reader made them ([b, s] masks, packed rows' segment ids): batches.prepare_window
         # builds what the layer spec takes (a block mask, or THD sequences)
@@ -92,6 +98,16 @@ class MegatronEngine:
             chunk.config.calculate_per_token_loss = True
             if cuda:
                 chunk.cuda(torch.cuda.current_device())
+        # MoE: every router attaches its load-balancing loss through one step-wide scale (moe.AuxLossScale)
+        self.aux = AuxLossScale() if chunks[0].config.num_moe_experts else None
+        if self.aux is not None:
+            for chunk in chunks:
+                install_aux_loss(chunk, self.aux)
+            if runtime.is_main:
+                print(f"[numloss] megatron MoE: {chunks[0].config.num_moe_experts} experts, top-"
+                      f"{chunks[0].config.moe_router_topk}, EP {m.ep_size}, dispatcher "
+                      f"{chunks[0].config.moe_token_dispatcher_type}, router/aux coeff "
+                      f"{chunks[0].config.moe_aux_loss_coeff}, dropless", flush=True)
         padded = chunks[0].vocab_size
         # The HF model's logits width: Megatron's padding past it stays out of the loss, so both engines
         # and every TP size (which pad differently) train on the same softmax.
@@ -126,7 +142,7 @@ class MegatronEngine:
                                sequence_parallel=self.recipe.megatron.sequence_parallel,
                                real_vocab_size=self.real_vocab_size, diagnostics=diagnostics,
                                packing=self.kernels.packing, te=self.kernels.te,
-                               pad_multiple=self.recipe.data.pad_to_multiple_of)
+                               pad_multiple=self.recipe.data.pad_to_multiple_of, aux=self.aux)
         self._grad_norm = sums.pop("grad_norm")  # already global: not a value to sum over data parallel
         self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums

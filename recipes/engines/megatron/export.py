@@ -21,6 +21,10 @@ Contract (`export_hf`):
   each rank's error) instead of a barrier, and a writer whose disk failed keeps joining its TP group's
   gathers without writing. Every rank then raises the same RuntimeError naming the failed ranks, where
   it would otherwise wait in the next collective until the process group's timeout (60 min by default).
+- MoE (`moe.py`): an expert's weights live on one expert-parallel rank, which is a data-parallel rank;
+  they are read from expert-data-parallel rank 0 of each EP rank (so the DP ranks 0 .. ep-1 read
+  experts), gathered over the experts' TP group, numbered globally and written by that TP group's rank
+  0 into its own files (`stage-P-epE-*`); the dense tensors are DP rank 0's as above.
 - The tokenizer is the caller's to save into `path` afterwards. Returns the HF keys this rank wrote
   and their bytes: {"keys": [...], "bytes": n} (empty on ranks that write nothing).
 `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
@@ -40,6 +44,7 @@ import torch.distributed as dist
 from recipes.training.file_modes import give_default_mode
 
 from .convert import global_layer_names, layer_range, megatron_to_hf, tp_split_dim
+from .moe import global_expert_names, is_expert_param
 
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -59,6 +64,10 @@ def _chunk_tensors(chunk) -> dict[str, torch.Tensor]:
     offset = layer_range(chunk.config, parallel_state.get_pipeline_model_parallel_rank(), chunk.vp_stage).start
     state = {k: v for k, v in chunk.state_dict().items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    if chunk.config.num_moe_experts:
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        state = global_expert_names(state, parallel_state.get_expert_model_parallel_rank(),
+                                    chunk.config.num_moe_experts // ep)
     return global_layer_names(state, offset)
 
 
@@ -124,6 +133,11 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
     reads = parallel_state.get_data_parallel_rank() == 0
     writes = reads and tp_rank == 0
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    moe = bool(config.num_moe_experts)
+    reads_experts = moe and parallel_state.get_expert_data_parallel_rank() == 0
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if moe else None
+    expert_tp_src = dist.get_global_rank(expert_tp_group, 0) if moe else None
+    writes = writes or (reads_experts and parallel_state.get_expert_tensor_parallel_rank() == 0)
 
     error = None
     if rank == 0:
@@ -135,17 +149,23 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
             error = e
     agree("preparing the directory", error)  # it exists (shared storage) before anyone writes into it
 
-    writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}", max_shard_bytes) if writes else None
+    ep_part = f"-ep{parallel_state.get_expert_model_parallel_rank():04d}" if moe else ""
+    writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}{ep_part}", max_shard_bytes) if writes else None
     error = None
-    if reads:
+    if reads or reads_experts:
         for chunk in chunks:
             for name, tensor in _chunk_tensors(chunk).items():
-                # every TP rank of the group walks the same names in the same order (same layers)
+                # every TP rank of the group walks the same names in the same order (same layers); an
+                # expert is read from its EP rank's expert-DP rank 0, the rest from DP rank 0
+                expert = moe and is_expert_param(name)
+                if not (reads_experts if expert else reads):
+                    continue
+                group, src = (expert_tp_group, expert_tp_src) if expert else (tp_group, tp_src)
                 if tp_split_dim(name) is None or tp_size == 1:
                     shards = [tensor]
                 else:
                     shards = [torch.empty_like(tensor) for _ in range(tp_size)] if writes else None
-                    dist.gather(tensor.contiguous(), shards, dst=tp_src, group=tp_group)
+                    dist.gather(tensor.contiguous(), shards, dst=src, group=group)
                 if writes and error is None:  # after a failed write: keep gathering, stop writing
                     try:
                         for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():

@@ -13,6 +13,13 @@ replica's window (the TP and PP ranks of one replica hold the same rows: the rea
 schedule's p2p and the model's TP collectives, `finalize_model_grads` (DP grad reduce, TP-replicated
 and tied-embedding grads, the token count), the grad norm's all-reduce (model-parallel group), and one
 broadcast of the logged values from the last pipeline stage (PP group).
+
+Mixture-of-experts models (`moe.py`): the routers' load-balancing loss `router/aux` joins the objective.
+Its gradient is the mean over the step's micro-batches and data-parallel ranks of each micro-batch's
+Σ_l aux_l (`moe.AuxLossScale`), it is logged as `router/aux` (the same mean) and added to `loss`; one
+more all-reduce, over the model-parallel group (TP x PP: the layers of every stage, the TP shares of
+sequence-parallel routers). The grad norm counts each expert's gradient once: experts differ over the
+expert-parallel ranks, so their squares are summed over megatron's expert TP x EP x PP group.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 
 from .batches import check_attention, prepare_window
+from .moe import AuxLossScale, is_expert_param
 
 
 def configure_schedule(config, model_chunks: list, overlap_grad_reduce: bool = False,
@@ -62,8 +70,14 @@ def _params(model_chunks: list) -> list[torch.nn.Parameter]:
     return [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad]
 
 
+def _param_names(model_chunks: list) -> list[str]:
+    """The names of `_params(model_chunks)`, in the same order."""
+    return [n for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
+
+
 def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group,
-                     grads: list[torch.Tensor] | None = None) -> float:
+                     grads: list[torch.Tensor] | None = None, expert_group=None,
+                     names: list[str] | None = None) -> float:
     """The L2 norm of the whole model's gradient after `finalize_model_grads`: `grads[i]` is
     `params[i]`'s (default: `p.grad`; the CPU optimizer passes its fp32 main gradients).
 
@@ -71,16 +85,23 @@ def global_grad_norm(params: list[torch.nn.Parameter], model_parallel_group,
     model-parallel group (TP x PP) is summed over, once (one all-reduce of one float64). Each gradient
     element is counted once: a TP-sharded parameter by every TP rank (its shard), a TP-replicated one
     (norms, under SP too) by TP rank 0 only, and the last stage's copy of tied embeddings (`shared`)
-    not at all (the first stage counts it)."""
+    not at all (the first stage counts it). MoE experts (`names[i]` an expert's, given `expert_group`:
+    megatron's expert TP x EP x PP group) differ over the expert-parallel ranks, which are data-parallel
+    ranks: their squares are summed over `expert_group` instead (a second all-reduce)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    squares = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
-    for p, grad in zip(params, [p.grad for p in params] if grads is None else grads):
+    device = params[0].device if params else None
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    expert_squares = torch.zeros((), dtype=torch.float64, device=device)
+    experts = [expert_group is not None and is_expert_param(n) for n in (names or [""] * len(params))]
+    for p, grad, expert in zip(params, [p.grad for p in params] if grads is None else grads, experts):
         if grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
-            squares += grad.detach().double().square().sum()
+            (expert_squares if expert else squares).add_(grad.detach().double().square().sum())
     dist.all_reduce(squares, group=model_parallel_group)
-    return float(squares.sqrt())
+    if expert_group is not None:
+        dist.all_reduce(expert_squares, group=expert_group)
+    return float((squares + expert_squares).sqrt())
 
 
 class TorchAdamW:
@@ -106,6 +127,9 @@ class TorchAdamW:
         self.main_params = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
         self.grad_clip = o.grad_clip
         self.group = parallel_state.get_model_parallel_group()
+        self.names = _param_names(model_chunks)
+        moe = any(is_expert_param(n) for n in self.names)
+        self.expert_group = parallel_state.get_expert_tensor_model_pipeline_parallel_group() if moe else None
         self.optimizer = torch.optim.AdamW(self.main_params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.recipe = recipe  # its schedule applies again after a checkpoint is loaded
@@ -115,7 +139,8 @@ class TorchAdamW:
         """Norm (before clipping), clip, update, advance the schedule; returns the norm."""
         for main, p in zip(self.main_params, self.params):
             main.grad = p.main_grad  # fp32 at any model dtype: the engine's DDP sets grad_reduce_in_fp32
-        norm = global_grad_norm(self.params, self.group, [main.grad for main in self.main_params])
+        norm = global_grad_norm(self.params, self.group, [main.grad for main in self.main_params],
+                                expert_group=self.expert_group, names=self.names)
         if self.grad_clip > 0 and norm > self.grad_clip:
             for main in self.main_params:
                 main.grad.mul_(self.grad_clip / (norm + 1e-6))  # megatron-core's coefficient
@@ -202,10 +227,13 @@ def log_keys(objective: Objective, diagnostics: bool = False) -> list[str]:
     return sorted(keys + (sum_keys(objective) if diagnostics else []))
 
 
+ROUTER_AUX = "router/aux"
+
+
 def train_step(model_chunks: list, optimizer, objective: Objective, window: list[dict], *,
                sequence_parallel: bool = False, real_vocab_size: int | None = None,
                diagnostics: bool = False, packing: str = "mask", te: bool = False,
-               pad_multiple: int = 1) -> dict[str, float]:
+               pad_multiple: int = 1, aux: AuxLossScale | None = None) -> dict[str, float]:
     """Forward, backward and update for this replica's micro-batches `window`, prepared in the model's
     `packing` ("mask" or "thd": `batches.py`; `te`: the model has the Transformer Engine spec, whose
     attention `batches.check_attention` guards). Each micro-batch runs at its own length, padded to a
@@ -224,7 +252,11 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     clipping, the same on every rank) and this rank's time split, "fwd_bwd_s" (the schedule: every
     micro-batch's forward and backward, with its p2p and gradient reduction) and "optimizer_s" (clip and
     update), each ended by a device synchronisation. Every rank returns the same keys: the last pipeline
-    stage computes the values and broadcasts them over the pipeline group."""
+    stage computes the values and broadcasts them over the pipeline group.
+
+    `aux` (MoE models, `moe.install_aux_loss` done on every chunk): the routers' load-balancing loss
+    joins the step (see the module docstring); "router/aux" is this rank's share of the step's value
+    (a SUM over data parallel gives it) and is included in "loss"."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -236,16 +268,24 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     batches = prepare_window(window, pad_multiple=math.lcm(pad_multiple, tp if sequence_parallel else 1),
                              ignore_index=ignore,
                              packing=packing, one_length=len(model_chunks) > 1)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        batches = _same_lengths_over_ep(window, batches, math.lcm(pad_multiple, tp if sequence_parallel else 1),
+                                        ignore, packing)
     for m in batches:
         check_attention(m, te, packing)
     dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                       parallel_state.get_data_parallel_group())
     counts = step_counts(objective.counts, batches, dp)  # the step's global counts, as the DeepSpeed engine
+    if aux is not None:  # finalize_model_grads divides by the step's label count: what the loss_func returns
+        aux.begin_step(len(batches), dp.size, float(counts.denominator(objective.denominator_keys()["ce"])))
+    moe = {} if aux is None else {"padding_mask": None}
 
     def forward_step(data_iterator, model):
         m = next(data_iterator)
+        if aux is not None:  # routers: padding is no token of the aux loss
+            moe["padding_mask"] = _stage_padding_mask(model, m["padding_mask"], sequence_parallel)
         output = model(m["input_ids"], m["position_ids"], m["attention_mask"],  # last stage: [b, s, V/tp]
-                       packed_seq_params=m.get("packed_seq_params"))
+                       packed_seq_params=m.get("packed_seq_params"), **moe)
         return output, partial(numeric_loss_func, objective, counts, m["labels"],
                                sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size,
                                diagnostics=diagnostics)
@@ -279,8 +319,51 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         values = values.to(device)
         dist.broadcast(values, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return {**dict(zip(keys, values.tolist())), "tokens_run": float(sum(m["tokens_run"] for m in batches)),
+    result = dict(zip(keys, values.tolist()))
+    if aux is not None:
+        # every stage's layers, every TP rank's share (SP); this replica's micro-batches' mean over DP
+        share = torch.tensor(aux.local_sum() / (len(batches) * dp.size), dtype=torch.float64,
+                             device=values.device)
+        dist.all_reduce(share, group=parallel_state.get_model_parallel_group())
+        result[ROUTER_AUX] = float(share)
+        result["loss"] += float(share)
+    return {**result, "tokens_run": float(sum(m["tokens_run"] for m in batches)),
             "grad_norm": grad_norm, **timings}
+
+
+def _same_lengths_over_ep(window: list[dict], batches: list[dict], pad_multiple: int, ignore_index: int,
+                          packing: str) -> list[dict]:
+    """Under expert parallelism the EP ranks (data-parallel ranks with different rows) exchange tokens
+    micro-batch by micro-batch; megatron's allgather dispatcher gathers equal-sized blocks, so micro-batch
+    i is padded to the longest micro-batch i of the EP group (one MAX all-reduce of the lengths). The
+    padding is masked out of attention, the loss and the router loss."""
+    from megatron.core import parallel_state
+
+    from .batches import mask_micro_batch, thd_micro_batch
+
+    lengths = torch.tensor([m["input_ids"].shape[1] for m in batches], dtype=torch.int64)
+    device = batches[0]["input_ids"].device
+    lengths = lengths.to(device)
+    dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+    prepare = thd_micro_batch if packing == "thd" else mask_micro_batch
+    return [m if m["input_ids"].shape[1] == int(n) else prepare(w, pad_multiple, ignore_index, length=int(n))
+            for w, m, n in zip(window, batches, lengths.tolist())]
+
+
+def _stage_padding_mask(model, padding_mask: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    """The `[b, s]` padding mask as this model chunk's GPTModel needs it: megatron-core 0.16.1 cuts it to
+    this TP rank's sequence slice under SP only on the chunk with the embedding; a later pipeline chunk
+    would hand its routers the whole mask against their slice of tokens, so it is cut here."""
+    from megatron.core import parallel_state
+
+    inner = model
+    while hasattr(inner, "module") and not hasattr(inner, "pre_process"):
+        inner = inner.module
+    if not sequence_parallel or getattr(inner, "pre_process", True):
+        return padding_mask
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    step = padding_mask.shape[1] // tp
+    return padding_mask[:, rank * step:(rank + 1) * step]
 
 
 def _synchronize() -> None:
