@@ -13,7 +13,9 @@ built by `recipes.checks.preflight` (so by `recipes.train` on every rank and by 
   tokenizer's length), as the engines check after building the model.
 - Layout, every engine and device: Megatron needs megatron.tp_size to divide the attention heads, the
   KV heads (query groups) and the MLP's intermediate size, pp_size x virtual_pp_size to divide the
-  layers, grad_accum a multiple of pp_size under interleaving (`megatron_budget.layout_problems`), and
+  layers, grad_accum a multiple of pp_size under interleaving, and for a mixture-of-experts model
+  megatron.ep_size to divide the experts and the data-parallel size world / (tp x pp) and tp the experts'
+  width (`megatron_budget.layout_problems`; `parallel_layout_problems`: recipes.validate exits 2), and
   a model its conversion supports (`recipes.engines.megatron.convert.check_supported`). DeepSpeed's
   AutoTP splits uneven head counts (DeepSpeed 0.19.8 `tp_shard.get_shard_size` gives a rank
   floor or ceil of kv_heads / tp heads), so it needs no divisibility; its one refusal is fewer KV heads

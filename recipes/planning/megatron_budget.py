@@ -9,6 +9,9 @@ virtual_pp_size (1 without interleaving), D = world / (t p) data-parallel ranks,
 micro-batches per step per DP rank, T = micro_batch_size x s tokens per micro-batch (s: sequence length),
 e = 2 bytes (bf16) per activation and weight, P_r the parameters one GPU of stage r holds.
 
+Mixture-of-experts models (`moe`, `Layout.ep`): the experts' parameters, states over the expert-data-
+parallel group D / ep, activations, all-to-alls and GEMMs are recipes.planning.moe's (its docstring).
+
 Rank order (read in megatron-core 0.16.1): `parallel_state.initialize_model_parallel(order="tp-cp-ep-dp-pp")`
 (its docstring still says "tp-dp-pp", the same thing at context = expert parallel = 1; "tp-pp-dp" is the
 only other order it supports) numbers rank = tp_rank + t (dp_rank + D pp_rank) (`RankGenerator`,
