@@ -4,10 +4,11 @@
     python benchmarks/gpu_check.py --smoke     # CPU, tiny shapes: every code path, no figure worth keeping
 
 Sections (each one's failure is reported and the next one still runs):
-1. `losses`: one forward + backward over logits [4, 2048, 128256] (a Llama-3 vocabulary, 8,192 tokens,
-   25% numeric labels) in bf16, median of 5: numloss's objective with CE alone and with each term, at
-   N = 10 (digits) and N = 1000 (Llama-3 integers), beside torch's eager cross-entropy (fp32 upcast) and
-   torch.compile'd cross-entropy; time and peak memory above the logits. The targets of the fused-pass
+1. `losses`: part 1 of `benchmarks/bench_gpu_losses.py`: one forward + backward over logits [4, 2048, 128256]
+   (a Llama-3 vocabulary, 8,192 tokens, 25% numeric labels) in bf16, median of 5: numloss's objective (eager,
+   fused, fused with the gradient in place) with CE alone and with each term, at N = 10 (digits) and
+   N = 1000 (Llama-3 integers), beside torch's eager cross-entropy (fp32 upcast) and torch.compile'd
+   cross-entropy; time and peak memory above the logits. The targets of the fused-pass
    work (CE alone <= 1.2x compiled CE in time and <= it in memory; a term <= 1.10x of CE at N = 10,
    <= 1.25x at N = 1000) are printed beside the ratios, not enforced.
 2. `steps`: `python -m recipes.train` on an 8B-shaped slice (Llama-3-8B's widths, heads and vocabulary,
@@ -32,7 +33,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -41,14 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as TF
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from numloss import NumericVocab, Objective  # noqa: E402
-from numloss.losses import TERMS  # noqa: E402
 
 # Llama-3-8B's widths (config.json of meta-llama/Meta-Llama-3-8B): the layer slice keeps them
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -57,7 +54,6 @@ LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False}
-LOSS_TARGETS = {"ce_vs_compiled": 1.2, 10: 1.10, 1000: 1.25}
 PACKING_RTOL = 1e-4
 
 
@@ -84,91 +80,11 @@ class Sizes:
 # ---- 1. the loss pass ------------------------------------------------------------------------------------
 
 
-def synthetic_batch(sizes: Sizes, n_numeric: int, numeric_share: float = 0.25, seed: int = 0):
-    """Logits [B, T, V] on the device in the section's dtype, labels with `numeric_share` numeric ids,
-    and the numeric vocabulary (ids 100 .. 100 + N, values 0 .. N-1)."""
-    b, t, v = sizes.logits
-    g = torch.Generator().manual_seed(seed)
-    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=v)
-    labels = torch.randint(100 + n_numeric, v, (b * t,), generator=g)
-    numeric = torch.rand(b * t, generator=g) < numeric_share
-    labels[numeric] = torch.randint(100, 100 + n_numeric, (int(numeric.sum()),), generator=g)
-    logits = torch.randn(b, t, v, generator=g).to(sizes.device, sizes.dtype)
-    return vocab, logits, labels.view(b, t).to(sizes.device)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_pass(loss_fn, logits: torch.Tensor, labels: torch.Tensor, device: str) -> tuple[float, float]:
-    """(seconds, peak bytes above what was allocated before) of one forward + backward."""
-    x = logits.detach().requires_grad_(True)
-    _sync(device)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    loss_fn(x, labels).backward()
-    _sync(device)
-    seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else float("nan")
-    del x
-    return seconds, peak
-
-
-def loss_paths(vocab: NumericVocab, n_numeric: int, compile_ce: bool) -> dict:
-    """name -> loss_fn(logits, labels) of every path the section compares."""
-    def torch_ce(x, y):
-        return TF.cross_entropy(x.float().reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-100)
-
-    def objective(terms: dict):
-        obj = Objective(vocab, {"terms": terms})
-        return lambda x, y: obj(x, y).loss
-
-    paths = {"torch eager CE (fp32 upcast)": torch_ce}
-    if compile_ce:
-        paths["torch.compile CE"] = torch.compile(torch_ce)
-    paths["numloss CE"] = objective({})
-    for name in TERMS:
-        if name == "ntil" and n_numeric != 10:
-            continue  # NTIL is defined on digit vocabularies only
-        paths[f"numloss CE+{name}"] = objective({name: {}})
-    return paths
-
-
 def losses_section(sizes: Sizes) -> dict:
-    rows = []
-    for n in (10, 1000):
-        vocab, logits, labels = synthetic_batch(sizes, n)
-        paths = loss_paths(vocab, n, compile_ce=sizes.device == "cuda")
-        times = {name: [] for name in paths}
-        peaks = {}
-        for name, fn in paths.items():  # warm-up: kernels built, compiled graphs traced
-            _, peaks[name] = timed_pass(fn, logits, labels, sizes.device)
-        for _ in range(sizes.repeats):  # the paths alternate, so drift in clocks hits them alike
-            for name, fn in paths.items():
-                times[name].append(timed_pass(fn, logits, labels, sizes.device)[0])
-        med = {name: statistics.median(t) for name, t in times.items()}
-        ce = med["numloss CE"]
-        compiled = med.get("torch.compile CE")
-        for name in paths:
-            target = None
-            if name == "numloss CE" and compiled:
-                ratio, against, target = ce / compiled, "torch.compile CE", LOSS_TARGETS["ce_vs_compiled"]
-            elif name.startswith("numloss CE+"):
-                ratio, against, target = med[name] / ce, "numloss CE", LOSS_TARGETS[n]
-            else:
-                ratio, against = (med[name] / compiled, "torch.compile CE") if compiled else (med[name] / ce, "numloss CE")
-            rows.append({"N": n, "path": name, "ms": med[name] * 1e3, "peak_gib": peaks[name] / 2**30,
-                         "ratio": ratio, "against": against, "target": target,
-                         "within": None if target is None else ratio <= target})
-        del logits
-    b, t, v = sizes.logits
-    return {"title": f"loss pass, logits [{b}, {t}, {v}] {str(sizes.dtype).replace('torch.', '')}, forward + backward, "
-                     f"median of {sizes.repeats}",
-            "columns": ["N", "path", "ms", "peak_gib", "ratio", "against", "target", "within"], "rows": rows, "ok": True}
+    """Part 1 of `bench_gpu_losses.py` (the table of issue 41) at this check's sizes."""
+    from bench_gpu_losses import LossSizes, losses_table  # benchmarks/ is this script's directory
+
+    return losses_table(LossSizes(sizes.device, sizes.dtype, sizes.logits, sizes.repeats, ()))
 
 
 # ---- shared by 2 and 3: a workspace and recipes.train runs -----------------------------------------------

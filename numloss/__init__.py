@@ -15,7 +15,7 @@ How much of the update each term drives (`numloss.diagnostics`):
     numloss.diagnostics.finalize(summed)                       # grad/<part>/norm, share, cos_ce
 """
 
-from . import diagnostics, functional
+from . import diagnostics, functional, fused_pass
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .objective import DEFAULT_WEIGHTS, Objective, ObjectiveConfig, ObjectiveOutput, TermConfig
 from .normalization import LossCounts, reduce_counts
@@ -25,6 +25,7 @@ from .vocab import NumericVocab
 __all__ = [
     "diagnostics",
     "functional",
+    "fused_pass",
     "NumericVocab",
     "Objective",
     "ObjectiveConfig",

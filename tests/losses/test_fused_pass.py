@@ -11,6 +11,7 @@ process of their own, and on a GPU the kernels at Llama-3 sizes.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -113,3 +114,23 @@ def test_cuda_gradient_in_place_allocates_no_second_logits():
     assert seen[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     assert extra < 0.25 * logits.numel() * logits.element_size(), extra  # far below a second [T, V]
     torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(triton_missing, reason="triton does not import")
+def test_bench_gpu_losses_smoke_runs_both_parts_with_the_fused_kernels(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # the fused rows run under the interpreter on CPU
+    env.pop("NUMLOSS_FUSED", None)
+    proc = subprocess.run([sys.executable, "benchmarks/bench_gpu_losses.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "bench_gpu_losses.json").read_text())
+    assert report["fused"] is True
+    rows = report["sections"]["losses"]["rows"]
+    paths = {(r["N"], r["path"]) for r in rows}
+    assert {(10, "numloss CE, grad in place"), (10, "numloss CE+ntil"), (1000, "numloss CE+smmd")} <= paths
+    assert (1000, "numloss CE+ntil") not in paths
+    assert all(r["ms"] > 0 and r["ratio"] > 0 for r in rows)
+    head = {r["path"] for r in report["sections"]["head"]["rows"]}
+    assert {"chunked head (from_hidden)", "logits path, grad in place"} <= head
+    assert (tmp_path / "bench_gpu_losses.md").read_text().count("###") == 2
