@@ -103,12 +103,26 @@ class MoeNumericCausalLM(NumericCausalLM):
         self.routing = routing
         self.router_logits = RouterLogits(model, routing)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, input_ids, labels, attention_mask=None, **kwargs):
         with self.router_logits.recording() as logits:
-            out = super().forward(*args, **kwargs)
+            out = super().forward(input_ids, labels, attention_mask, **kwargs)
         for layer in logits:
             if layer.shape[-1] != self.routing.num_experts:
                 raise ValueError(f"router logits have {layer.shape[-1]} experts, the config "
                                  f"{self.routing.num_experts}")
-        out["router_aux"] = router_aux_loss(logits, self.routing.top_k, self.routing.coeff)
+        real = real_tokens(attention_mask, kwargs.get("sequence_ids"))
+        out["router_aux"] = router_aux_loss(logits, self.routing.top_k, self.routing.coeff, real)
         return out
+
+
+def real_tokens(attention_mask: torch.Tensor | None, sequence_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Which positions of a batch (`recipes.inputs.batches.model_inputs`) are real tokens, for router/aux:
+    a `[B, T]` attention mask's ones; packed rows under sdpa / eager (a 4-D mask), the positions of a
+    segment (`sequence_ids` > 0; segment 0 is padding); None (every position) otherwise: unpadded rows,
+    and packed rows flattened for flash-attention, whose per-row segment ids no longer mark the padding
+    (its padding then counts as tokens of router/aux)."""
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask != 0
+    if attention_mask is not None and sequence_ids is not None:
+        return sequence_ids != 0
+    return None
