@@ -160,7 +160,10 @@ def test_the_dispatcher_choice():
 
     assert resolve_dispatcher("auto", cuda=False) == "allgather"
     assert resolve_dispatcher("auto", cuda=True) == "alltoall"
-    assert resolve_dispatcher("alltoall", cuda=False) == "alltoall"
+    assert resolve_dispatcher("alltoall", cuda=True) == "alltoall"
+    assert resolve_dispatcher("allgather", cuda=True) == "allgather"
+    with pytest.raises(ValueError, match="alltoall: needs CUDA"):
+        resolve_dispatcher("alltoall", cuda=False)
     with pytest.raises(ValueError, match="flex"):
         resolve_dispatcher("flex")
 

@@ -99,13 +99,17 @@ def aux_coeff(hf_config, recipe_coeff: float | None) -> float:
 def resolve_dispatcher(choice: str, cuda: bool | None = None) -> str:
     """`megatron.moe_token_dispatcher`: "auto" is "alltoall" on CUDA (megatron's fast path: each token
     crosses the EP group once) and "allgather" on CPU (every EP rank gathers every token and keeps its
-    experts'; it needs only all-gather and reduce-scatter, which the engine's gloo set-up runs, and it
-    is what megatron-core's own CPU-free tests exercise); an explicit choice is kept."""
+    experts'; it needs only all-gather and reduce-scatter, which gloo runs); an explicit choice is kept,
+    but alltoall is refused without CUDA (megatron-core 0.16.1 builds a CUDA stream for it: tried on gloo,
+    the MoE layer failed to build)."""
     if choice == "auto":
         cuda = torch.cuda.is_available() if cuda is None else cuda
         return "alltoall" if cuda else "allgather"
     if choice not in DISPATCHERS:
         raise ValueError(f"megatron.moe_token_dispatcher {choice!r}: expected auto or one of {list(DISPATCHERS)}")
+    if choice == "alltoall" and not (torch.cuda.is_available() if cuda is None else cuda):
+        raise ValueError("megatron.moe_token_dispatcher alltoall: needs CUDA (megatron-core 0.16.1's alltoall "
+                         "dispatcher makes a torch.cuda.Stream when the MoE layer is built); use allgather or auto")
     return choice
 
 
