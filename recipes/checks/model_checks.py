@@ -15,7 +15,8 @@ built by `recipes.checks.preflight` (so by `recipes.train` on every rank and by 
   KV heads (query groups) and the MLP's intermediate size, pp_size x virtual_pp_size to divide the
   layers, grad_accum a multiple of pp_size under interleaving, and for a mixture-of-experts model
   megatron.ep_size to divide the experts and the data-parallel size world / (tp x pp) and tp the experts'
-  width (`megatron_budget.layout_problems`; `parallel_layout_problems`: recipes.validate exits 2), and
+  width (`megatron_budget.layout_problems`), and sequence parallelism whenever tp > 1 (megatron-core
+  builds no MoE layer under TP without it) (`parallel_layout_problems`: recipes.validate exits 2), and
   a model its conversion supports (`recipes.engines.megatron.convert.check_supported`). DeepSpeed's
   AutoTP splits uneven head counts (DeepSpeed 0.19.8 `tp_shard.get_shard_size` gives a rank
   floor or ceil of kv_heads / tp heads), so it needs no divisibility; its one refusal is fewer KV heads
@@ -148,6 +149,12 @@ def _megatron_problems(recipe, cfg, world_size: int | None) -> list[str]:
         return errors + [f"model: the config lacks a layer shape the Megatron layout needs ({err})"]
     except ValueError as err:  # an MoE family the planner does not know
         return errors + [str(err)]
+    if moe is not None and mg.tp_size > 1 and not mg.sequence_parallel:
+        # megatron-core 0.16.1 refuses it when the MoE layer is built (recipes.engines.megatron.moe):
+        # said here, before any model is built, by recipes.validate (exit 2) and recipes.train's preflight
+        errors.append(f"megatron.sequence_parallel: an MoE model ({moe.family}, {moe.experts} experts) at "
+                      f"megatron.tp_size {mg.tp_size} needs it (megatron-core refuses MoE layers under TP "
+                      "without sequence parallelism); set megatron.sequence_parallel=true")
     vpp = mg.virtual_pp_size if mg.virtual_pp_size and mg.virtual_pp_size > 1 else 1
     # data-parallel size = world / (tp x pp) with EP folded in (megatron-core's parallel_state); unknown
     # without the world (recipes.validate checks the cluster's in recipes.planning.megatron_report)
