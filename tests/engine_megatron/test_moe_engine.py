@@ -1,17 +1,20 @@
-"""Mixture-of-experts through the whole Megatron engine: `python -m recipes.train` under torchrun (2 gloo
-ranks, fp32) on a tiny random Qwen3-MoE and a tiny Mixtral (hidden 64, 2 layers, 4 experts, top-2, routers
+"""Mixture-of-experts through the whole Megatron engine: `python -m recipes.train` under torchrun (gloo
+ranks, fp32; 2 each, one resume on 4) on a tiny random Qwen3-MoE and a tiny Mixtral (hidden 64, 2 layers, 4 experts, top-2, routers
 with random weights so every expert is used; `test_moe.save_moe`), CE + SMMD + NTL-WAS on arithmetic rows
 of 16-32 tokens, 8 rows a step, Adam at lr 3e-3.
 
-| run          | model     | layout                 | micro x accum | steps | what it shows                        |
-|--------------|-----------|------------------------|---------------|-------|--------------------------------------|
-| q_ep2        | qwen3_moe | EP 2 (DP 2)            | 2 x 2         | 3     | the uninterrupted run, its export    |
-| q_tp2_sp     | qwen3_moe | TP 2 + SP (DP 1)       | 2 x 4         | 3     | another layout, its export           |
-| q_stopped    | qwen3_moe | EP 2                   | 2 x 2         | 1     | saved at step 1 and stopped          |
-| (refused)    | qwen3_moe | megatron.ep_size=1     |               |       | the resume policy refuses, exit 2    |
-| q_stopped    | qwen3_moe | EP 2, resumed          | 2 x 2         | 2-4   | = q_ep2 bit for bit; step 4 = export |
-| m_ep2        | mixtral   | EP 2                   | 2 x 2         | 3     | the run, its export                  |
-| m_tp2_sp     | mixtral   | TP 2 + SP              | 2 x 4         | 4     | another layout; step 4 = m_ep2's export |
+| run       | model     | ranks | layout                       | micro x accum | steps | what it shows                    |
+|-----------|-----------|-------|------------------------------|---------------|-------|----------------------------------|
+| q_ep2     | qwen3_moe | 2     | EP 2 (DP 2)                  | 1 x 4         | 1-3   | the uninterrupted run, export    |
+| q_tp2_sp  | qwen3_moe | 2     | TP 2 + SP (DP 1)             | 1 x 8         | 1-3   | another layout, export           |
+| q_stopped | qwen3_moe | 2     | EP 2 (DP 2)                  | 1 x 4         | 1     | saved at step 1, stopped         |
+| (refused) | qwen3_moe | 2     | megatron.ep_size=1           | 1 x 4         |       | the resume policy: exit 2        |
+| q_stopped | qwen3_moe | 4     | EP 2, DP 4 (expert-DP 2)     | 1 x 2         | 2-4   | = q_ep2; step 4: q_ep2's export  |
+| m_ep2     | mixtral   | 2     | EP 2 (DP 2)                  | 2 x 2         | 1-3   | the run, export                  |
+| m_tp2_sp  | mixtral   | 2     | TP 2 + SP (DP 1)             | 2 x 4         | 1-4   | another layout; m_ep2's export   |
+
+router/aux is a mean over micro-batches of a per-micro-batch value, so runs compared step by step deal the
+same micro-batches: one row each for Qwen3-MoE (any DP size), two for Mixtral.
 
 Checked: every metrics row carries `router/aux` (> 0) and `loss` = CE + Σ weight x term + router/aux; step 1
 of every run equals an independent computation on the HF model (its logits through numloss's objective
@@ -21,12 +24,14 @@ loss, CE, terms, router/aux and the gradient norm of their sum within 1e-5); EP 
 same curve; the final export is an HF directory with the initial checkpoint's keys and shapes, every
 tensor trained, and the HF model loaded from it reproduces what the engine logs on the next step (the
 loss, CE, router/aux and gradient norm of step 4 on step 4's rows, computed from the exported weights,
-equal the step-4 row of a run that continued from the same weights: the resumed EP 2 run for Qwen3-MoE,
-1e-5; the TP 2 + SP run for Mixtral, whose step-3 weights differ from EP 2's by the layouts' rounding:
-1e-5 on the values, 1e-4 on the norm). A run stopped after its step-1 checkpoint and resumed at EP 2 logs
-the uninterrupted run's steps 2 and 3 to the bit (step 3's loss reads step 2's update, which used the
-restored Adam moments); restarting it with another `megatron.ep_size` exits 2 naming the key and
-leaves the run directory as it was.
+equal the step-4 row of a run that continued from the same weights: for Qwen3-MoE the resumed run,
+1e-5; for Mixtral the TP 2 + SP run, whose step-3 weights differ from EP 2's by the layouts' rounding:
+1e-5 on the values, 1e-4 on the norm). A run stopped after its step-1 checkpoint (written by 2 ranks at
+EP 2) and resumed on 4 (DP 4: each expert's weights and Adam state now on 2 expert-data-parallel ranks)
+logs the uninterrupted run's steps 2 and 3 within 1e-6 (step 3's loss reads step 2's update, which used
+the restored Adam moments; measured 5e-8; resumed at the saving layout it is the same to the bit,
+measured by hand at DP 2 and DP 4); restarting it with another `megatron.ep_size` exits 2 naming the key
+and leaves the run directory as it was.
 
 The layout refusals `recipes.validate` (exit 2) and preflight (`recipes.train`, before any model is built)
 give for an MoE model: TP > 1 without sequence parallelism (megatron-core builds no MoE layer under it),
@@ -55,19 +60,21 @@ TERMS = {"smmd": 3.0, "ntl_was": 0.3}  # weights: the logged loss is CE + Σ wei
 MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
 EP2 = ("megatron.ep_size=2", "train.micro_batch_size=2", "train.grad_accum=2")
 TP2_SP = ("megatron.tp_size=2", "megatron.sequence_parallel=true", "train.micro_batch_size=2", "train.grad_accum=4")
+Q_EP2 = ("megatron.ep_size=2", "train.micro_batch_size=1", "train.grad_accum=4")
+Q_TP2_SP = ("megatron.tp_size=2", "megatron.sequence_parallel=true", "train.micro_batch_size=1", "train.grad_accum=8")
 # name: (model, data-parallel size, overrides)
 RUNS = {
-    "q_ep2": ("qwen3_moe", 2, (*EP2, "train.steps=3", "train.export=true")),
-    "q_tp2_sp": ("qwen3_moe", 1, (*TP2_SP, "train.steps=3", "train.export=true")),
+    "q_ep2": ("qwen3_moe", 2, (*Q_EP2, "train.steps=3", "train.export=true")),
+    "q_tp2_sp": ("qwen3_moe", 1, (*Q_TP2_SP, "train.steps=3", "train.export=true")),
     "m_ep2": ("mixtral", 2, (*EP2, "train.steps=3", "train.export=true")),
     "m_tp2_sp": ("mixtral", 1, (*TP2_SP, "train.steps=4", "train.export=false")),
 }
-FIRST_STEP = ("q_ep2", "q_tp2_sp", "m_ep2", "m_tp2_sp", "q_stopped")
+FIRST_STEP = ("q_ep2", "q_tp2_sp", "m_ep2", "m_tp2_sp")
 
 
-def _run(root: Path, name: str, model: str, *overrides: str) -> dict:
-    """`recipes.train` on 2 ranks into root/<name>; returns its exit status and output."""
-    proc = launch(root / "recipe.yaml", root / name, f"model.name_or_path={root / model}", *overrides)
+def _run(root: Path, name: str, model: str, *overrides: str, nproc: int = 2) -> dict:
+    """`recipes.train` on `nproc` ranks into root/<name>; returns its exit status and output."""
+    proc = launch(root / "recipe.yaml", root / name, f"model.name_or_path={root / model}", *overrides, nproc=nproc)
     output, _ = proc.communicate(timeout=300)
     return {"code": proc.returncode, "output": output}
 
@@ -96,14 +103,17 @@ def runs(tmp_path_factory) -> dict:
     for name, (model, _, overrides) in RUNS.items():
         out[name] = _run(root, name, model, *overrides)
         assert out[name]["code"] == 0, f"{name}:\n{out[name]['output'][-4000:]}"
-    # stopped after its step-1 checkpoint, refused with another EP size, resumed to step 4 at EP 2
-    out["q_stopped_1"] = _run(root, "q_stopped", "qwen3_moe", *EP2, "train.steps=1", "train.export=false")
+    # stopped after its step-1 checkpoint, refused with another EP size, resumed on 4 ranks (another
+    # data-parallel size and split of the same global batch, the same one-row micro-batches)
+    out["q_stopped_1"] = _run(root, "q_stopped", "qwen3_moe", *Q_EP2, "train.steps=1", "train.export=false")
     assert out["q_stopped_1"]["code"] == 0, out["q_stopped_1"]["output"][-4000:]
+    out["q_stopped_1"]["rows"] = read_metrics(root / "q_stopped")
     out["stopped_files"] = _snapshot(root / "q_stopped")
-    out["refused"] = _run(root, "q_stopped", "qwen3_moe", "megatron.ep_size=1", "train.micro_batch_size=2",
-                          "train.grad_accum=2", "train.steps=4", "train.export=false")
+    out["refused"] = _run(root, "q_stopped", "qwen3_moe", "megatron.ep_size=1", "train.micro_batch_size=1",
+                          "train.grad_accum=4", "train.steps=4", "train.export=false")
     out["after_refusal_files"] = _snapshot(root / "q_stopped")
-    out["q_stopped"] = _run(root, "q_stopped", "qwen3_moe", *EP2, "train.steps=4", "train.export=false")
+    out["q_stopped"] = _run(root, "q_stopped", "qwen3_moe", "megatron.ep_size=2", "train.micro_batch_size=1",
+                            "train.grad_accum=2", "train.steps=4", "train.export=false", nproc=4)
     assert out["q_stopped"]["code"] == 0, out["q_stopped"]["output"][-4000:]
     for name in (*RUNS, "q_stopped"):
         out[name]["rows"] = read_metrics(root / name)
@@ -165,7 +175,8 @@ def hf_step(run_dir: Path, dp: int, step: int, model_dir: Path | None = None) ->
 
 
 def _dp(name: str) -> int:
-    return RUNS[name][1] if name in RUNS else 2
+    """The data-parallel size of the run's last launch (the one its recipe.yaml describes)."""
+    return RUNS[name][1] if name in RUNS else 4
 
 
 def _close(got: dict, want: dict, keys, rel: float, where: str) -> None:
@@ -237,6 +248,7 @@ def test_the_export_gives_the_engines_next_step(runs, family, continued):
     _close(got, want, ("grad_norm",), 1e-5 if continued == "q_stopped" else 1e-4, f"{continued} step 4")
 
 
+
 def test_the_tp2_sp_export_equals_the_ep2_export(runs):
     """The same training at another layout: the exports agree within 1e-4. Adam's first steps divide each
     gradient element by its own size, so an element whose gradient is near zero (a rarely routed expert's)
@@ -255,13 +267,17 @@ def test_the_tp2_sp_export_equals_the_ep2_export(runs):
 # ---- checkpoints under EP ------------------------------------------------------------------------------
 
 
-def test_a_run_stopped_at_ep2_resumes_to_the_uninterrupted_curve(runs):
+def test_a_run_stopped_at_ep2_resumes_on_four_ranks_to_the_uninterrupted_curve(runs):
     resumed, uninterrupted = runs["q_stopped"]["rows"], runs["q_ep2"]["rows"]
-    assert "resumed moe-engine from step 1" in runs["q_stopped"]["output"]
-    assert len(resumed) == 4 and resumed[1].get("recipe_changed")  # train.steps 1 -> 4
-    for got, want in zip(resumed[:3], uninterrupted):
-        for key in ("loss", "ce", "router/aux", "grad_norm", "term/smmd", "term/ntl_was", "lr"):
-            assert got[key] == want[key], f"step {got['step']} {key}: {got[key]!r} != {want[key]!r}"
+    output = runs["q_stopped"]["output"]
+    assert "resumed moe-engine from step 1" in output and "'data_parallel': 4, " in output
+    assert "'expert_parallel': 2" in output
+    assert len(resumed) == 4 and resumed[1].get("recipe_changed")  # steps, split: applied from step 2
+    assert resumed[0] == runs["q_stopped_1"]["rows"][0]  # the stopped run's row, kept
+    assert resumed[0]["loss"] == uninterrupted[0]["loss"]  # the same layout up to there: to the bit
+    for got, want in zip(resumed[1:3], uninterrupted[1:]):
+        keys = ("loss", "ce", "router/aux", "grad_norm", "term/smmd", "term/ntl_was", "lr")
+        _close(got, want, keys, 1e-6, f"resumed step {got['step']}")
 
 
 def test_a_resume_with_another_ep_size_is_refused(runs):
