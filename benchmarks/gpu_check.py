@@ -162,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     table = requirements_table(found, args.smoke)
     table["seconds"] = time.time() - clock.start
     print("\n" + markdown(table) + "\n", flush=True)
+    if args.requirements:
+        (out / "requirements.json").write_text(json.dumps(table, indent=1, default=str))
+        would_skip = [s for s in chosen if table["sections"].get(s)] + [
+            f"{e} rows" for e, r in table["engines"].items() if r]
+        verdict = "would skip " + ", ".join(would_skip) if would_skip else "every section runs"
+        print(f"gpu_check --requirements: {verdict}")
+        return 3 if would_skip else 0
     if not args.smoke and not found["cuda"]["ok"]:
         print(f"gpu_check: no GPU here ({found['cuda'].get('error')}); --smoke runs the code paths on CPU",
               file=sys.stderr)
@@ -170,11 +177,6 @@ def main(argv: list[str] | None = None) -> int:
                           "smoke": args.smoke, "started": clock.start, "deadline_s": clock.deadline - clock.start,
                           "requirements": {k: v for k, v in table.items() if k != "found"}, "found": found})
     report.update("requirements", table)
-    if args.requirements:
-        would_skip = [s for s in chosen if table["sections"].get(s)] or [
-            f"{e} rows" for e, r in table["engines"].items() if r]
-        print(f"gpu_check --requirements: {'would skip ' + ', '.join(would_skip) if would_skip else 'every section runs'}")
-        return 3 if would_skip else 0
 
     state = {"requirements": table}
     if {"packing", "steps"} & set(chosen) and not table["engines"]["deepspeed"]:

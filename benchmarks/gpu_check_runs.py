@@ -209,8 +209,8 @@ class Run:
     after: Prebuild | None = None
     status: int | None = None
     output: str = ""
-    skipped: str | None = None  # why it never started
-    error: str | None = None  # why it has no result (timeout, exit status)
+    skipped: str | None = None  # why it never started (its engine does not import, no time left)
+    error: str | None = None  # why it has no result (timeout, exit status, the FusedAdam build failed)
     seconds: float = 0.0
     key: dict = field(default_factory=dict)  # what the section's row says about the run before its results
 
@@ -229,13 +229,13 @@ def run_recipes(runs: list[Run], timeout_s: float, section_deadline: float, min_
                 waited = run.after.poll()
                 if waited is None:
                     continue  # the build is still going: a later run may start first
-                if waited:
-                    run.skipped = f"waited for {run.after.what}: {waited}"
+                if waited:  # the DeepSpeed engine cannot run its GPU optimizer: a failure, not a skip
+                    run.error = f"waited for {run.after.what}: {waited}"
             left = section_deadline - time.time()
-            if run.skipped is None and left < max(min_run_s, 1.0):
+            if run.error is None and left < max(min_run_s, 1.0):
                 run.skipped = f"not started: {left:.0f} s left of the section's time budget"
             pending.remove(run)
-            if run.skipped is not None:
+            if run.skipped is not None or run.error is not None:
                 on_done and on_done(run)
                 continue
             run.out_dir.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,8 @@ def steps_section(sizes: Sizes, work: Path, seqs: list[int], deadline: float, pr
                         "beside the step model",
                "columns": ["model", "engine", "row_tokens", "tokens_per_micro_batch", "measured_step_s",
                            "predicted_step_s", "measured_tflops", "measured_mfu", "predicted_mfu", "peak_gib",
-                           "predicted_gib", "padding_ratio", "router_aux_first", "router_aux_last", "layout", "skipped", "error"],
+                           "predicted_gib", "padding_ratio", "router_aux_first", "router_aux_last", "layout", "skipped",
+                           "error"],
                "rows": rows, "ok": True}
     for kind, seq in plan:
         micro = max(1, 2048 // seq) if sizes.cuda else 2  # ~2k tokens per micro-batch on the GPU
@@ -129,13 +130,15 @@ def packing_section(sizes: Sizes, work: Path, deadline: float, prebuild: Prebuil
             # one step holds every example of the data set, so both steps train on the same tokens
             recipe = base_recipe(model, data, tok, "float32", {"smmd": {}, "ntl_was": {}})
             recipe["train"].update({"micro_batch_size": micro, "grad_accum": accum})
-            runs[engine, name] = Run(_engine_recipe(recipe, engine, sizes, False), work / f"packing-{engine}-{name}",
+            runs[engine, name] = Run(_engine_recipe(recipe, engine, sizes, False),
+                                     work / f"packing-{engine}-{name}",
                                      after=prebuild if engine == "deepspeed" else None, skipped=skips.get(engine))
 
     def done(_: Run) -> None:
         for engine in ENGINES:
             pair = [runs[engine, "unpacked"], runs[engine, "packed"]]
-            if any(r.status is None and r.skipped is None for r in pair) or any(r["engine"] == engine for r in rows):
+            unfinished = any(r.status is None and r.skipped is None and r.error is None for r in pair)
+            if unfinished or any(r["engine"] == engine for r in rows):
                 continue  # the pair is not finished, or its row is written
             rows.append(_packing_row(engine, pair, examples, packed_rows, section))
             report(section)

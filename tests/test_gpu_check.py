@@ -10,8 +10,8 @@ has not rotted, and its correctness sections hold here too.
   on both engines, each measured beside a prediction, the MoE rows with router/aux near its balanced value.
 - What a bare GPU image meets: a triton that does not import skips `kernels` with the reason and `losses`
   still measures the eager and torch rows (exit 3: skipped, not failed); a failed kernel check turns the
-  fused rows into "kernel check failed"; a DeepSpeed run whose FusedAdam build times out, or whose
-  section's time is spent, is skipped with the reason and never started.
+  fused rows into "kernel check failed"; a DeepSpeed run whose FusedAdam build times out fails with the
+  reason, and a run whose section's time is spent is skipped with it; neither is started.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def test_a_triton_that_does_not_import_skips_kernels_and_losses_measures_the_eag
     rows = {(r.get("N"), r["path"]): r for r in losses["rows"]}
     assert rows[10, "numloss CE eager"]["ms"] > 0 and rows[10, "torch eager CE (fp32 upcast)"]["ms"] > 0
     assert rows[10, "numloss CE"]["note"] == "eager pass (triton does not import)"
-    assert rows[None, "numloss fused paths (CE, grad in place, terms)"]["note"] == "not measured: triton does not import"
+    fused = rows[None, "numloss fused paths (CE, grad in place, terms)"]
+    assert fused["note"] == "not measured: triton does not import"
     assert (10, "numloss CE, grad in place") not in rows
 
 
@@ -106,7 +107,8 @@ def test_a_triton_that_does_not_import_skips_kernels_and_losses_measures_the_eag
 def test_a_failed_kernel_check_leaves_the_fused_rows_unmeasured(tmp_path):
     mode = FusedMode.after({"ok": False, "rows": [{"outcome": "failed"}]}, triton_ok=True)
     assert (mode.run, mode.note) == (False, "kernel check failed")
-    assert FusedMode.after({"ok": True, "skipped": "every case skipped"}, True) == FusedMode(True, "kernel check not run")
+    not_run = FusedMode(True, "kernel check not run")
+    assert FusedMode.after({"ok": True, "skipped": "every case skipped"}, True) == not_run
     assert FusedMode.after({"ok": True}, True) == FusedMode(True, None)
     section = losses_section(Sizes.of(True, 1, 1), tmp_path, 240, mode)
     assert section["ok"] and section["fused"] is False
@@ -161,14 +163,32 @@ def test_requirements_skip_what_cannot_run_and_name_why():
 
 
 @pytest.mark.timeout(120)
-def test_deepspeed_runs_wait_for_the_build_and_are_skipped_when_it_times_out(tmp_path):
+def test_deepspeed_runs_wait_for_the_build_and_fail_when_it_times_out(tmp_path):
     build = Prebuild(tmp_path, cuda=False, timeout_s=0.0)  # a real process, given no time
     late = Run({}, tmp_path / "ds", after=build)
     spent = Run({}, tmp_path / "mg")
     t0 = time.time()
     run_recipes([late, spent], timeout_s=60, section_deadline=time.time() + 5, min_run_s=30, parallel=1)
     assert time.time() - t0 < 30
-    assert late.skipped.startswith("waited for deepspeed import") and "did not finish in 0 s" in late.skipped
+    # a build that fails or times out leaves DeepSpeed's GPU optimizer unbuilt: an error, not a skip
+    assert late.skipped is None and late.status is None
+    assert late.error.startswith("waited for deepspeed import") and "did not finish in 0 s" in late.error
     assert spent.skipped.startswith("not started: ") and "left of the section's time budget" in spent.skipped
     assert build.proc.poll() is not None  # its process group was killed
     assert not (tmp_path / "ds").exists() and not (tmp_path / "mg").exists()  # neither run started
+
+
+@pytest.mark.timeout(200)
+def test_requirements_alone_prints_the_table_and_exits_3_when_a_section_would_be_skipped(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the answer on a machine without a GPU")
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--requirements", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = json.loads((tmp_path / "requirements.json").read_text())
+    assert set(table["sections"]) == {"kernels", "losses", "packing", "steps"}
+    assert all(reason.startswith("needs cuda") for reason in table["sections"].values())
+    assert "| section kernels | skipped |  | needs cuda" in proc.stdout
+    assert not (tmp_path / "gpu_check.json").exists()  # nothing ran
