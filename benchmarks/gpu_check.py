@@ -49,6 +49,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_gpu_losses import markdown as table_markdown  # noqa: E402
 from gpu_check_kernels import FusedMode, kernels_section, losses_section  # noqa: E402  (benchmarks/ is on sys.path)
 from gpu_check_requirements import probe, requirements_table  # noqa: E402
 from gpu_check_runs import Clock, Prebuild, Sizes  # noqa: E402
@@ -58,23 +59,10 @@ SECTIONS = ("kernels", "losses", "packing", "steps")
 PREBUILD_TIMEOUT_S = 300.0  # a cold fused_adam build is ~1 min; past this the DeepSpeed rows are skipped
 
 
-def _cell(value) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.0f}"
-    return str(value).replace("|", "/").replace("\n", " ")
-
-
 def markdown(section: dict) -> str:
-    cols = [c for c in section["columns"] if any(c in r for r in section["rows"])]
-    lines = [f"### {section['title']}", ""]
     if section.get("skipped") and not section["rows"]:
-        return "\n".join(lines + [f"skipped: {section['skipped']}"])
-    lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in section["rows"]]
+        return f"### {section['title']}\n\nskipped: {section['skipped']}"
+    lines = [table_markdown(section)]  # the bench's table, so both print cells alike
     if section.get("skipped"):
         lines += ["", f"skipped: {section['skipped']}"]
     return "\n".join(lines)
