@@ -19,14 +19,35 @@ import torch
 VOCAB, ROWS, SEQ = 300, 8, 16  # ROWS: the global batch
 
 
+def digits_tokenizer(root: Path):
+    """The engine tests' digits tokenizer (120 tokens), trained offline into `root / "tokenizer"`."""
+    from recipes.experiments.tiny import train_tokenizer
+
+    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
+    return train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+
+
+def gloo_rank_runtime(rank: int, world: int):
+    """In a spawned test rank: the torchrun environment, DeepSpeed's process group on gloo, and the
+    engines' `Runtime` for this CPU rank."""
+    import os
+
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
+
+    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only (35-65 s)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    return Runtime(rank, world, rank, torch.device("cpu"))
+
+
 def make_assets(root: Path) -> dict[str, str]:
     """A digits tokenizer and a tiny random Llama (seed 0) saved in `root`; returns their paths."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from recipes.experiments.tiny import train_tokenizer
-
-    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
-    tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+    tokenizer = digits_tokenizer(root)
     assert len(tokenizer) <= VOCAB
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

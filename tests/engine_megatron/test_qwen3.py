@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -224,12 +223,6 @@ def test_logits_and_gradients_equal_hf(checkpoints):
 def _engines(rank, world, assets, out):
     import torch.distributed as dist
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
-
-    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only (35-65 s)
-    import deepspeed
     from megatron.core import parallel_state
 
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
@@ -238,8 +231,7 @@ def _engines(rank, world, assets, out):
     from tests.engine_megatron import engine_helpers as H
     from tests.engine_megatron.test_parallel import _batch, _gather_vocab
 
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    runtime, out = Runtime(rank, world, rank, torch.device("cpu")), Path(out)
+    runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     recipe = H.make_recipe(assets, micro=2, accum=2, steps=1)
     recipe.train.engine, recipe.deepspeed.zero_stage = "deepspeed", 2
     engine = DeepSpeedEngine(recipe, runtime, CheckpointDirs(out / "ds", 1, runtime))
@@ -268,12 +260,10 @@ def _engines(rank, world, assets, out):
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
-    from recipes.experiments.tiny import train_tokenizer
     from tests.engine_megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("qwen3_engines")
-    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
-    tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+    tokenizer = H.digits_tokenizer(root)
     model = save_tiny("qwen3", root / "model", pad_token_id=tokenizer.pad_token_id)
     assets = {"tokenizer": str(root / "tokenizer"), "model": str(model)}
     out = root / "out"

@@ -22,7 +22,6 @@ top-2, 2 layers, router_aux_loss_coef 0.3 (large, so that a wrong router term mo
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -274,19 +273,12 @@ def _engine_recipe(assets: dict, family: str, zero: int, micro: int, accum: int,
 def _engine_ranks(rank, world, assets, out):
     import torch.distributed as dist
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
-
-    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only
-    import deepspeed
 
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
     from recipes.reliability.checkpoints import CheckpointDirs
     from tests.engine_megatron import engine_helpers as H
 
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    runtime, out = Runtime(rank, world, rank, torch.device("cpu")), Path(out)
+    runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     rows = {}
     for family in FAMILIES:
         for name, zero, micro, accum, coeff in RUNS:
@@ -341,11 +333,10 @@ def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
-    from recipes.experiments.tiny import train_tokenizer
+    from tests.engine_megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("deepspeed_moe")
-    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
-    tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+    tokenizer = H.digits_tokenizer(root)
     assets = {"tokenizer": str(root / "tokenizer")}
     for family in FAMILIES:
         tiny(family, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(root / family))
@@ -353,7 +344,6 @@ def engine_runs(tmp_path_factory):
     out = root / "out"
     out.mkdir()
     run_ranks(2, _engine_ranks, assets, str(out), timeout=500)
-    from tests.engine_megatron import engine_helpers as H
 
     return assets, H.read(out / "rows.json"), out
 

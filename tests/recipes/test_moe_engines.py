@@ -8,7 +8,6 @@ right padding, which router/aux leaves out on both engines). Two gloo processes.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,6 @@ LAYOUTS = [("deepspeed", "deepspeed", {}), ("megatron_dp2", "megatron", {}), ("m
 def _ranks(rank, world, assets, out):
     import torch.distributed as dist
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
-
-    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only
-    import deepspeed
     from megatron.core import parallel_state
 
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
@@ -42,8 +35,7 @@ def _ranks(rank, world, assets, out):
     from recipes.reliability.checkpoints import CheckpointDirs
     from tests.engine_megatron import engine_helpers as H
 
-    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    runtime, out = Runtime(rank, world, rank, torch.device("cpu")), Path(out)
+    runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     rows = {}
     for family in FAMILIES:
         for name, kind, layout in LAYOUTS:
@@ -65,12 +57,10 @@ def _ranks(rank, world, assets, out):
 
 @pytest.fixture(scope="module")
 def engine_rows(tmp_path_factory):
-    from recipes.experiments.tiny import train_tokenizer
     from tests.engine_megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("moe_engines")
-    texts = [f"the sum of {i} and {3 * i + 7} is {4 * i + 7} . what is the answer" for i in range(60)]
-    tokenizer = train_tokenizer(texts, root / "tokenizer", style="digits", vocab_size=120)
+    tokenizer = H.digits_tokenizer(root)
     assets = {"tokenizer": str(root / "tokenizer")}
     for family in FAMILIES:
         tiny(family, pad_token_id=tokenizer.pad_token_id).save_pretrained(str(root / family))
