@@ -127,7 +127,27 @@ def parallel_layout_problems(recipe, cfg, world_size: int | None = None) -> list
         problem = autotp_problem(cfg, tp, recipe.deepspeed.zero_stage) if tp > 1 else None
         if problem:
             errors.append(problem)
+        if tp > 1:
+            errors += _autotp_moe_problem(cfg, tp)
     return errors
+
+
+def _autotp_moe_problem(cfg, tp: int) -> list[str]:
+    """AutoTP on a mixture-of-experts model: the DeepSpeed engine refuses it when it wraps the model
+    (recipes.engines.deepspeed.model); said here first, before any model is built."""
+    from recipes.planning.moe import MoEShape
+
+    try:
+        moe = MoEShape.of(cfg)
+    except ValueError as err:  # an MoE family the planner does not know is still an MoE model
+        moe, family = True, str(err)
+    else:
+        family = f"{moe.family}, {moe.experts} experts" if moe is not None else ""
+    if moe is None:
+        return []
+    return [f"deepspeed.tp_size: {tp} on a mixture-of-experts model ({family}): AutoTP is not tested with its"
+            " experts and routers; use deepspeed.tp_size 1 (ZeRO shards the experts) or train.engine: megatron"
+            " (megatron.ep_size)"]
 
 
 def _megatron_problems(recipe, cfg, world_size: int | None) -> list[str]:

@@ -221,3 +221,21 @@ def test_ep_not_dividing_the_data_parallel_size_is_refused(tmp_path):
     rep = V.validate_recipe(path, ["cluster.gpus_per_node=6", "megatron.ep_size=4"], offline=True)
     assert any(e.startswith("megatron.ep_size: 4 does not divide the data-parallel size 6") for e in rep.errors)
     assert V.main([str(path), "cluster.gpus_per_node=6", "megatron.ep_size=4", "--offline"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_autotp_on_an_moe_model_is_refused_before_any_model_is_built(tmp_path, kind, capsys):
+    from recipes.checks import preflight
+    from recipes.config import load_recipe
+    from recipes.planning import validate as V
+
+    path = _tiny_recipe(tmp_path, kind, ep=1)
+    on_deepspeed = ["train.engine=deepspeed", "deepspeed.zero_stage=2"]
+    assert V.validate_recipe(path, on_deepspeed, offline=True).ok  # ZeRO alone shards the experts: fine
+    bad = [*on_deepspeed, "deepspeed.tp_size=2"]
+    refusal = "deepspeed.tp_size: 2 on a mixture-of-experts model"
+    assert any(e.startswith(refusal) for e in V.validate_recipe(path, bad, offline=True).errors)
+    assert V.main([str(path), *bad, "--offline"]) == 2
+    assert refusal in capsys.readouterr().out
+    with pytest.raises(preflight.RecipeCheckError, match="deepspeed.tp_size: 2 on a mixture-of-experts"):
+        preflight.preflight(load_recipe(path, bad), world_size=8)
