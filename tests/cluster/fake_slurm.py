@@ -11,8 +11,10 @@ logged), a container image (the host's Python runs), `--kill-on-bad-exit` (logge
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,17 @@ with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
 if not command:
     sys.exit("fake srun: no command")
 if os.environ.get("FAKE_SRUN_DRY") == "1" and command[0] != "hostname":
+    hold = os.environ.get("FAKE_SRUN_DRY_HOLD")
+    if hold and "--start-head" in command:
+        # a dry head step that ended at once would have the script stop the node steps it starts next
+        # (and a node step killed before it logs is not seen): hold until a step running `hold` has logged
+        import time
+        deadline = time.monotonic() + 60
+        while not any(hold in " ".join(json.loads(x)["command"])
+                      for x in open(os.environ["FAKE_SLURM_LOG"]).read().splitlines() if '"command"' in x):
+            if time.monotonic() > deadline:
+                sys.exit(f"fake srun: no step running {{hold!r}} within 60 s of the head step")
+            time.sleep(0.05)
     sys.exit(0)  # log only
 cwd = options.get("--container-workdir") or os.getcwd()
 if "--container-image" in options:
@@ -98,6 +111,23 @@ def install(bin_dir: Path) -> Path:
         path.write_text(text)
         path.chmod(0o755)
     return bin_dir
+
+
+@contextlib.contextmanager
+def reachable_head():
+    """(ip, port) of a TCP port that answers on this host's first non-loopback IPv4 address, open for the
+    block: a rendered script's wait for the Ray head's port then ends at once, as it does on a cluster once
+    the head is up. Skips the test where the host has no such address."""
+    ips = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split() \
+        if shutil.which("hostname") else []
+    ip = next((a for a in ips if "." in a and not a.startswith("127.")), None)
+    if ip is None:
+        import pytest
+        pytest.skip(f"this host has no non-loopback IPv4 address (hostname -I: {ips})")
+    with socket.socket() as listener:
+        listener.bind((ip, 0))
+        listener.listen(8)
+        yield ip, listener.getsockname()[1]
 
 
 def env(bin_dir: Path, log: Path, nodes: list[str], **extra: str) -> dict:

@@ -108,12 +108,13 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
     overrides = [f"data.train={data}", f"train.out_dir={out}", f"cluster.hf_home={hf}", "cluster.mem=480G",
                  "cluster.nccl_socket_ifname=^lo,docker", "cluster.nodes=2"]
     script = tmp_path / "job.sbatch"
-    script.write_text(render(recipe, mode, overrides, workdir=str(workdir)))
     log = tmp_path / "srun.jsonl"
-    env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
-                         FAKE_HEAD_IP="10.1.2.3")
-    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120)
+    with fake_slurm.reachable_head() as (ip, port):
+        script.write_text(render(recipe, mode, overrides, workdir=str(workdir), port=port))
+        env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
+                             FAKE_HEAD_IP=ip, FAKE_SRUN_DRY_HOLD="ray start")
+        result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                                timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "#SBATCH --mem=480G" in script.read_text()
     assert out.is_dir()  # created before the steps, so it can be mounted
@@ -131,11 +132,11 @@ def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe
     # the steps start in the background, so the fake srun may log them in either order
     command = next(" ".join(s["command"]) for s in jobs if "ray start" not in " ".join(s["command"]))
     if mode == "torchrun":
-        assert "--rdzv_endpoint=10.1.2.3:29500" in command, command
+        assert f"--rdzv_endpoint={ip}:29500" in command, command
     else:
-        assert "--start-head 10.1.2.3:6379" in command, command
+        assert f"--start-head {ip}:{port}" in command, command
         worker = next(s for s in jobs if "ray start" in " ".join(s["command"]))
-        assert worker["options"]["-w"] == "gpu-a2" and "--address=10.1.2.3:6379" in worker["command"]
+        assert worker["options"]["-w"] == "gpu-a2" and f"--address={ip}:{port}" in worker["command"]
         # one token auth for the head step (head + driver) and the joining node: a fresh token per job
         auth = {(s["env"].get("RAY_AUTH_MODE"), s["env"].get("RAY_AUTH_TOKEN")) for s in jobs}
         assert len(auth) == 1, auth
@@ -160,12 +161,14 @@ def test_ray_auth_from_the_submitting_shell_reaches_every_step(recipe, tmp_path,
     token_file.write_text("f11e\n")
     given = {k: str(token_file) if v == "TOKEN_FILE" else v for k, v in given.items()}
     script = tmp_path / "job.sbatch"
-    script.write_text(render(recipe, "ray", [f"train.out_dir={tmp_path / 'out'}", "cluster.nodes=2"],
-                             workdir=str(tmp_path)))
     log = tmp_path / "srun.jsonl"
-    env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
-                         FAKE_HEAD_IP="10.1.2.3", **given)
-    result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    with fake_slurm.reachable_head() as (ip, port):
+        script.write_text(render(recipe, "ray", [f"train.out_dir={tmp_path / 'out'}", "cluster.nodes=2"],
+                                 workdir=str(tmp_path), port=port))
+        env = fake_slurm.env(fake_slurm.install(tmp_path / "bin"), log, ["gpu-a1", "gpu-a2"], FAKE_SRUN_DRY="1",
+                             FAKE_HEAD_IP=ip, FAKE_SRUN_DRY_HOLD="ray start", **given)
+        result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                                timeout=120)
     if expected is None:
         assert result.returncode == 1 and "RAY_AUTH_TOKEN_PATH=/nonexistent/token: no such file" in result.stderr
         assert not log.exists() or all(json.loads(x)["command"][:1] == ["hostname"] for x in log.read_text().splitlines())
