@@ -93,8 +93,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "megatron.pp_size": (RUN, "the layout (the checkpoint reshards)"),
     "megatron.virtual_pp_size": (RUN, "the layout (the checkpoint reshards)"),
     "megatron.sequence_parallel": (RUN, "the layout"),
-    # the experts' checkpoint keys are global expert numbers, but a resume at another EP size is not tested
-    "megatron.ep_size": (REFUSED, "the expert-parallel layout of the checkpoint (resharding across EP sizes not tested)"),
+    # the experts' checkpoint keys are global expert numbers: a resume at another EP size reshards them
+    "megatron.ep_size": (RUN, "the layout (the checkpoint reshards the experts)"),
     "megatron.moe_token_dispatcher": (RUN, "how tokens reach their experts (the same routing and loss)"),
     "megatron.overlap_grad_reduce": (RUN, "communication overlap"),
     "megatron.overlap_param_gather": (RUN, "communication overlap"),

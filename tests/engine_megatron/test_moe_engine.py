@@ -8,7 +8,7 @@ of 16-32 tokens, 8 rows a step, Adam at lr 3e-3.
 | q_ep2     | qwen3_moe | 2     | EP 2 (DP 2)                  | 1 x 4         | 1-3   | the uninterrupted run, export    |
 | q_tp2_sp  | qwen3_moe | 2     | TP 2 + SP (DP 1)             | 1 x 8         | 1-3   | another layout, export           |
 | q_stopped | qwen3_moe | 2     | EP 2 (DP 2)                  | 1 x 4         | 1     | saved at step 1, stopped         |
-| (refused) | qwen3_moe | 2     | megatron.ep_size=1           | 1 x 4         |       | the resume policy: exit 2        |
+| q_to_ep1  | qwen3_moe | 2     | EP 1 (DP 2)                  | 1 x 4         | 2-3   | q_stopped's step 1 at another EP |
 | q_stopped | qwen3_moe | 4     | EP 2, DP 4 (expert-DP 2)     | 1 x 2         | 2-4   | = q_ep2; step 4: q_ep2's export  |
 | m_ep2     | mixtral   | 2     | EP 2 (DP 2)                  | 2 x 2         | 1-3   | the run, export                  |
 | m_tp2_sp  | mixtral   | 2     | TP 2 + SP (DP 1)             | 2 x 4         | 1-4   | another layout; m_ep2's export   |
@@ -30,8 +30,9 @@ equal the step-4 row of a run that continued from the same weights: for Qwen3-Mo
 EP 2) and resumed on 4 (DP 4: each expert's weights and Adam state now on 2 expert-data-parallel ranks)
 logs the uninterrupted run's steps 2 and 3 within 1e-6 (step 3's loss reads step 2's update, which used
 the restored Adam moments; measured 5e-8; resumed at the saving layout it is the same to the bit,
-measured by hand at DP 2 and DP 4); restarting it with another `megatron.ep_size` exits 2 naming the key
-and leaves the run directory as it was.
+measured by hand at DP 2 and DP 4). A copy of that step-1 directory resumed at another expert-parallel
+size (EP 1 on the same 2 ranks: every expert, its weights and Adam moments, now whole on each rank,
+gathered from the two EP 2 shards) logs the same steps 2 and 3 within 1e-6.
 
 The layout refusals `recipes.validate` (exit 2) and preflight (`recipes.train`, before any model is built)
 give for an MoE model: TP > 1 without sequence parallelism (megatron-core builds no MoE layer under it),
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -103,27 +105,21 @@ def runs(tmp_path_factory) -> dict:
     for name, (model, _, overrides) in RUNS.items():
         out[name] = _run(root, name, model, *overrides)
         assert out[name]["code"] == 0, f"{name}:\n{out[name]['output'][-4000:]}"
-    # stopped after its step-1 checkpoint, refused with another EP size, resumed on 4 ranks (another
+    # stopped after its step-1 checkpoint; a copy resumed at EP 1, the run itself on 4 ranks (another
     # data-parallel size and split of the same global batch, the same one-row micro-batches)
     out["q_stopped_1"] = _run(root, "q_stopped", "qwen3_moe", *Q_EP2, "train.steps=1", "train.export=false")
     assert out["q_stopped_1"]["code"] == 0, out["q_stopped_1"]["output"][-4000:]
     out["q_stopped_1"]["rows"] = read_metrics(root / "q_stopped")
-    out["stopped_files"] = _snapshot(root / "q_stopped")
-    out["refused"] = _run(root, "q_stopped", "qwen3_moe", "megatron.ep_size=1", "train.micro_batch_size=1",
-                          "train.grad_accum=4", "train.steps=4", "train.export=false")
-    out["after_refusal_files"] = _snapshot(root / "q_stopped")
+    shutil.copytree(root / "q_stopped", root / "q_to_ep1", ignore=shutil.ignore_patterns("*lock*"))
+    out["q_to_ep1"] = _run(root, "q_to_ep1", "qwen3_moe", "megatron.ep_size=1", "train.micro_batch_size=1",
+                           "train.grad_accum=4", "train.steps=3", "train.export=false")
     out["q_stopped"] = _run(root, "q_stopped", "qwen3_moe", "megatron.ep_size=2", "train.micro_batch_size=1",
                             "train.grad_accum=2", "train.steps=4", "train.export=false", nproc=4)
-    assert out["q_stopped"]["code"] == 0, out["q_stopped"]["output"][-4000:]
-    for name in (*RUNS, "q_stopped"):
+    for name in ("q_to_ep1", "q_stopped"):
+        assert out[name]["code"] == 0, out[name]["output"][-4000:]
+    for name in (*RUNS, "q_to_ep1", "q_stopped"):
         out[name]["rows"] = read_metrics(root / name)
     return out
-
-
-def _snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory but the lock, by relative path, with its bytes."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and "lock" not in p.name}
 
 
 def hf_step(run_dir: Path, dp: int, step: int, model_dir: Path | None = None) -> dict[str, float]:
@@ -280,12 +276,15 @@ def test_a_run_stopped_at_ep2_resumes_on_four_ranks_to_the_uninterrupted_curve(r
         _close(got, want, keys, 1e-6, f"resumed step {got['step']}")
 
 
-def test_a_resume_with_another_ep_size_is_refused(runs):
-    refused = runs["refused"]
-    statuses = set(re.findall(r"exitcode\s+: (-?\d+)", refused["output"]))
-    assert refused["code"] != 0 and statuses == {"2"}, refused["output"][-3000:]
-    assert "megatron.ep_size: 2 -> 1" in refused["output"]
-    assert runs["after_refusal_files"] == runs["stopped_files"]  # nothing written, nothing removed
+def test_a_run_stopped_at_ep2_resumes_at_ep1_to_the_uninterrupted_curve(runs):
+    resumed, uninterrupted = runs["q_to_ep1"]["rows"], runs["q_ep2"]["rows"]
+    output = runs["q_to_ep1"]["output"]
+    assert "resumed moe-engine from step 1" in output and "'expert_parallel': 1" in output
+    assert "megatron.ep_size: 2 -> 1" in output  # the change is named in the resume's report
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[0] == runs["q_stopped_1"]["rows"][0]
+    for got, want in zip(resumed[1:], uninterrupted[1:]):
+        keys = ("loss", "ce", "router/aux", "grad_norm", "term/smmd", "term/ntl_was", "lr")
+        _close(got, want, keys, 1e-6, f"resumed at EP 1, step {got['step']}")
 
 
 # ---- refusals before any model is built --------------------------------------------------------------------

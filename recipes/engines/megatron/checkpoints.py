@@ -1,5 +1,5 @@
 """The Megatron engine's state in `megatron.core.dist_checkpointing` form: it reshards, so a checkpoint
-saved at one TP / PP / DP layout loads at another.
+saved at one TP / PP / DP / EP layout loads at another (experts are keyed by their global number).
 
 What is written, into `<directory>/megatron/` (the caller's step directory; the caller owns the step
 directories, the `latest` marker and the data reader's per-rank state):
@@ -35,8 +35,10 @@ MAIN = "main_param"  # the fp32 main parameter of a bf16 / fp16 model (`step.Tor
 def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
+    # ep too: megatron's tracker holds an expert-parallel RNG seeded by the EP rank, which another EP
+    # size places elsewhere (a checkpoint saved before ep was recorded compares unequal: RNG left as seeded)
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
 
 
 def _rng_state() -> dict:
