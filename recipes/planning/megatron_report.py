@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape
-from recipes.planning.megatron_budget import GRAD_BYTES, Layout, Plan, layers_in_flight, layout_problems, plan
+from recipes.planning.megatron_budget import GRAD_BYTES, Plan, layers_in_flight, plan
+from recipes.planning.megatron_layout import Layout, groups, layout_problems, span
 from recipes.planning.step_model import FIXED_BUFFER_GIB, Hardware
 
 
@@ -164,7 +165,6 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
 def _report_experts(rep, cfg, moe, pl: Plan, lay: Layout, e: int) -> None:
     """The MoE lines (recipes.planning.moe): total and active parameters, the experts a GPU holds and
     their states over the expert-data-parallel group, the all-to-all bytes and where the EP group sits."""
-    from recipes.planning.megatron_budget import groups, span
     from recipes.planning.moe import parameter_counts
 
     counts = parameter_counts(cfg)

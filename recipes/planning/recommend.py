@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from recipes.planning import budget as B
 from recipes.planning import megatron_budget as M
+from recipes.planning import megatron_layout as ML
 from recipes.planning import step_model as sm
 from recipes.planning.moe import MoEShape
 from recipes.planning.step_model import GiB
@@ -132,8 +133,8 @@ def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tie
         if world % (tp * pp * ep) or (moe is not None and (tp * ep > per_node) != across_nodes):
             continue
         dp = world // (tp * pp)
-        lay = M.Layout(tp, pp, dp, 1, tp > 1, per_node, ep=ep)
-        if global_batch % dp or M.layout_problems(shape, lay, 1, moe):
+        lay = ML.Layout(tp, pp, dp, 1, tp > 1, per_node, ep=ep)
+        if global_batch % dp or ML.layout_problems(shape, lay, 1, moe):
             continue
         for b in _divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
             m = global_batch // (dp * b)

@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from recipes.planning import megatron_budget as M
+from recipes.planning import megatron_layout as ML
 from recipes.planning import moe as moe_math
 from recipes.planning.budget import Shape
 from recipes.planning.moe import MoEShape, parameter_counts
@@ -87,7 +88,7 @@ def _tiny_plan(ep, dp=8, recompute=None):
                                   num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
                                   num_experts_per_tok=2))
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    lay = M.Layout(1, 1, dp, gpus_per_node=8, ep=ep)
+    lay = ML.Layout(1, 1, dp, gpus_per_node=8, ep=ep)
     return shape, moe, M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
                               recompute=recompute, timed=False)
 
@@ -124,7 +125,7 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
     st = pl.stages[0]
     assert st.ep_inter == 0 and st.ep_intra == pytest.approx(4 * 4 * T * k * h * e * 3 / 4)  # 4 layers x 4
     # EP 8 over 2 nodes of 4 GPUs: 4 of the 7 peers are on the other node
-    lay = M.Layout(1, 1, 8, gpus_per_node=4, ep=8)
+    lay = ML.Layout(1, 1, 8, gpus_per_node=4, ep=8)
     plan = M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
     sent = 4 * 4 * T * k * h * e * 7 / 8
     assert plan.stages[0].ep_inter == pytest.approx(sent * 4 / 7)
@@ -136,15 +137,15 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
 def test_layout_problems_name_ep_and_tp():
     cfg = _config("qwen3_moe", TINY["qwen3_moe"])
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    problems = M.layout_problems(shape, M.Layout(1, 1, 8, ep=4), 1, moe)
+    problems = ML.layout_problems(shape, ML.Layout(1, 1, 8, ep=4), 1, moe)
     assert problems == ["megatron.ep_size: 4 does not divide the model's 6 experts"]
-    problems = M.layout_problems(shape, M.Layout(1, 1, 4, ep=3), 1, moe)
+    problems = ML.layout_problems(shape, ML.Layout(1, 1, 4, ep=3), 1, moe)
     assert problems and problems[0].startswith("megatron.ep_size: 3 does not divide the data-parallel size 4")
     assert any("megatron.tp_size: 16" in p and "experts' intermediate size" in p
-               for p in M.layout_problems(shape, M.Layout(16, 1, 1, gpus_per_node=16), 1, moe))
+               for p in ML.layout_problems(shape, ML.Layout(16, 1, 1, gpus_per_node=16), 1, moe))
     dense = _config("qwen3", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert M.layout_problems(Shape.of(dense), M.Layout(1, 1, 2, ep=2), 1, None) == [
+    assert ML.layout_problems(Shape.of(dense), ML.Layout(1, 1, 2, ep=2), 1, None) == [
         "megatron.ep_size: 2 > 1, but the model has no experts (a dense MLP)"]
 
 
