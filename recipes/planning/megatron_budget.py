@@ -108,6 +108,16 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
 
 
+def model_flags(config) -> tuple[bool, bool, bool]:
+    """(tied, qkv_bias, qk_norm) of stage_params and plan, from the model's config: tied embeddings,
+    biases on q / k / v (recipes.planning.moe.qkv_bias: qwen2, qwen2_moe), Qwen3's per-head q / k norms
+    (as the engine's conversion reads them)."""
+    from recipes.engines.megatron.convert import qk_norm
+
+    c = getattr(config, "text_config", None) or config
+    return bool(getattr(c, "tie_word_embeddings", False)), moe_math.qkv_bias(c), qk_norm(c)
+
+
 def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False,
                  moe: MoEShape | None = None) -> float:
     """Parameters one GPU of pipeline stage `stage` holds (its TP shard; norms are replicated over TP,

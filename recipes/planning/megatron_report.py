@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape
-from recipes.planning.megatron_budget import GRAD_BYTES, Plan, layers_in_flight, plan
+from recipes.planning.megatron_budget import GRAD_BYTES, Plan, layers_in_flight, model_flags, plan
 from recipes.planning.megatron_layout import Layout, groups, layout_problems, span
 from recipes.planning.step_model import FIXED_BUFFER_GIB, Hardware
 
@@ -64,7 +64,6 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
     the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
     longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal)."""
-    from recipes.engines.megatron.convert import qk_norm as has_qk_norm
     from recipes.planning.moe import MoEShape
 
     mg, tr, m = recipe.megatron, recipe.train, recipe.model
@@ -84,10 +83,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
         return None
     seq = rows.peak
-    text = getattr(cfg, "text_config", None) or cfg
-    tied = bool(getattr(text, "tie_word_embeddings", False))
-    qkv_bias = bool(getattr(text, "attention_bias", False)) or getattr(text, "model_type", "") == "qwen2"
-    qk_norm = has_qk_norm(text)  # Qwen3's per-head q / k norms
+    tied, qkv_bias, qk_norm = model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
     e = 2 if m.dtype == "bfloat16" else 4
     pl = plan(shape, lay, micro_batch_size=tr.micro_batch_size, rows=rows, grad_accum=tr.grad_accum, tied=tied,
               recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,

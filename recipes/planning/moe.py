@@ -15,6 +15,8 @@ Families (HF config keys; transformers 5 stores each layer's experts as fused 3-
 
 Parameters (tied embeddings counted once, as transformers' `parameters()` does):
   total  = embeddings (V h, x 2 untied) + final norm h + L x (attention + 2 h norms [+ 2 d q/k norms])
+           (attention: (a + 2 k) d h + a d h [+ (a + 2 k) d q/k/v biases: qwen2_moe by its qkv_bias,
+           default true; qwen3_moe only with attention_bias, which adds the output's h; mixtral none])
            + per MoE layer (E x 3 h I experts + E h router [+ 3 h I_s + h shared expert and gate])
            + per dense layer 3 h I_dense
   active = total - per MoE layer (E - k) x 3 h I: what one token runs through (its top-k experts, the
@@ -62,6 +64,7 @@ from recipes.planning.step_model import Collective
 
 MOE_KERNELS_PER_LAYER = 30  # router, top-k, permute / unpermute, all-to-alls, forward + backward (a guess)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")  # a bias on q, k and v and no other linear layer (qkv_bias)
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,26 @@ class MoEShape:
         return self.experts * hidden + shared
 
 
+def qkv_bias(config) -> bool:
+    """Whether the q, k and v projections carry a bias, as transformers builds the family: qwen2 always
+    (hard-coded bias=True, no config key), qwen2_moe by `qkv_bias` (Qwen1.5-MoE / Qwen2-MoE: True when
+    the key is absent, as in their config.json, which predates it; transformers 4 hard-coded the bias),
+    the others (llama, mistral, qwen3, qwen3_moe; mixtral has no key) by `attention_bias`, which biases
+    the output projection too (output_bias)."""
+    c = getattr(config, "text_config", None) or config
+    kind = getattr(c, "model_type", "")
+    if kind in QKV_BIAS_ONLY:
+        return bool(getattr(c, "qkv_bias", True)) if kind == "qwen2_moe" else True
+    return bool(getattr(c, "attention_bias", False))
+
+
+def output_bias(config) -> bool:
+    """Whether the attention's output projection carries a bias: `attention_bias` outside the families
+    whose bias is q, k and v's only (QKV_BIAS_ONLY: their modules ignore `attention_bias`)."""
+    c = getattr(config, "text_config", None) or config
+    return getattr(c, "model_type", "") not in QKV_BIAS_ONLY and bool(getattr(c, "attention_bias", False))
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     total: int
@@ -139,8 +162,7 @@ def parameter_counts(config) -> ParamCounts:
     kv = getattr(c, "num_key_value_heads", None) or heads
     h, kind = c.hidden_size, getattr(c, "model_type", "")
     attn = h * (heads + 2 * kv) * d + heads * d * h
-    if getattr(c, "attention_bias", False) or (kind == "qwen2_moe" and getattr(c, "qkv_bias", False)):
-        attn += (heads + 2 * kv) * d + (h if getattr(c, "attention_bias", False) else 0)
+    attn += (heads + 2 * kv) * d * qkv_bias(c) + h * output_bias(c)
     if kind in ("qwen3", "qwen3_moe"):
         attn += 2 * d  # per-head q / k RMSNorm
     layer = attn + 2 * h

@@ -103,14 +103,9 @@ def deepspeed_options(recipe, shape: B.Shape, params: int, largest: int, hw: sm.
 
 
 def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows, global_batch: int) -> list[Option]:
-    from recipes.engines.megatron.convert import qk_norm as has_qk_norm
-
     cl, mg = recipe.cluster, recipe.megatron
     world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
-    text_cfg = getattr(cfg, "text_config", None) or cfg
-    tied = bool(getattr(text_cfg, "tie_word_embeddings", False))
-    qkv_bias = bool(getattr(text_cfg, "attention_bias", False)) or getattr(text_cfg, "model_type", "") == "qwen2"
-    qk_norm = has_qk_norm(text_cfg)  # Qwen3's per-head q / k norms
+    tied, qkv_bias, qk_norm = M.model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
     moe = MoEShape.of(cfg)
     e = 2 if recipe.model.dtype == "bfloat16" else 4
     inside = _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,

@@ -65,6 +65,43 @@ def test_total_and_active_parameters_equal_the_hf_model(kind):
     assert counts.active < counts.total
 
 
+@pytest.mark.parametrize("kind, extra", [("qwen2_moe", {}), ("qwen2_moe", {"qkv_bias": False}), ("qwen3_moe", {}),
+                                         ("qwen3_moe_mixed", {}), ("mixtral", {}), ("qwen3_moe", {"attention_bias": True})])
+def test_the_megatron_planners_parameters_equal_the_hf_model(kind, extra):
+    """The Megatron planner's parameters at TP = PP = EP = 1 (stage_params, with the q / k / v biases, q / k
+    norms and tied embeddings model_flags reads from the config, as validate and recommend do) and
+    parameter_counts: the numel sum of the HF model built from the config (vocabulary 128: no Megatron
+    padding). qwen2_moe has q / k / v biases unless qkv_bias is false; qwen3_moe only with attention_bias
+    (which the engine refuses: Megatron's stage parameters are not compared there), mixtral none."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(kind, {**TINY[kind], "vocab_size": 128, **extra})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    biased = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith("_proj.bias")}
+    tied, qkv_bias, qk_norm = M.model_flags(cfg)
+    assert qkv_bias == bool(biased) == (kind == "qwen2_moe" and extra.get("qkv_bias", True) or "attention_bias" in extra)
+    assert moe_math.output_bias(cfg) == ("o_proj" in biased)
+    assert parameter_counts(cfg).total == total
+    if "attention_bias" not in extra:
+        shape, moe = Shape.of(cfg), MoEShape.of(cfg)
+        assert M.stage_params(shape, ML.Layout(1, 1, 1), 0, tied, qkv_bias, qk_norm, moe) == total
+
+
+def test_qkv_bias_of_configs_without_the_key():
+    """Qwen1.5-MoE's and Qwen2-MoE's config.json have no qkv_bias key (transformers 4 hard-coded the bias):
+    biased; qwen2 always; qwen3_moe and mixtral not, unless attention_bias."""
+    from types import SimpleNamespace as NS
+
+    assert moe_math.qkv_bias(NS(model_type="qwen2_moe")) and moe_math.qkv_bias(NS(model_type="qwen2"))
+    assert not moe_math.qkv_bias(NS(model_type="qwen2_moe", qkv_bias=False))
+    assert not moe_math.qkv_bias(NS(model_type="qwen2_moe", qkv_bias=False, attention_bias=True))
+    assert not moe_math.qkv_bias(NS(model_type="qwen3_moe")) and not moe_math.qkv_bias(NS(model_type="mixtral"))
+    assert moe_math.qkv_bias(NS(model_type="qwen3_moe", attention_bias=True))
+    assert moe_math.qkv_bias(NS(text_config=NS(model_type="qwen2_moe")))
+
+
 def test_published_totals_are_reproduced_within_one_percent():
     q = parameter_counts(_config("qwen3_moe", QWEN3_30B_A3B))
     assert q.total == pytest.approx(30.5e9, rel=0.01) and q.active == pytest.approx(3.3e9, rel=0.02)
