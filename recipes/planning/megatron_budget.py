@@ -10,7 +10,10 @@ micro-batches per step per DP rank, T = micro_batch_size x s tokens per micro-ba
 e = 2 bytes (bf16) per activation and weight, P_r the parameters one GPU of stage r holds.
 
 Mixture-of-experts models (`moe`, `Layout.ep`): the experts' parameters, states over the expert-data-
-parallel group D / ep, activations, all-to-alls and GEMMs are recipes.planning.moe's (its docstring).
+parallel group D / ep, activations, all-to-alls and GEMMs are recipes.planning.moe's (its docstring),
+on the busiest GPU of the EP group under a routing imbalance (`MoEShape.imbalance`): its experts'
+activations (Stage.expert_activations, in the activations and the buffers' one layer), all-to-alls and
+expert GEMMs.
 
 Layout, rank order, groups and the layouts refused: recipes.planning.megatron_layout (re-exported here).
 
@@ -200,9 +203,10 @@ class Stage:
     t_p2p: float = 0.0
     t_dp_exposed: float = 0.0
     expert_params: float = 0.0  # of `params`: the routed experts' (model states sharded over edp)
-    ep_inter: float = 0.0  # per step, EP all-to-alls
+    ep_inter: float = 0.0  # per step, EP all-to-alls: the busiest EP rank's heavier side (recipes.planning.moe)
     ep_intra: float = 0.0
     t_ep: float = 0.0  # seconds per micro-batch
+    expert_activations: float = 0.0  # of `memory`: on the tokens the busiest EP rank's experts receive
 
     @property
     def total(self) -> float:
@@ -292,7 +296,12 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     full_layer = layer_activation_bytes(s, T, t, lay.sp, None, e)
     stages = []
     dp_colls: list[list[Collective]] = []
-    moe_extra = 0.0 if moe is None else moe.sparse_fraction * moe_math.extra_activation_bytes(moe, s.hidden, T, e)
+    moe_extra = routed = 0.0  # routed: a layer's activations on the tokens the experts receive (busiest EP rank)
+    if moe is not None:  # the busiest EP rank's experts receive `share` x the mean tokens (moe's docstring)
+        share, f = moe.busiest_share(lay.ep), moe.sparse_fraction
+        balanced = f * moe_math.routed_activation_bytes(moe, s.hidden, T, t, e)
+        moe_extra = f * moe_math.extra_activation_bytes(moe, s.hidden, T, e) + (share - 1) * balanced
+        routed = share * balanced
     full_layer += moe_extra
     for r in range(p):
         st = Stage(r, stage_params(s, lay, r, tied, qkv_bias, qk_norm, moe), expert_params=stage_expert_params(s, lay, moe))
@@ -305,6 +314,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
             mem["activations"] = held * layer_activation_bytes(s, T, t, lay.sp, "full", e) + full_layer
         else:
             mem["activations"] = held * (layer_activation_bytes(s, T, t, lay.sp, recompute, e) + moe_extra)
+        st.expert_activations = ((1 if recompute == "full" else held) + 1) * routed  # + the buffers' one layer
         if r == p - 1:
             mem["head"] = 2 * e * s.hidden * T / seq_split + head_bytes(head_shape, T, t, e, chunked_head, chunk_size)
         mem["buffers"] = full_layer + 2 * U / seq_split + (U if lay.sp else 0) + FIXED_BUFFER_GIB * GiB

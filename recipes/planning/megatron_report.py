@@ -5,6 +5,8 @@ bytes each GPU moves inside and across nodes, and the step time with what it is 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from recipes.planning import step_model as sm
 from recipes.planning.budget import GiB, Shape
 from recipes.planning.megatron_budget import GRAD_BYTES, Plan, layers_in_flight, model_flags, plan
@@ -60,10 +62,12 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows) -> Plan | None:
+def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows, moe_imbalance: float = 1.0
+                    ) -> Plan | None:
     """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
     the peak stage does not fit `hw.mem_gib` or the layout does not divide the model. Memory at the
-    longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal)."""
+    longest rows, time at the rows as the engine pads them (recipes.planning.step_model.Rows.deal).
+    `moe_imbalance`: an MoE model's routing imbalance (recipes.planning.moe, MoEShape.imbalance)."""
     from recipes.planning.moe import MoEShape
 
     mg, tr, m = recipe.megatron, recipe.train, recipe.model
@@ -75,9 +79,13 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
         return None
     try:
         moe = MoEShape.of(cfg)
+        if moe is not None:
+            moe = replace(moe, imbalance=moe_imbalance)
     except ValueError as err:
         rep.errors.append(str(err))
         return None
+    if moe is None and moe_imbalance != 1:
+        rep.warnings.append(f"--moe-imbalance {moe_imbalance:g}: the model has no experts; ignored")
     problems = layout_problems(shape, lay, tr.grad_accum, moe)
     rep.refuse_layout(problems)
     if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
@@ -165,9 +173,12 @@ def _report_experts(rep, cfg, moe, pl: Plan, lay: Layout, e: int) -> None:
 
     counts = parameter_counts(cfg)
     peak = pl.peak
+    share = moe.busiest_share(lay.ep)
     rep.numbers.update(total_params=counts.total, active_params=counts.active, expert_params=counts.experts,
                        expert_state_bytes=int(peak.memory.get("expert states", 0)),
-                       ep_inter_node_bytes=int(peak.ep_inter), ep_intra_node_bytes=int(peak.ep_intra))
+                       ep_inter_node_bytes=int(peak.ep_inter), ep_intra_node_bytes=int(peak.ep_intra),
+                       moe_imbalance=moe.imbalance, moe_busiest_share=share,
+                       expert_activation_bytes=int(peak.expert_activations))
     rep.add("experts", f"{moe.family}: {moe.experts} experts, top-{moe.top_k}, width {moe.expert_intermediate}"
             f"{f', shared expert {moe.shared_intermediate}' if moe.shared_intermediate else ''} in {moe.moe_layers} of "
             f"{moe.layers} layers; {counts.total / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active per token "
@@ -181,4 +192,18 @@ def _report_experts(rep, cfg, moe, pl: Plan, lay: Layout, e: int) -> None:
             f"{peak.expert_params / 1e9:.2f}B expert parameters on the peak stage, their states "
             f"{peak.memory.get('expert states', 0) / GiB:.1f} GiB over expert-DP {lay.edp}; all-to-all per step "
             f"{(peak.ep_inter + peak.ep_intra) / 1e9:,.2f} GB ({peak.ep_inter / 1e9:,.2f} over the network), "
-            f"{peak.t_ep * 1e3:.1f} ms per micro-batch on the critical path (balanced routing assumed)")
+            f"{peak.t_ep * 1e3:.1f} ms per micro-batch on the critical path; {_routing(moe, share, peak, lay)}")
+
+
+def _routing(moe, share: float, peak, lay: Layout) -> str:
+    """The routing the expert numbers assume (recipes.planning.moe: routing imbalance)."""
+    acts = f"expert activations {_gib(peak.expert_activations)}"
+    if moe.imbalance == 1:
+        return f"balanced routing assumed (--moe-imbalance 1: each EP rank receives the mean tokens), {acts}"
+    if share == 1:
+        return f"routing imbalance x{moe.imbalance:g} has no effect at EP 1 (every GPU runs its own tokens' experts)"
+    capped = (f", capped at x{share:g}: all the tokens its {moe.experts // lay.ep} experts can take"
+              if share < moe.imbalance else "")
+    return (f"routing imbalance x{moe.imbalance:g} (--moe-imbalance): the busiest EP rank receives x{share:g} the mean "
+            f"tokens{capped}; its {acts} (+{_gib(peak.expert_activations * (1 - 1 / share))} over balanced), its "
+            f"all-to-all bytes and expert GEMMs x{share:g}")

@@ -37,26 +37,39 @@ tp. One GPU of a stage holds E / ep experts of each of its MoE layers, each slic
   expert parameters (2 + 4 + 12 / D_e): their optimizer state is sharded over the expert-data-parallel
   group only (Megatron's DDP gives expert parameters their own buffers, reduced over that group).
 - Activations of an MoE layer per micro-batch of T tokens (balanced routing: each GPU of the EP group
-  receives T k tokens; dropless routing lets a popular expert get more, which this does not count):
-  the SwiGLU intermediates 4 I / tp of the T k routed tokens (Shape.of's k I width, as dense), plus the
-  permuted tokens the experts read and the expert outputs the combine reads, 2 e k h per token, and the
-  router's fp32 logits and probabilities, 8 E per token. Full recompute keeps the layer's input only.
-- All-to-all (Megatron's alltoall dispatcher): per MoE layer per micro-batch, dispatch and combine in
-  forward, their gradients in backward: 4 all-to-alls of the T_local k tokens' hidden states (T_local =
-  T / tp under sequence parallelism: the dispatcher exchanges the sequence shard and gathers inside the
-  TP group after), each GPU sending T_local k h e (ep - 1) / ep bytes per all-to-all; full recompute
-  runs the forward's two again. Of those bytes (ep - g) / (ep - 1) go to the ranks of other nodes
-  (g: the group's ranks on one node), over the network; the rest over NVLink.
-- Expert GEMMs: each of the E / ep local experts receives T k ep / E tokens; its three GEMM shapes (gate
-  + up [h, 2 I / tp], down [I / tp, h]), forward and both backward GEMMs, each at the rate of its own
-  shape (recipes.planning.gemm_rates): small experts run small, slow GEMMs. The router GEMM [T, h] x
-  [h, E] and the shared expert at their rates too. Grouped-GEMM kernels, permutation and the MoE
-  layer's extra launches (MOE_KERNELS_PER_LAYER, a guess) are not measured here: none of this ran on a
-  GPU.
+  receives T k tokens): the SwiGLU intermediates 4 I / tp of the T k routed tokens (Shape.of's k I width,
+  as dense), plus the permuted tokens the experts read and the expert outputs the combine reads, 2 e k h
+  per token, and the router's fp32 logits and probabilities, 8 E per token. Full recompute keeps the
+  layer's input only.
+- All-to-all (Megatron's alltoall dispatcher; balanced, x f below): per MoE layer per micro-batch,
+  dispatch and combine in forward, their gradients in backward: 4 all-to-alls of the T_local k tokens'
+  hidden states (T_local = T / tp under sequence parallelism: the dispatcher exchanges the sequence shard
+  and gathers inside the TP group after), each GPU sending T_local k h e (ep - 1) / ep bytes per
+  all-to-all; full recompute runs the forward's two again. Of those bytes (ep - g) / (ep - 1) go to the
+  ranks of other nodes (g: the group's ranks on one node), over the network; the rest over NVLink.
+- Expert GEMMs (balanced, x f below): each of the E / ep local experts receives T k ep / E tokens; its
+  three GEMM shapes (gate + up [h, 2 I / tp], down [I / tp, h]), forward and both backward GEMMs, each
+  at the rate of its own shape (recipes.planning.gemm_rates): small experts run small, slow GEMMs. The
+  router GEMM [T, h] x [h, E] and the shared expert at their rates too. Grouped-GEMM kernels,
+  permutation and the MoE layer's extra launches (MOE_KERNELS_PER_LAYER, a guess) are not measured
+  here: none of this ran on a GPU.
+- Routing imbalance f (`MoEShape.imbalance` >= 1, validate's --moe-imbalance; 1: balanced, the numbers
+  above): dropless routing sends a popular expert more than its share, so the busiest GPU of the EP
+  group receives f T k tokens, f times the mean (the factor a capacity factor bounds when tokens are
+  dropped). On that GPU, what sits on the received tokens is f times the balanced: the experts' input
+  (e k h per token, of the 2 e k h above) and their SwiGLU intermediates (4 e k I / tp),
+  routed_activation_bytes; the router's and the combine's (the GPU's own T tokens) are not. Each
+  all-to-all moves f times the balanced bytes on that GPU's heavier side (it receives f in the dispatch
+  and the combine's gradient, sends f back in the combine and the dispatch's gradient; the other side
+  is the mean), which sets the call's time: its all-to-all bytes and time x f. Its experts' GEMMs run
+  f times the tokens. At ep = 1 every GPU runs its own tokens' experts: no factor; the busiest of ep
+  GPUs cannot receive more than every token's copies its E / ep experts can take, ep min(k, E / ep) / k
+  times the mean, where f is capped (busiest_share).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from recipes.planning import gemm_rates as gr
@@ -65,6 +78,14 @@ from recipes.planning.step_model import Collective
 MOE_KERNELS_PER_LAYER = 30  # router, top-k, permute / unpermute, all-to-alls, forward + backward (a guess)
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 QKV_BIAS_ONLY = ("qwen2", "qwen2_moe")  # a bias on q, k and v and no other linear layer (qkv_bias)
+
+
+def imbalance_problem(value) -> str | None:
+    """Why `value` is no routing imbalance (MoEShape.imbalance, validate's --moe-imbalance), None if it is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 1:
+        return None
+    return (f"moe imbalance: {value!r} is not a number >= 1.0: it is the tokens the busiest EP rank receives over "
+            "the mean (1.0: balanced routing; the busiest rank never receives less than the mean)")
 
 
 @dataclass(frozen=True)
@@ -79,6 +100,19 @@ class MoEShape:
     layers: int
     dense_intermediate: int = 0  # the dense MLP of the layers without experts
     shared_intermediate: int = 0  # qwen2_moe's shared expert (0: none)
+    imbalance: float = 1.0  # routing: the busiest EP rank receives imbalance x the mean tokens (module docstring)
+
+    def __post_init__(self):
+        problem = imbalance_problem(self.imbalance)
+        if problem:
+            raise ValueError(problem)
+
+    def busiest_share(self, ep: int) -> float:
+        """The tokens the busiest of `ep` EP ranks receives over the mean (module docstring): 1 at ep 1,
+        else `imbalance`, at most ep min(k, E / ep) / k."""
+        if ep == 1:
+            return 1.0
+        return min(self.imbalance, ep * min(self.top_k, self.experts / ep) / self.top_k)
 
     @property
     def active_intermediate(self) -> int:
@@ -201,6 +235,13 @@ def extra_activation_bytes(moe: MoEShape, hidden: int, tokens: float, e: int) ->
     return tokens * (2 * e * moe.top_k * hidden + 8 * moe.experts)
 
 
+def routed_activation_bytes(moe: MoEShape, hidden: int, tokens: float, tp: int, e: int) -> float:
+    """Of one MoE layer's activations per micro-batch of `tokens`, what sits on the T k routed tokens a GPU
+    of the EP group receives under balanced routing: the experts' input (e h each) and their SwiGLU
+    intermediates (4 e I / tp each); busiest_share times it on the busiest GPU (module docstring)."""
+    return tokens * moe.top_k * e * (hidden + 4 * moe.expert_intermediate / tp)
+
+
 def all_to_all_bytes(tokens: float, top_k: int, hidden: int, e: int, ep: int) -> float:
     """Bytes one GPU sends in one all-to-all of its `tokens` tokens' k routed copies: T k h e (ep - 1) / ep."""
     return tokens * top_k * hidden * e * (ep - 1) / ep if ep > 1 else 0.0
@@ -213,11 +254,12 @@ def all_to_alls_per_layer(recompute: str | None) -> int:
 
 def all_to_all_collective(moe: MoEShape, hidden: int, layers: float, tokens: float, e: int, ep: int, nodes: int,
                           per_node: int, recompute: str | None = None) -> Collective:
-    """One micro-batch's all-to-alls on one GPU holding `tokens` tokens before dispatch (the sequence
+    """One micro-batch's all-to-alls on the busiest GPU of its EP group (busiest_share x the balanced
+    bytes on its heavier side of each call), holding `tokens` tokens before dispatch (the sequence
     shard under SP) through `layers` layers (the MoE ones among them), its EP group spanning `nodes`
     nodes with `per_node` of its ranks on each; on the critical path (not overlapped)."""
     calls = round(moe.sparse_fraction * layers) * all_to_alls_per_layer(recompute)
-    each = all_to_all_bytes(tokens, moe.top_k, hidden, e, ep)
+    each = all_to_all_bytes(tokens, moe.top_k, hidden, e, ep) * moe.busiest_share(ep)
     return Collective("EP all-to-all", calls * each, nodes, per_node, calls, "all_to_all", ep)
 
 
@@ -226,8 +268,9 @@ def expert_compute(table: gr.RateTable, moe: MoEShape, hidden: int, tokens: floa
     """(seconds, FLOPs) of one layer's MLP GEMMs on one GPU, averaged over the layers (an MoE layer's
     experts, shared expert and router; a dense layer's SwiGLU MLP), for a micro-batch of `tokens` tokens
     per data-parallel rank, forward and both backward GEMMs (full recompute: the forward again), each
-    GEMM shape at its own rate (module docstring)."""
-    per_expert = tokens * moe.top_k * ep / moe.experts
+    GEMM shape at its own rate (module docstring); the routed experts' on the busiest GPU of the EP group
+    (busiest_share x the mean tokens)."""
+    per_expert = tokens * moe.top_k * ep / moe.experts * moe.busiest_share(ep)
     gemms = [(per_expert, hidden, 2 * moe.expert_intermediate / tp, moe.experts / ep),
              (per_expert, moe.expert_intermediate / tp, hidden, moe.experts / ep),
              (tokens, hidden, moe.experts, 1)]  # the router, replicated over TP

@@ -11,8 +11,9 @@ Candidates, each kept only when its peak stage / GPU fits the usable memory:
   replica's rows, recompute none, else selective, else full, whichever fits first; no interleaving.
   A mixture-of-experts model (recipes.planning.moe) also gets every EP dividing its experts and the DP
   size; an EP group that spans nodes (tp x ep above the node's GPUs) only when no layout with it inside a
-  node fits (its all-to-alls would cross the network every MoE layer). DeepSpeed runs an MoE model as
-  the HF module with every expert on every rank (its memory counts them all, its FLOPs the active ones).
+  node fits (its all-to-alls would cross the network every MoE layer), each at validate's
+  --moe-imbalance (the busiest EP rank's share of the tokens). DeepSpeed runs an MoE model as the HF
+  module with every expert on every rank (its memory counts them all, its FLOPs the active ones).
 The recipe's other settings (dtype, head, reduce dtype, buckets, overlap) stay as they are. Rows: the
 recipe's, as the engine pads them (data.length_bucketing included), so a short-row recipe gets the
 layout that is fastest at its real lengths, not at the longest.
@@ -102,11 +103,14 @@ def deepspeed_options(recipe, shape: B.Shape, params: int, largest: int, hw: sm.
     return out
 
 
-def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows, global_batch: int) -> list[Option]:
+def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows, global_batch: int,
+                     moe_imbalance: float = 1.0) -> list[Option]:
     cl, mg = recipe.cluster, recipe.megatron
     world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
     tied, qkv_bias, qk_norm = M.model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
     moe = MoEShape.of(cfg)
+    if moe is not None:  # the busiest EP rank's share of the tokens (recipes.planning.moe)
+        moe = replace(moe, imbalance=moe_imbalance)
     e = 2 if recipe.model.dtype == "bfloat16" else 4
     inside = _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
                                   across_nodes=False)
@@ -157,21 +161,24 @@ def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tie
     return out
 
 
-def options(recipe, cfg, params: int, largest: int, hw: sm.Hardware, rows: sm.Rows, global_batch: int) -> list[Option]:
-    """Every candidate that fits (module docstring), fastest first."""
+def options(recipe, cfg, params: int, largest: int, hw: sm.Hardware, rows: sm.Rows, global_batch: int,
+            moe_imbalance: float = 1.0) -> list[Option]:
+    """Every candidate that fits (module docstring), fastest first; `moe_imbalance`: the Megatron
+    candidates' routing imbalance (recipes.planning.moe)."""
     shape = B.Shape.of(cfg)
     found = deepspeed_options(recipe, shape, params, largest, hw, rows, global_batch)
     if recipe.model.lora is None and not recipe.model.vision:  # what the Megatron engine trains
-        found += megatron_options(recipe, cfg, shape, hw, rows, global_batch)
+        found += megatron_options(recipe, cfg, shape, hw, rows, global_batch, moe_imbalance)
     return sorted(found, key=lambda o: o.step_s)
 
 
-def recommend(rep, recipe, cfg, params: int, largest: int, hw: sm.Hardware, rows: sm.Rows, global_batch: int) -> None:
+def recommend(rep, recipe, cfg, params: int, largest: int, hw: sm.Hardware, rows: sm.Rows, global_batch: int,
+              moe_imbalance: float = 1.0) -> None:
     """validate's recommendation: the fastest fitting layout on either engine and the fastest on each,
     beside the recipe's own predicted step (rep.numbers["step_time_s"]), each with its dominant terms; a
     warning when the recipe's layout is predicted 1.5x slower or more."""
     try:
-        found = options(recipe, cfg, params, largest, hw, rows, global_batch)
+        found = options(recipe, cfg, params, largest, hw, rows, global_batch, moe_imbalance)
     except AttributeError as err:  # no layer shapes
         rep.warnings.append(f"recommendation: no layer shapes in the model config ({err})")
         return

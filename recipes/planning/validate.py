@@ -32,9 +32,11 @@ What is checked, in order:
    row lengths read from its shards (padded to data.seq_len when set, else as the engine pads each
    micro-batch), else data.seq_len, else 1024 assumed (stated). `train.engine: megatron` recipes get
    recipes.planning.megatron_budget's instead (recipes.planning.megatron_report): memory by pipeline
-   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU. Then, for a recipe without
-   errors, the fastest layout that fits on either engine at these rows, with the recipe keys that select
-   it (recipes.planning.recommend; a warning when the recipe's own is 1.5x slower or more).
+   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU (an MoE model's at
+   --moe-imbalance, the busiest EP rank's share of the tokens: recipes.planning.moe). Then, for a
+   recipe without errors, the fastest layout that fits on either engine at these rows, with the recipe
+   keys that select it (recipes.planning.recommend; a warning when the recipe's own is 1.5x slower or
+   more).
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
@@ -162,14 +164,20 @@ def chunked_head_note(rep: Report, recipe, hidden_size: int | None) -> None:
 def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict: bool = False,
                     offline: bool = False, gpu_mem_gb: float | None = None, size: bool = True,
                     seq_len: int | None = None, mean_row_tokens: float | None = None, recommend: bool = True,
-                    **hardware) -> Report:
+                    moe_imbalance: float = 1.0, **hardware) -> Report:
     """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`). `hardware`:
     gpu, gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
     cluster.* values, else recipes.planning.step_model.Hardware's defaults). `recommend`: weigh the other
-    layouts too (recipes.planning.recommend) when the recipe has no error so far."""
+    layouts too (recipes.planning.recommend) when the recipe has no error so far. `moe_imbalance`: the
+    tokens the busiest EP rank receives over the mean, >= 1 (recipes.planning.moe; Megatron plans)."""
     from recipes.config import load_recipe
+    from recipes.planning.moe import imbalance_problem
 
     rep = Report(str(path))
+    if imbalance_problem(moe_imbalance):
+        rep.numbers["load_error"] = True
+        rep.errors.append(f"--moe-imbalance: {imbalance_problem(moe_imbalance)}")
+        return rep
     try:
         recipe = load_recipe(path, list(overrides))
     except (ValueError, FileNotFoundError) as err:
@@ -234,7 +242,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
             from recipes.planning.megatron_report import report_megatron
 
-            report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows)
+            report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows, moe_imbalance=moe_imbalance)
         elif total is not None and cl.gpus_per_node > 0:
             from recipes.planning.lora import lora_memory_estimate
 
@@ -258,7 +266,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             per_replica = (ds.tp_size if tr.engine == "deepspeed" else recipe.megatron.tp_size * recipe.megatron.pp_size)
             batch = tr.global_batch_size or tr.micro_batch_size * tr.grad_accum * max(
                 1, cl.nodes * cl.gpus_per_node // per_replica)
-            _recommend(rep, recipe, cfg, total, largest, hw, rows, batch)
+            _recommend(rep, recipe, cfg, total, largest, hw, rows, batch, moe_imbalance)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
@@ -364,6 +372,19 @@ def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
         return None
 
 
+def _imbalance(text: str) -> float:
+    """--moe-imbalance's value, refused (exit 2) below 1 (recipes.planning.moe.imbalance_problem)."""
+    from recipes.planning.moe import imbalance_problem
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = text
+    if imbalance_problem(value):
+        raise argparse.ArgumentTypeError(imbalance_problem(value))
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recipes.validate", description=__doc__.split("\n")[0])
     p.add_argument("recipe")
@@ -386,10 +407,14 @@ def main(argv: list[str] | None = None) -> int:
                    "2880 = 360 GB/s, NCCL's bus bandwidth on 8 x H100 SXM)")
     p.add_argument("--gpu-peak-tflops", type=float, default=None, help="peak TFLOP/s per GPU for MFU "
                    "(cluster.gpu_peak_tflops, else 989: H100 bf16 dense)")
+    p.add_argument("--moe-imbalance", type=_imbalance, default=1.0, help="MoE routing imbalance, >= 1: the busiest "
+                   "expert-parallel rank receives this many times the mean tokens, which scales its expert "
+                   "activations, all-to-alls and expert GEMMs in the Megatron plans (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     a = p.parse_args(argv)
     rep = validate_recipe(a.recipe, a.overrides, strict=a.strict, offline=a.offline, gpu_mem_gb=a.gpu_mem_gb,
-                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, gpu=a.gpu, gpu_tflops=a.gpu_tflops,
+                          seq_len=a.seq_len, mean_row_tokens=a.mean_row_tokens, moe_imbalance=a.moe_imbalance,
+                          gpu=a.gpu, gpu_tflops=a.gpu_tflops,
                           net_gbps=a.net_gbps, nics_per_node=a.nics_per_node, nvlink_gbps=a.nvlink_gbps,
                           gpu_peak_tflops=a.gpu_peak_tflops)
     if a.json:
