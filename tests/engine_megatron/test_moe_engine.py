@@ -10,6 +10,8 @@ of 16-32 tokens, 8 rows a step, Adam at lr 3e-3.
 | q_stopped | qwen3_moe | 2     | EP 2 (DP 2)                  | 1 x 4         | 1     | saved at step 1, stopped         |
 | q_to_ep1  | qwen3_moe | 2     | EP 1 (DP 2)                  | 1 x 4         | 2-3   | q_stopped's step 1 at another EP |
 | q_stopped | qwen3_moe | 4     | EP 2, DP 4 (expert-DP 2)     | 1 x 2         | 2-4   | = q_ep2; step 4: q_ep2's export  |
+| q_tp2_ep2 | qwen3_moe | 4     | TP 2 + SP, EP 2 (DP 2)       | 1 x 4         | 1-3   | EP x TP (expert-TP 2) = q_ep2    |
+| q_pp2_ep2 | qwen3_moe | 4     | PP 2, EP 2 (DP 2)            | 1 x 4         | 1-3   | EP x PP = q_ep2                  |
 | m_ep2     | mixtral   | 2     | EP 2 (DP 2)                  | 2 x 2         | 1-3   | the run, export                  |
 | m_tp2_sp  | mixtral   | 2     | TP 2 + SP (DP 1)             | 2 x 4         | 1-4   | another layout; m_ep2's export   |
 
@@ -71,7 +73,12 @@ RUNS = {
     "m_ep2": ("mixtral", 2, (*EP2, "train.steps=3", "train.export=true")),
     "m_tp2_sp": ("mixtral", 1, (*TP2_SP, "train.steps=4", "train.export=false")),
 }
-FIRST_STEP = ("q_ep2", "q_tp2_sp", "m_ep2", "m_tp2_sp")
+# on 4 ranks: EP composed with TP (the experts' TP is the model's: expert-TP 2, expert-DP 1) and with PP
+WIDE_RUNS = {
+    "q_tp2_ep2": ("qwen3_moe", 2, ("megatron.tp_size=2", "megatron.sequence_parallel=true", *Q_EP2, "train.steps=3")),
+    "q_pp2_ep2": ("qwen3_moe", 2, ("megatron.pp_size=2", *Q_EP2, "train.steps=3")),
+}
+FIRST_STEP = ("q_ep2", "q_tp2_sp", "m_ep2", "m_tp2_sp", *WIDE_RUNS)
 
 
 def _run(root: Path, name: str, model: str, *overrides: str, nproc: int = 2) -> dict:
@@ -105,6 +112,9 @@ def runs(tmp_path_factory) -> dict:
     for name, (model, _, overrides) in RUNS.items():
         out[name] = _run(root, name, model, *overrides)
         assert out[name]["code"] == 0, f"{name}:\n{out[name]['output'][-4000:]}"
+    for name, (model, _, overrides) in WIDE_RUNS.items():
+        out[name] = _run(root, name, model, *overrides, "train.export=false", nproc=4)
+        assert out[name]["code"] == 0, f"{name}:\n{out[name]['output'][-4000:]}"
     # stopped after its step-1 checkpoint; a copy resumed at EP 1, the run itself on 4 ranks (another
     # data-parallel size and split of the same global batch, the same one-row micro-batches)
     out["q_stopped_1"] = _run(root, "q_stopped", "qwen3_moe", *Q_EP2, "train.steps=1", "train.export=false")
@@ -117,7 +127,7 @@ def runs(tmp_path_factory) -> dict:
                             "train.grad_accum=2", "train.steps=4", "train.export=false", nproc=4)
     for name in ("q_to_ep1", "q_stopped"):
         assert out[name]["code"] == 0, out[name]["output"][-4000:]
-    for name in (*RUNS, "q_to_ep1", "q_stopped"):
+    for name in (*RUNS, *WIDE_RUNS, "q_to_ep1", "q_stopped"):
         out[name]["rows"] = read_metrics(root / name)
     return out
 
@@ -172,7 +182,8 @@ def hf_step(run_dir: Path, dp: int, step: int, model_dir: Path | None = None) ->
 
 def _dp(name: str) -> int:
     """The data-parallel size of the run's last launch (the one its recipe.yaml describes)."""
-    return RUNS[name][1] if name in RUNS else 4
+    runs = {**RUNS, **WIDE_RUNS}
+    return runs[name][1] if name in runs else 4
 
 
 def _close(got: dict, want: dict, keys, rel: float, where: str) -> None:
@@ -184,7 +195,7 @@ def _close(got: dict, want: dict, keys, rel: float, where: str) -> None:
 
 
 def test_every_row_logs_router_aux_and_the_loss_includes_it(runs):
-    for name in (*RUNS, "q_stopped"):
+    for name in (*RUNS, *WIDE_RUNS, "q_stopped"):
         rows = runs[name]["rows"]
         assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), name
         for row in rows:
@@ -200,7 +211,7 @@ def test_every_row_logs_router_aux_and_the_loss_includes_it(runs):
 
 @pytest.mark.parametrize("name", FIRST_STEP)
 def test_step_one_equals_the_hf_reference(runs, name):
-    model = RUNS[name][0] if name in RUNS else "qwen3_moe"
+    model = {**RUNS, **WIDE_RUNS}[name][0]
     want = hf_step(runs["root"] / name, _dp(name), 1, runs["root"] / model)
     got = runs[name]["rows"][0]
     assert want["router/aux"] > 0.05  # two layers, each >= coeff 0.05 x (1 when balanced)
@@ -216,6 +227,18 @@ def test_ep2_and_tp2_sp_log_the_same_curve(runs, family):
     for a, b in zip(ep2, tp2):
         keys = ("loss", "ce", "router/aux", "grad_norm", "term/smmd", "numeric_positions", "lr")
         _close(b, a, keys, 1e-5 if a["step"] == 1 else 1e-4, f"{family} step {a['step']}")
+
+
+@pytest.mark.parametrize("name", WIDE_RUNS)
+def test_ep_composed_with_tp_or_pp_logs_the_ep2_curve(runs, name):
+    """EP 2 with TP 2 + SP (expert-TP 2) or with PP 2, on 4 ranks, against EP 2 alone on 2: step 1
+    within 1e-5, steps 2-3 (after Adam's first updates, which amplify the layouts' rounding) 1e-4."""
+    ep2, wide = runs["q_ep2"]["rows"], runs[name]["rows"]
+    assert len(wide) == 3
+    assert "'expert_parallel': 2" in runs[name]["output"] and "'data_parallel': 2" in runs[name]["output"]
+    for a, b in zip(ep2, wide):
+        keys = ("loss", "ce", "router/aux", "grad_norm", "term/smmd", "numeric_positions", "lr")
+        _close(b, a, keys, 1e-5 if a["step"] == 1 else 1e-4, f"{name} step {a['step']}")
 
 
 @pytest.mark.parametrize("family, continued", [("q", "q_stopped"), ("m", "m_tp2_sp")])
