@@ -62,6 +62,24 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def recipe_plan(recipe, cfg, shape: Shape, lay: Layout, *, rows: sm.Rows, hw: Hardware, moe=None,
+                thd: bool | None = None, **changes) -> Plan:
+    """`plan` with everything the recipe and the model's config decide (tied embeddings, q / k / v biases,
+    Qwen3's q / k norms, recompute, the optimizer, overlaps, the head, the dtype, `moe`'s experts): the one
+    prediction `recipes.validate` reports and a run's log sets beside what it measured. `thd`: the TE spec's
+    packed form (default: unless megatron.transformer_impl is local; a run passes whether it has GPUs).
+    `changes`: `plan` arguments that differ from the recipe's (another recompute, `timed`)."""
+    mg = recipe.megatron
+    tied, qkv_bias, qk_norm = model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
+    return plan(shape, lay, **{
+        "micro_batch_size": recipe.train.micro_batch_size, "rows": rows, "grad_accum": recipe.train.grad_accum,
+        "tied": tied, "recompute": mg.recompute, "distributed_optimizer": mg.distributed_optimizer,
+        "overlap_grad_reduce": mg.overlap_grad_reduce, "overlap_param_gather": mg.overlap_param_gather,
+        "chunked_head": recipe.loss.head == "chunked", "chunk_size": recipe.loss.chunk_size,
+        "qkv_bias": qkv_bias, "qk_norm": qk_norm, "hw": hw, "e": 2 if recipe.model.dtype == "bfloat16" else 4,
+        "thd": mg.transformer_impl != "local" if thd is None else thd, "moe": moe, **changes})
+
+
 def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows, moe_imbalance: float = 1.0
                     ) -> Plan | None:
     """Memory by stage, bubble, traffic and step time of a Megatron recipe, added to `rep`; an error when
@@ -91,13 +109,8 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
     if problems or lay.world != recipe.cluster.nodes * recipe.cluster.gpus_per_node or lay.gpus_per_node % lay.tp:
         return None
     seq = rows.peak
-    tied, qkv_bias, qk_norm = model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
     e = 2 if m.dtype == "bfloat16" else 4
-    pl = plan(shape, lay, micro_batch_size=tr.micro_batch_size, rows=rows, grad_accum=tr.grad_accum, tied=tied,
-              recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer,
-              overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-              chunked_head=recipe.loss.head == "chunked", chunk_size=recipe.loss.chunk_size, qkv_bias=qkv_bias,
-              qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local", moe=moe)
+    pl = recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=moe)
     peak = pl.peak
     first, last = pl.stages[0], pl.stages[-1]
     busiest = max(pl.stages, key=lambda st: st.pp_inter + st.dp_inter)
@@ -123,9 +136,7 @@ def report_megatron(rep, recipe, cfg, total: int, *, hw: Hardware, rows: sm.Rows
                 f" of activations, last {layers_in_flight(lay, shape.layers, tr.grad_accum, lay.pp - 1):g})")
     rec = {None: "none", "selective": "selective", "full": "full"}
     other = "full" if mg.recompute != "full" else None
-    alt = plan(shape, lay, micro_batch_size=tr.micro_batch_size, seq=seq, grad_accum=tr.grad_accum, tied=tied,
-               recompute=other, chunked_head=recipe.loss.head == "chunked", qkv_bias=qkv_bias, qk_norm=qk_norm, e=e, hw=hw,
-               moe=moe, timed=False)
+    alt = recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=moe, recompute=other, timed=False)
     rep.add("activations", f"{_gib(first.memory['activations'])} on the first stage with recompute "
                            f"{rec[mg.recompute]}; recompute {rec[other]} would make it "
                            f"{_gib(alt.stages[0].memory['activations'])}")

@@ -138,16 +138,13 @@ def predict(recipe, cfg, world: int) -> dict:
     e = 2 if recipe.model.dtype == "bfloat16" else 4
     label = f"{sm.assumptions(hw, 'bfloat16' if e == 2 else 'float32')}; {rows.note}"
     if recipe.train.engine == "megatron":
-        from recipes.planning import megatron_budget as M
-        from recipes.planning.megatron_report import layout_of
+        from recipes.planning.megatron_report import layout_of, recipe_plan
+        from recipes.planning.moe import MoEShape
 
         lay, _ = layout_of(recipe)
-        text = getattr(cfg, "text_config", None) or cfg
-        mg = recipe.megatron
-        pl = M.plan(shape, lay, micro_batch_size=recipe.train.micro_batch_size, rows=rows,
-                    grad_accum=recipe.train.grad_accum, tied=bool(getattr(text, "tie_word_embeddings", False)),
-                    recompute=mg.recompute, distributed_optimizer=mg.distributed_optimizer, hw=hw, e=e,
-                    thd=mg.transformer_impl != "local" and torch.cuda.is_available())
+        # validate's plan (experts, biases, norms, overlaps, the head), at balanced routing
+        pl = recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=MoEShape.of(cfg),
+                         thd=recipe.megatron.transformer_impl != "local" and torch.cuda.is_available())
         return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.peak.total / GiB, "limit": "pipeline",
                 "padding_ratio": pl.padding_ratio, "hardware": label}
     from recipes.planning import budget as B

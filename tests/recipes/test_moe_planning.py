@@ -277,3 +277,34 @@ def test_autotp_on_an_moe_model_is_refused_before_any_model_is_built(tmp_path, k
     assert refusal in capsys.readouterr().out
     with pytest.raises(preflight.RecipeCheckError, match="deepspeed.tp_size: 2 on a mixture-of-experts"):
         preflight.preflight(load_recipe(path, bad), world_size=8)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-8x8", "mixtral-8x22b-8x8"])
+def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
+    """What a run's log sets beside its measurements (recipes.training.throughput.predict) is the plan
+    `recipes.validate` reports for the same recipe: the experts' weights and states per EP rank, not a
+    dense model of the active width (which it was before: Mixtral-8x22B's 8 experts counted as one)."""
+    from recipes.config import load_recipe
+    from recipes.planning import validate as V
+    from recipes.planning.backbones import resolve_model_config
+    from recipes.planning.budget import GiB
+    from recipes.training.throughput import predict
+
+    # the local spec on both sides (a run on CPU predicts it; validate assumes GPUs' TE spec otherwise)
+    overrides = ["megatron.transformer_impl=local", "data.seq_len=1024"]
+    recipe = load_recipe(SCALE / f"{name}.yaml", overrides)
+    cfg, _, _ = resolve_model_config(recipe, offline=True)
+    got = predict(recipe, cfg, recipe.cluster.nodes * recipe.cluster.gpus_per_node)
+    rep = V.validate_recipe(SCALE / f"{name}.yaml", overrides, offline=True)
+    assert rep.ok, rep.render()
+    assert got["memory_gib"] == pytest.approx(rep.numbers["gpu_total_bytes"] / GiB, rel=1e-12)
+    assert got["step_s"] == pytest.approx(rep.numbers["step_time_s"], rel=1e-12)
+    assert got["mfu"] == pytest.approx(rep.numbers["mfu"], rel=1e-12)
+    # and the experts are in it: the same plan without them holds less
+    from recipes.planning.megatron_report import layout_of, recipe_plan
+    from recipes.planning import step_model as sm
+    from recipes.planning.budget import Shape
+
+    dense = recipe_plan(recipe, cfg, Shape.of(cfg), layout_of(recipe)[0], rows=sm.row_tokens(recipe),
+                        hw=sm.hardware(recipe), moe=None, thd=False)
+    assert dense.peak.total / GiB < 0.9 * got["memory_gib"]
