@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from recipes.planning import budget as B
-from recipes.planning import megatron_budget as M
 from recipes.planning import megatron_layout as ML
+from recipes.planning.megatron_report import recipe_plan
 from recipes.planning import step_model as sm
 from recipes.planning.moe import MoEShape
 from recipes.planning.step_model import GiB
@@ -105,26 +105,19 @@ def deepspeed_options(recipe, shape: B.Shape, params: int, largest: int, hw: sm.
 
 def megatron_options(recipe, cfg, shape: B.Shape, hw: sm.Hardware, rows: sm.Rows, global_batch: int,
                      moe_imbalance: float = 1.0) -> list[Option]:
-    cl, mg = recipe.cluster, recipe.megatron
-    world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
-    tied, qkv_bias, qk_norm = M.model_flags(cfg)  # qkv_bias: qwen2, qwen2_moe; qk_norm: Qwen3's q / k norms
     moe = MoEShape.of(cfg)
     if moe is not None:  # the busiest EP rank's share of the tokens (recipes.planning.moe)
         moe = replace(moe, imbalance=moe_imbalance)
-    e = 2 if recipe.model.dtype == "bfloat16" else 4
-    inside = _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
-                                  across_nodes=False)
+    inside = _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, across_nodes=False)
     if inside or moe is None:
         return inside
-    return _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
-                                across_nodes=True)
+    return _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, across_nodes=True)
 
 
-def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tied, qkv_bias, qk_norm,
-                         across_nodes: bool) -> list[Option]:
+def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, across_nodes: bool) -> list[Option]:
     """megatron_options' layouts; with `moe`, EP groups inside a node, or (`across_nodes`) only those
     that span nodes."""
-    cl, mg = recipe.cluster, recipe.megatron
+    cl = recipe.cluster
     world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
     out = []
     for tp, pp, ep in ((t, p, x) for t in (1, 2, 4, 8) if per_node % t == 0 for p in _divisors(shape.layers, MAX_PP)
@@ -137,15 +130,16 @@ def _megatron_candidates(recipe, cfg, shape, hw, rows, global_batch, moe, e, tie
             continue
         for b in _divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
             m = global_batch // (dp * b)
-            kwargs = dict(micro_batch_size=b, grad_accum=m, tied=tied, rows=rows, distributed_optimizer=True,
-                          overlap_grad_reduce=mg.overlap_grad_reduce, overlap_param_gather=mg.overlap_param_gather,
-                          qkv_bias=qkv_bias, qk_norm=qk_norm, hw=hw, e=e, thd=mg.transformer_impl != "local", moe=moe)
+            # the recipe's plan but for what the option sets: its split, the distributed optimizer, the
+            # logits head (loss.head=logits below) and recompute
+            option = dict(micro_batch_size=b, grad_accum=m, distributed_optimizer=True, chunked_head=False)
             for recompute in (None, "selective", "full"):
-                if M.plan(shape, lay, recompute=recompute, timed=False, **kwargs).peak.total <= hw.mem_gib * GiB:
+                if recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=moe, recompute=recompute, timed=False,
+                               **option).peak.total <= hw.mem_gib * GiB:
                     break
             else:
                 continue
-            pl = M.plan(shape, lay, recompute=recompute, **kwargs)
+            pl = recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=moe, recompute=recompute, **option)
             text = (f"Megatron TP {tp}{' + SP' if tp > 1 else ''} x PP {pp} x DP {dp}"
                     f"{f' (EP {ep})' if moe is not None else ''}, {b} row(s) x {m} "
                     f"micro-batches per replica, recompute {recompute or 'none'}")
