@@ -22,7 +22,6 @@ Decisions:
 from __future__ import annotations
 
 import glob
-import hashlib
 import io
 import json
 import os
@@ -30,6 +29,8 @@ import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, ClassVar, Iterator
+
+from ..shards import sha256_file
 
 # Reasons a record can be rejected; the rejects summary counts by these names.
 NO_ANSWER = "no_answer"
@@ -366,13 +367,5 @@ def check_image(data: bytes) -> None:
 
 
 # ---- misc --------------------------------------------------------------------------------------
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def short(text: str, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."

@@ -29,13 +29,12 @@ what needs more than one section, the data, the model's config or the run direct
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from data_prep.shards import MANIFEST
+from data_prep.shards import MANIFEST, read_manifest
 
 from recipes.checks.model_checks import data_parallel_size
 
@@ -49,14 +48,6 @@ def objective_problems(recipe) -> list[str]:
     if "ntil" in terms and recipe.loss.numeric_policy != "digits":
         return [f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}"]
     return []
-
-
-def read_manifest(path: str | Path) -> dict | None:
-    p = Path(path) / MANIFEST
-    if not p.is_file():
-        return None
-    with p.open() as fh:
-        return json.load(fh)
 
 
 def model_tokenizer(recipe, offline: bool = False):
@@ -156,12 +147,17 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
         found.errors += model_checks.layout_problems(recipe, config, world_size)
         found.errors += model_checks.vocabulary_problems(config, tokenizer and tokenizer["length"])
     where = recipe.data.train
-    manifest = read_manifest(where)
-    if manifest is None:
+    manifest = None
+    if not (Path(where) / MANIFEST).is_file():
         if missing_data_is_error:
             found.errors.append(f"data.train: {where} is not a data_prep output directory (no {MANIFEST}); "
                                 f"build it with python -m data_prep build ... --out {where}")
     else:
+        try:
+            manifest = read_manifest(where)
+        except ValueError as err:  # another schema version (or not JSON): this code cannot read its shards
+            found.errors.append(f"data.train: {err}")
+    if manifest is not None:
         errors, warnings, notes = data_problems(recipe, manifest, where, data_parallel, tokenizer)
         found.errors += errors
         found.warnings += warnings
@@ -206,7 +202,7 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
     errors, mapped = engine_setting_problems(recipe)
     if recipe.train.engine == "megatron":
         errors += megatron_start_problems(recipe)
-    if tokenizer is None and read_manifest(recipe.data.train) is not None:
+    if tokenizer is None and (Path(recipe.data.train) / MANIFEST).is_file():
         tokenizer = model_tokenizer(recipe)
     found = static_checks(recipe, world_size, data_parallel_size(recipe, world_size),
                           tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None, say=say)

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from data_prep.shards import read_manifest
+
 from . import metrics as M
 from recipes.inputs.vision import load_processor, vision_inputs
 
@@ -54,14 +56,6 @@ ANSWER_FORMATS = ("number", "time")
 
 
 # ---- data ---------------------------------------------------------------------------------------------
-
-
-def read_manifest(data_dir: str | os.PathLike) -> dict:
-    path = Path(data_dir) / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{data_dir}: no manifest.json (not a finished data_prep build)")
-    with path.open() as fh:
-        return json.load(fh)
 
 
 def load_rows(data_dir: str | os.PathLike, limit: int | None = None) -> list[dict]:
