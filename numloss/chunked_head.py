@@ -49,6 +49,7 @@ import torch
 
 from . import fused_pass
 from .logit_stats import IGNORE_INDEX, LogitStats, combine_across_ranks, own_columns_gradient, plan_labels
+from .logit_transform import LogitTransform
 from .parallel import all_reduce_
 from .vocab import NumericVocab
 
@@ -78,12 +79,18 @@ class _ChunkBuffers:
     once per pass and reused by every chunk (the last, shorter one takes the front of each), so a pass
     allocates (and first-touches) them once instead of once per chunk."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, width: int, fp32_copy: bool = True):
-        """`fp32_copy=False` (the fused kernels, which read any dtype and accumulate in fp32): no fp32 copy."""
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, width: int, fp32_copy: bool = True,
+                 derivative: bool = False):
+        """`fp32_copy=False` (the fused kernels, which read any dtype and accumulate in fp32): no fp32 copy.
+        `derivative`: an fp32 buffer for a soft cap's dz/dx (`derivative_of`)."""
         size = hidden.shape[0] * min(width, weight.shape[0])
         self.logits = hidden.new_empty(size, dtype=weight.dtype)
         keep_fp32 = fp32_copy and weight.dtype != torch.float32
         self.fp32 = hidden.new_empty(size, dtype=torch.float32) if keep_fp32 else None
+        self.derivative = hidden.new_empty(size, dtype=torch.float32) if derivative else None
+
+    def derivative_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.derivative is None else self.derivative[:x.numel()].view(x.shape)
 
     def chunk(self, hidden: torch.Tensor, weight_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [T, Vc] in the weight's dtype, fp32 logits [T, Vc]: the same tensor for an fp32 weight or
@@ -102,12 +109,14 @@ class _ChunkedHeadFn(torch.autograd.Function):
     the backward (d W written once per chunk, d hidden accumulated in fp32). `fused`: each chunk's row
     statistics and gradient come from the Triton kernels of `numloss.fused_pass`, which read the chunk's
     logits in the weight's dtype (no fp32 copy) and write the gradient over them in place (the chunk's
-    buffer is private to this function).
+    buffer is private to this function). `transform` (a `LogitTransform`, None: identity): the model's logit
+    scale and soft cap, applied to each chunk's fp32 logits (so a low-precision weight keeps an fp32 copy
+    on the fused path too); backward multiplies the chunk's gradient by its derivative.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, target_local, owns_target, valid, num_rows, num_cols, layout, width, group,
-                fused):
+                fused, transform=None):
         tokens, vocab_local = hidden.shape[0], weight.shape[0]
         row_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
         sum_exp = hidden.new_zeros(tokens, dtype=torch.float32)
@@ -120,9 +129,11 @@ class _ChunkedHeadFn(torch.autograd.Function):
         target_cols = target_local[target_rows]
         num_order, num_bounds = _group_by_chunk(num_cols, width, vocab_local)
         num_cols = num_cols[num_order]
-        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not fused)
+        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not fused or transform is not None)
         for k, start in enumerate(range(0, vocab_local, width)):
             _, x = buffers.chunk(hidden, weight[start:start + width])  # [T, Vc] fp32
+            if transform is not None:
+                transform.apply_(x)
             t0, t1 = target_bounds[k], target_bounds[k + 1]
             rows = target_rows[t0:t1]
             target[rows] = x[rows, target_cols[t0:t1] - start].float()
@@ -142,7 +153,7 @@ class _ChunkedHeadFn(torch.autograd.Function):
         lse, target, numeric = combine_across_ranks(row_max, sum_exp, target, owns_target, valid, numeric_owned,
                                                     layout, group)
         ctx.width, ctx.bounds = width, (target_bounds, num_bounds)
-        ctx.group, ctx.layout, ctx.fused = group, layout, fused
+        ctx.group, ctx.layout, ctx.fused, ctx.transform = group, layout, fused, transform
         ctx.save_for_backward(hidden, weight, lse, target_rows, target_cols, num_rows, num_cols, num_order,
                               target_local, owns_target)
         return lse, target, numeric
@@ -161,18 +172,23 @@ class _ChunkedHeadFn(torch.autograd.Function):
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=torch.float32) if want_hidden else None  # fp32 sum
         # bf16: a [T, H] buffer for each chunk's bf16 product before it is added (no mixed-dtype addmm on CPU)
         product = hidden.new_empty(hidden.shape) if want_hidden and weight.dtype != torch.float32 else None
-        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not ctx.fused)
+        transform = ctx.transform
+        buffers = _ChunkBuffers(hidden, weight, width, fp32_copy=not ctx.fused or transform is not None,
+                                derivative=transform is not None and transform.softcap is not None)
         for k, start in enumerate(range(0, weight.shape[0], width)):
             w = weight[start:start + width]
             logits, grad = buffers.chunk(hidden, w)
+            if transform is not None:  # the chunk's model logits z, and dz/dx where it is not a constant
+                derivative = buffers.derivative_of(grad)
+                transform.apply_(grad, derivative)
             n0, n1 = num_bounds[k], num_bounds[k + 1]
             if ctx.fused:  # the chunk's gradient written over its logits, fp32 arithmetic, one rounding
                 column = target_local - start
                 owned = owns_target & (column >= 0) & (column < w.shape[0])
                 numeric = n1 > n0 and num_rows.numel() > 0
                 grad = fused_pass.write_gradient(
-                    logits, lse, grad_lse, torch.where(owned, column, 0), owned, grad_target_by_row,
-                    num_rows if numeric else None, num_cols[n0:n1] - start, grad_numeric[:, n0:n1], out=logits)
+                    grad, lse, grad_lse, torch.where(owned, column, 0), owned, grad_target_by_row,
+                    num_rows if numeric else None, num_cols[n0:n1] - start, grad_numeric[:, n0:n1], out=grad)
             else:
                 # d loss / d logits of the chunk, fp32: the softmax scaled by d loss / d lse ...
                 grad.sub_(lse[:, None]).exp_().mul_(grad_lse[:, None])
@@ -183,8 +199,10 @@ class _ChunkedHeadFn(torch.autograd.Function):
                 if n1 > n0 and num_rows.numel():
                     grad.index_put_((num_rows[:, None], num_cols[None, n0:n1] - start), grad_numeric[:, n0:n1],
                                     accumulate=True)
-                if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
-                    grad = logits.copy_(grad)
+            if transform is not None:  # d loss / d x = d loss / d z · dz/dx
+                grad.mul_(derivative if derivative is not None else transform.scale)
+            if grad is not logits:  # bf16: the gradient goes back into the chunk's bf16 buffer for the GEMMs
+                grad = logits.copy_(grad)
             if want_weight:  # d W[c] = gᵀ h, straight into its rows: each row of d W is written once
                 torch.mm(grad.t(), hidden, out=grad_weight[start:start + width])
             if product is not None:
@@ -196,7 +214,7 @@ class _ChunkedHeadFn(torch.autograd.Function):
             all_reduce_(grad_hidden, "sum", ctx.group)  # the column-parallel input's gradient
             grad_hidden = grad_hidden.to(hidden.dtype)
         return (grad_hidden, grad_weight,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def chunked_logit_stats(
@@ -211,6 +229,7 @@ def chunked_logit_stats(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     fused: bool | None = None,
+    logit_transform: LogitTransform | None = None,
 ) -> LogitStats:
     """`LogitStats` of `hidden [..., H] @ weightᵀ` with `labels [...]`, chunk by chunk over the vocabulary.
 
@@ -219,7 +238,9 @@ def chunked_logit_stats(
 
     Equal (up to fp32 rounding) to `compute_logit_stats(hidden @ weight.T, labels, ...)`; see the module
     docstring for memory, the backward and the TP/ZeRO-3 contract. `fused`: as `compute_logit_stats`
-    (None: the Triton kernels on CUDA when triton imports, unless NUMLOSS_FUSED=0).
+    (None: the Triton kernels on CUDA when triton imports, unless NUMLOSS_FUSED=0). `logit_transform`: the
+    model's logit scale and soft cap (`numloss.logit_transform`; `LogitTransform.from_model_config`), applied
+    to `hidden @ weightᵀ` before every statistic: the stats are those of the model's own logits.
     """
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} do not align:"
@@ -236,5 +257,6 @@ def chunked_logit_stats(
         hidden.reshape(-1, hidden.shape[-1]), weight, plan.target_local, plan.owns_target, plan.valid,
         plan.num_rows, plan.layout.local_cols.to(hidden.device), plan.layout, width, group,
         fused_pass.use_fused(hidden, fused),
+        None if logit_transform is None or logit_transform.identity else logit_transform,
     )
     return plan.stats(lse, target_logit, numeric_logits)

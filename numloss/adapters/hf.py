@@ -8,7 +8,8 @@ the loss tensor and gather parameters before this module's backward) with attrib
 
 - `chunked=False`: `model(...).logits` through `Objective` (the logits path).
 - `chunked=True`: only the backbone runs (`model.<base_model_prefix>`); its last hidden states and the
-  lm_head weight go to `Objective.from_hidden`, so the model's full-vocabulary logits are never made.
+  lm_head weight go to `Objective.from_hidden`, so the model's full-vocabulary logits are never made. The
+  model's logit scale and soft cap (Gemma-2/3, Granite, Cohere) are read from its config and applied there.
 
 Tensor parallelism: with a DeepSpeed AutoTP vocab-parallel lm_head the weight is this rank's vocab
 shard and the group and range come from `find_vocab_shard`; the same call runs dense otherwise.
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ..chunked_head import DEFAULT_CHUNK_SIZE
+from ..logit_transform import LogitTransform
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
 from .deepspeed_autotp import causal_lm_objective, find_vocab_shard, shift_labels
@@ -124,4 +126,5 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
     weight = model.get_output_embeddings().weight
     return NumericLMOutput.of(objective.from_hidden(
-        hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=chunk_size, **per_batch))
+        hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=chunk_size,
+        logit_transform=LogitTransform.from_model_config(getattr(model, "config", None)), **per_batch))
