@@ -32,6 +32,9 @@ import yaml
 
 from numloss import ObjectiveConfig
 
+from .engines import ENGINES, engine_contract
+from .engines.deepspeed.contract import DeepSpeedSection
+from .engines.megatron.contract import MegatronSection
 from .recipe_yaml import load_yaml
 
 
@@ -113,53 +116,8 @@ class OptimConfig:
 
 
 @dataclass
-class DeepSpeedSection:
-    zero_stage: int = 3
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    tp_size: int = 1  # AutoTP; > 1 shards the lm_head along the vocabulary (vocab_parallel_lm_head)
-    # dtype of the gradient reduce-scatter under bf16: fp32 (the default for loss comparisons: the sum of
-    # many ranks' gradients is not rounded to bf16's 8-bit mantissa, so a recipe's loss curve does not
-    # depend on its layout through that rounding) | bf16 (half the gradient traffic; the rounding then
-    # differs with the data-parallel size: compare losses only between runs with the same setting)
-    reduce_dtype: str = "fp32"
-    overrides: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config
-
-
-@dataclass
-class MegatronSection:
-    """The Megatron-core engine's layout (`train.engine: megatron`): data-parallel size = world / (tp x pp).
-
-    Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron's default
-    order), so with ranks ordered by node a TP group stays inside a node. Expert parallelism (`ep_size`,
-    mixture-of-experts models) is folded into data parallelism as Megatron defines it: the data-parallel
-    size stays world / (tp x pp), and each group of `ep_size` consecutive data-parallel ranks splits the
-    experts of every MoE layer among them (so ep_size must divide the data-parallel size); the experts'
-    own tensor-parallel size is tp_size."""
-
-    tp_size: int = 1
-    pp_size: int = 1
-    ep_size: int = 1  # expert-parallel size: ranks among which each MoE layer's experts are split
-    # auto: "alltoall" on CUDA, "allgather" on CPU (gloo has no all_to_all_single with uneven splits);
-    # alltoall | allgather force one (Megatron's moe_token_dispatcher_type). Routing is dropless
-    moe_token_dispatcher: str = "auto"
-    sequence_parallel: bool = False
-    virtual_pp_size: int | None = None  # interleaved 1F1B: model chunks per pipeline rank
-    distributed_optimizer: bool = True  # GPUs: Megatron's DistributedOptimizer; CPU: torch AdamW (named in the log)
-    overlap_grad_reduce: bool = True  # GPUs only: overlap the DP reduce-scatter with backward
-    overlap_param_gather: bool = True  # GPUs only: overlap the param all-gather with the next forward
-    recompute: str | None = None  # None | full | selective: activation recomputation (Megatron's names)
-    # auto: the Transformer Engine layer spec and its fusions where TE imports on CUDA, else megatron's local
-    # spec; local | transformer_engine force one (Megatron-LM's --transformer-impl; kernels.py)
-    transformer_impl: str = "auto"
-    # a `python -m recipes.convert` output: a fresh run loads its weights (any TP / PP) instead of converting
-    # the HF checkpoint on every rank; a resume loads the run's checkpoint and reads neither
-    load_converted: str | None = None
-
-
-@dataclass
 class TrainSection:
-    engine: str = "deepspeed"  # deepspeed (HF model under DeepSpeed) | megatron (Megatron-core GPTModel)
+    engine: str = "deepspeed"  # a key of recipes.engines.ENGINES: deepspeed (HF model under DeepSpeed) | megatron
     steps: int = 100
     micro_batch_size: int = 1  # per rank
     grad_accum: int = 1
@@ -262,39 +220,25 @@ class Recipe:
             "loss.head": (self.loss.head, ("logits", "chunked")),
             "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
             "eval.answer_format": (self.eval.answer_format, ("number", "time")),
-            "train.engine": (self.train.engine, ("deepspeed", "megatron")),
             "data.verify": (self.data.verify, ("size", "full", "none")),
-            "megatron.recompute": (self.megatron.recompute, (None, "full", "selective")),
-            "megatron.transformer_impl": (self.megatron.transformer_impl, ("auto", "transformer_engine", "local")),
-            "megatron.moe_token_dispatcher": (self.megatron.moe_token_dispatcher, ("auto", "alltoall", "allgather")),
-            "deepspeed.reduce_dtype": (self.deepspeed.reduce_dtype, ("fp32", "bf16")),
         }
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"{key}: {value!r} is not one of {list(allowed)}")
+        engine = engine_contract(self)  # ValueError naming train.engine and the known engines
+        for contract in ENGINES.values():  # every engine's section, whichever engine trains
+            problems = contract.section_problems(getattr(self, contract.section))
+            if problems:
+                raise ValueError(problems[0])
         if (self.model.name_or_path is None) == (self.model.config is None):
             raise ValueError("model: give exactly one of model.name_or_path and model.config")
         if self.model.config is not None and not self.model.tokenizer:
             raise ValueError("model.tokenizer: required when the model is built from model.config")
-        if self.train.engine == "megatron":
-            for key, bad, why in (("model.vision", self.model.vision, "the Megatron engine trains text models (GPTModel)"),
-                                  ("loss.head", self.loss.head != "logits", "the Megatron engine computes the objective"
-                                   " on GPTModel's vocab-parallel logits: use loss.head: logits"),
-                                  ("deepspeed.tp_size", self.deepspeed.tp_size != 1, "with train.engine: megatron the"
-                                   " tensor-parallel size is megatron.tp_size")):
-                if bad:
-                    raise ValueError(f"{key}: {why}")
-        elif self.megatron.ep_size != 1:
-            raise ValueError(f"megatron.ep_size: {self.megatron.ep_size} needs train.engine: megatron (the DeepSpeed"
-                             f" engine keeps every expert on every rank)")
-        if self.megatron.sequence_parallel and self.megatron.tp_size == 1:
-            raise ValueError("megatron.sequence_parallel: needs megatron.tp_size > 1")
-        if self.deepspeed.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"deepspeed.zero_stage: {self.deepspeed.zero_stage} is not 0, 1, 2 or 3")
+        problems = engine.recipe_problems(self)  # what the chosen engine cannot train at all
+        if problems:
+            raise ValueError(problems[0])
         positive = {"train.steps": self.train.steps, "train.micro_batch_size": self.train.micro_batch_size,
-                    "train.grad_accum": self.train.grad_accum, "deepspeed.tp_size": self.deepspeed.tp_size,
-                    "loss.chunk_size": self.loss.chunk_size, "megatron.tp_size": self.megatron.tp_size,
-                    "megatron.pp_size": self.megatron.pp_size, "megatron.ep_size": self.megatron.ep_size,
+                    "train.grad_accum": self.train.grad_accum, "loss.chunk_size": self.loss.chunk_size,
                     "train.keep_last": self.train.keep_last,
                     "cluster.nodes": self.cluster.nodes, "cluster.cpu_ranks_per_node": self.cluster.cpu_ranks_per_node}
         for key, value in positive.items():
@@ -343,11 +287,6 @@ class Recipe:
 
     def _validate_lora(self) -> None:
         lora = self.model.lora
-        if self.train.engine == "megatron":
-            raise ValueError("model.lora is not supported with train.engine: megatron (use train.engine: deepspeed)")
-        if self.deepspeed.tp_size > 1:
-            raise ValueError("model.lora is not supported with deepspeed.tp_size > 1 (AutoTP does not split"
-                             " PEFT's adapter layers)")
         if self.model.vision:
             raise ValueError("model.lora is not supported with model.vision (not tested on vision towers)")
         if lora.r < 1 or lora.alpha <= 0 or not 0 <= lora.dropout < 1:

@@ -53,7 +53,8 @@ import torch
 from data_prep.reader import DataError, ShardDataset
 
 from .config import Recipe, load_recipe
-from .engines import build_engine
+from .engines import engine_contract
+from .engines.runtime import build_engine
 from .inputs.batches import model_inputs
 from .checks.preflight import RecipeCheckError, preflight
 from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
@@ -109,7 +110,7 @@ class Hooks:
 
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
-    runtime = setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=recipe.train.engine == "deepspeed")
+    runtime = setup_distributed(recipe.train.dist_timeout_minutes, **engine_contract(recipe).distributed_setup())
     engine = None
     lock = RunLock(recipe.train.out_dir, runtime.is_main)
     # from here a SIGTERM/SIGUSR1 asks to save and stop (recipes.reliability.preemption), and a rank that stops

@@ -1,16 +1,35 @@
-"""Training engines behind `recipes.train`: deepspeed/ (Hugging Face models under DeepSpeed ZeRO and
-AutoTP) and megatron/ (Megatron-core GPTModel: TP, PP, SP, distributed optimizer). Each may import
-numloss, data_prep, recipes.config and recipes.training; never recipes.train, planning or evaluation."""
+"""The training engines and the one contract through which the rest of the project asks them.
+
+`ENGINES` maps each `train.engine` value to its contract (`recipes.engines.contract.EngineContract`):
+deepspeed (Hugging Face models under DeepSpeed ZeRO and AutoTP) and megatron (Megatron-core GPTModel:
+TP, PP, SP, EP, the distributed optimizer). `engine_contract(recipe_or_name)` looks one up.
+
+Each engine's package holds two kinds of module (docs/architecture.md):
+- its pure modules: `contract.py` (its recipe section and rules), `plan.py` (its memory and time plan over
+  recipes.planning), and the other rules that need no torch (DeepSpeed's config dict; Megatron's model
+  support and kernel plan). They may import numloss, data_prep, recipes.planning and
+  recipes.parallel_dims, never recipes.config (the recipe is passed in).
+- its runtime modules (engine, model, step, checkpoints, export, ...), which import torch and the
+  engine's library and may import everything up to recipes.reliability; `recipes.engines.runtime.
+  build_engine` builds one. This package's own import stays light: it imports the contracts only.
+"""
 
 from __future__ import annotations
 
+from .contract import EngineContract
+from .deepspeed.contract import DeepSpeedContract
+from .megatron.contract import MegatronContract
 
-def build_engine(recipe, runtime, dirs):
-    """The engine `train.engine` names, built for this rank (a collective: every rank calls it)."""
-    if recipe.train.engine == "megatron":
-        from .megatron.engine import MegatronEngine
+ENGINES: dict[str, EngineContract] = {}
+for _contract in (DeepSpeedContract(ENGINES), MegatronContract(ENGINES)):
+    ENGINES[_contract.name] = _contract
 
-        return MegatronEngine(recipe, runtime, dirs)
-    from .deepspeed.engine import DeepSpeedEngine
 
-    return DeepSpeedEngine(recipe, runtime, dirs)
+def engine_contract(recipe_or_name) -> EngineContract:
+    """The contract of `train.engine` (a recipe, or the engine's name). Unknown: ValueError naming the
+    key and the known engines."""
+    name = recipe_or_name if isinstance(recipe_or_name, str) else recipe_or_name.train.engine
+    try:
+        return ENGINES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"train.engine: {name!r} is not one of {list(ENGINES)}") from None

@@ -121,7 +121,7 @@ def _engine_for(recipe, rank: int, world: int, thd: bool = False):
 
     kernels = None
     if thd:
-        kernels = dataclasses.replace(plan_kernels(recipe.megatron), packing="thd", core_attention=PerSequenceAttention)
+        kernels = dataclasses.replace(plan_kernels(recipe.megatron, cuda=False), packing="thd", core_attention=PerSequenceAttention)
     return MegatronEngine(recipe, Runtime(rank, world, 0, torch.device("cpu")), kernels=kernels)
 
 

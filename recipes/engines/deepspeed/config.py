@@ -1,5 +1,6 @@
-"""What `deepspeed.initialize` receives for a recipe: the DeepSpeed config and the optimizer
-(the LR schedule, shared by every engine, is `recipes.training.schedule`).
+"""The DeepSpeed config `deepspeed.initialize` receives for a recipe (the optimizer is `optimizer.py`'s,
+the LR schedule, shared by every engine, `recipes.training.schedule`'s). Pure: no torch, no deepspeed
+(the planner reads the same config without either).
 
 Batch bookkeeping: one optimizer step is `grad_accum` micro-batches of `micro_batch_size` rows on each
 data-parallel rank; tensor-parallel ranks of one group see the same rows. DeepSpeed 0.19.8 checks
@@ -13,13 +14,12 @@ that number only for its own sample counters. The recipe's `train.global_batch_s
 
 from __future__ import annotations
 
-import torch
-
-from recipes.config import Recipe
+from recipes.parallel_dims import ParallelDims
 
 
-def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
-    """The DeepSpeed config a recipe implies (its `deepspeed.overrides` merged in last)."""
+def deepspeed_config(recipe, world_size: int, pin_memory: bool = False) -> dict:
+    """The DeepSpeed config a recipe implies (its `deepspeed.overrides` merged in last). `pin_memory`:
+    offloaded state in pinned host memory (the engine passes whether it runs on GPUs)."""
     ds = recipe.deepspeed
     dp = data_parallel_size(recipe, world_size)
     zero: dict = {"stage": ds.zero_stage, **zero_comm_settings(recipe, world_size)}
@@ -27,9 +27,9 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
         # gather the 16-bit weights at save time so `final/` can be written without zero_to_fp32
         zero.update(stage3_gather_16bit_weights_on_model_save=True)
     if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if ds.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
     config = {
         "train_micro_batch_size_per_gpu": recipe.train.micro_batch_size,
         "gradient_accumulation_steps": recipe.train.grad_accum,
@@ -53,7 +53,7 @@ def deepspeed_config(recipe: Recipe, world_size: int) -> dict:
     return _merge(config, ds.overrides)
 
 
-def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
+def zero_comm_settings(recipe, world_size: int) -> dict:
     """ZeRO's communication settings for the recipe's shape (stages 1-3; what DeepSpeed's and HF's
     references set), all overridable in `deepspeed.overrides.zero_optimization`:
 
@@ -85,11 +85,11 @@ def zero_comm_settings(recipe: Recipe, world_size: int) -> dict:
     return out
 
 
-def hidden_size(recipe: Recipe) -> int | None:
+def hidden_size(recipe) -> int | None:
     return model_dims(recipe)[0]
 
 
-def model_dims(recipe: Recipe) -> tuple[int | None, int | None]:
+def model_dims(recipe) -> tuple[int | None, int | None]:
     """The backbone's (hidden size, intermediate size) (language model's, for vision models), from
     `model.config` or the model's config.json (local directory or HF cache; never the network); None
     when unknown."""
@@ -114,39 +114,15 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def data_parallel_size(recipe: Recipe, world_size: int) -> int:
+def data_parallel_size(recipe, world_size: int) -> int:
+    """The data-parallel size (`ParallelDims`), or ValueError when the layout or the global batch breaks."""
     tp = recipe.deepspeed.tp_size
-    if world_size % tp:
+    dims = ParallelDims.of(world_size, tp=tp)
+    if not dims.divides:
         raise ValueError(f"deepspeed.tp_size={tp} does not divide the world size {world_size}")
-    dp = world_size // tp
+    dp = dims.dp
     gbs = recipe.train.global_batch_size
     if gbs is not None and gbs != recipe.train.micro_batch_size * recipe.train.grad_accum * dp:
         raise ValueError(f"train.global_batch_size={gbs} != micro_batch_size {recipe.train.micro_batch_size}"
                          f" x grad_accum {recipe.train.grad_accum} x data-parallel size {dp}")
     return dp
-
-
-def optimizer_kind(recipe: Recipe, cuda: bool) -> str:
-    """Which AdamW runs the step: "cpu_adam" (DeepSpeed's vectorised CPU Adam) under
-    `deepspeed.offload_optimizer` (DeepSpeed refuses a client torch optimizer under ZeRO-Offload, which
-    would be several times slower there), "fused_adam" (DeepSpeed's multi-tensor CUDA kernel, prebuilt in
-    the image) on GPUs, "torch" (torch.optim.AdamW; nothing to compile) on the CPU. All in AdamW mode."""
-    if recipe.deepspeed.offload_optimizer:
-        return "cpu_adam"
-    return "fused_adam" if cuda else "torch"
-
-
-def build_optimizer(recipe: Recipe, params) -> torch.optim.Optimizer:
-    """AdamW with the recipe's settings, as `optimizer_kind` picks it."""
-    o = recipe.optim
-    kwargs = {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
-    kind = optimizer_kind(recipe, torch.cuda.is_available())
-    if kind == "cpu_adam":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
-    if kind == "fused_adam":
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(params, adam_w_mode=True, **kwargs)
-    return torch.optim.AdamW(params, **kwargs)

@@ -36,10 +36,11 @@ from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
-from .config import build_optimizer, deepspeed_config, optimizer_kind
+from .config import deepspeed_config
 from .export import export_model
 from .lora import apply_lora, save_adapter, trainable_parameters
 from .model import build_model, training_module
+from .optimizer import build_optimizer, optimizer_kind
 
 
 class DeepSpeedEngine:
@@ -51,7 +52,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.recipe, self.runtime = recipe, runtime
-        ds_config = deepspeed_config(recipe, runtime.world_size)
+        ds_config = deepspeed_config(recipe, runtime.world_size, pin_memory=torch.cuda.is_available())
         tp = recipe.deepspeed.tp_size
         self.dp = DataParallel.tensor_parallel_first(runtime.rank, runtime.world_size, tp)
         self.layout = checkpoints.run_layout(recipe, self.dp.size)

@@ -1,9 +1,8 @@
 """Hugging Face Llama-family checkpoints <-> megatron-core GPTModel state dicts (our own conversion).
 
-Supported: `model_type` llama (SmolLM2 is one), qwen2 (QKV bias), mistral (no sliding window), qwen3
-(dense: per-head RMSNorm on q and k before RoPE, head_dim independent of hidden / heads, no biases), and the
-mixture-of-experts qwen3_moe and mixtral (`moe.py`: router and experts, their names, expert parallelism).
-RMSNorm, SwiGLU, RoPE (`rope.py`: default, linear, Llama-3 and YaRN scaling), GQA, tied or untied embeddings.
+Which backbones convert (llama, qwen2, mistral, qwen3, and the mixture-of-experts qwen3_moe and mixtral) is
+decided from their config alone in `support.py` (`check_supported`); the router and experts' names and expert
+parallelism are `moe.py`'s, RoPE's frequencies `rope.py`'s.
 
 Megatron's layout of a decoder layer, per tensor-parallel (TP) rank r of T:
 - `linear_qkv.weight` `[(G/T)·(q+2)·d, H]`: the query groups g of rank r, each as `[q_g; k_g; v_g]`
@@ -41,11 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from . import moe
-from .rope import attention_score_scale, rope_inv_freq, rope_settings  # noqa: F401  (rope_inv_freq: model.py)
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", *moe.MOE_MODEL_TYPES)
-QKV_BIAS_TYPES = ("qwen2",)  # q/k/v with a bias and no other linear layer (megatron's add_qkv_bias)
-QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # RMSNorm over each head's q and k before RoPE (megatron's qk_layernorm)
+from .rope import attention_score_scale, rope_inv_freq  # noqa: F401  (rope_inv_freq: model.py)
+from .support import QKV_BIAS_TYPES, check_supported, head_dim, qk_norm, rope_settings
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # the two norms fused into TE's linear layers: local-spec suffix -> TE-spec suffix (megatron's local spec
@@ -74,38 +70,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = DEFAULT
     """Megatron's padded vocabulary: the next multiple of `divisible_by · tp_size`."""
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
-
-
-def head_dim(hf_config) -> int:
-    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def qk_norm(hf_config) -> bool:
-    """Whether the model normalises each head's q and k (Qwen3's `q_norm` / `k_norm`)."""
-    return getattr(hf_config, "model_type", None) in QK_NORM_TYPES
-
-
-def check_supported(hf_config) -> None:
-    """Raise for configs this conversion would get wrong (rather than train a different model)."""
-    kind = getattr(hf_config, "model_type", None)
-    moe.check_supported_moe(hf_config)  # the MoE families refused by name first
-    if kind not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {kind!r}: the Megatron engine converts {list(SUPPORTED_MODEL_TYPES)}")
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {hf_config.hidden_act!r}: only SwiGLU (silu) is converted")
-    if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
-        raise NotImplementedError("attention_bias / mlp_bias: Megatron adds biases to q/k/v only (add_qkv_bias) or to"
-                                  " every linear layer; a Llama with o_proj or MLP biases is not converted")
-    layer_types = set(getattr(hf_config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        raise NotImplementedError(f"layer_types {sorted(layer_types)}: Megatron's local attention has no sliding "
-                                  "window; every layer must be full_attention (use_sliding_window: false)")
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", kind == "mistral")
-    if uses_window and window is not None and window < hf_config.max_position_embeddings:
-        raise NotImplementedError(f"sliding_window {window}: Megatron's local attention has none; set sliding_window:"
-                                  f" null in the config if training sequences never exceed {window} tokens")
-    rope_settings(hf_config)
 
 
 def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,

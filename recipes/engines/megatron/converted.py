@@ -13,7 +13,8 @@ renamed to `<out>` when complete.
 
 Parallel contract: `save_converted` and `load_converted` are collectives over the world (every rank
 with its own chunks, the same directory on storage every rank sees); each rank writes or reads its
-shards only. `converted_problems` reads two small JSON files, no collective.
+shards only. Whether a directory can start a recipe is `support.converted_problems` (pure: two small
+JSON files, no collective).
 """
 
 from __future__ import annotations
@@ -26,16 +27,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-CONVERTED_JSON = "numloss_converted.json"
-FORMAT = 1
-# what must match between the converted backbone and the recipe's (the weights' shapes and meaning)
-HF_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
-
-
-def _hf_fields(hf_config) -> dict:
-    return {key: getattr(hf_config, key, None) for key in HF_FIELDS}
-
+from .support import CONVERTED_JSON, FORMAT, hf_fields
 
 def _model_request(model_chunks: list) -> dict:
     from .export import unwrap
@@ -69,7 +61,7 @@ def save_converted(out: str | Path, model_chunks: list, recipe, hf_config) -> di
     agree("preparing the directory", error, what="save_converted")  # every rank fails with rank 0, none waits
     dist_checkpointing.save({"model": _model_request(model_chunks)}, str(staging))
     info = {"format": FORMAT, "source": recipe.model.name_or_path, "dtype": recipe.model.dtype,
-            "hf_config": _hf_fields(hf_config),
+            "hf_config": hf_fields(hf_config),
             "layout": {"tp": parallel_state.get_tensor_model_parallel_world_size(),
                        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
                        "vp": recipe.megatron.virtual_pp_size},
@@ -104,35 +96,3 @@ def load_converted(directory: str | Path, model_chunks: list) -> None:
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"{directory}: chunk {i} left {missing} unloaded, got {result.unexpected_keys} extra")
-
-
-def converted_problems(recipe, hf_config=None) -> list[str]:
-    """What stops `megatron.load_converted` from starting this recipe, before any model is built: the
-    directory is missing or not a finished conversion, or it holds another backbone or dtype. `hf_config`:
-    the recipe's (default: read as the engine reads it)."""
-    where = recipe.megatron.load_converted
-    path = Path(where)
-    key = "megatron.load_converted"
-    if not path.is_dir():
-        return [f"{key}: {where} does not exist; make it with python -m recipes.convert RECIPE.yaml --out {where}"]
-    info_path = path / CONVERTED_JSON
-    if not info_path.is_file():
-        return [f"{key}: {where} is not a finished conversion (no {CONVERTED_JSON}); convert again"]
-    info = json.loads(info_path.read_text())
-    if info.get("format") != FORMAT:
-        return [f"{key}: {where} has format {info.get('format')}, this version reads {FORMAT}; convert again"]
-    if hf_config is None:
-        from .model import hf_config_for
-
-        hf_config = hf_config_for(recipe)
-    problems = []
-    mine = _hf_fields(hf_config)
-    for field, value in info["hf_config"].items():
-        if mine.get(field) != value:
-            problems.append(f"{key}: {where} holds a backbone with {field} {value!r}, the recipe's model has "
-                            f"{mine.get(field)!r} ({info.get('source')} was converted)")
-    if info["dtype"] != recipe.model.dtype:
-        problems.append(f"{key}: {where} was converted in {info['dtype']}, the recipe trains in {recipe.model.dtype}"
-                        f"; convert again with model.dtype={recipe.model.dtype}")
-    return problems
-

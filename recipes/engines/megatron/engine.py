@@ -82,7 +82,7 @@ class MegatronEngine:
                               "max_length": recipe.data.seq_len}
         self._grad_norm: float | None = None
         cuda = torch.cuda.is_available()
-        self.kernels = kernels if kernels is not None else plan_kernels(m)
+        self.kernels = kernels if kernels is not None else plan_kernels(m, cuda=cuda)
         resuming = dirs is not None and dirs.resume_tag() is not None
         converted = None if resuming else m.load_converted
         self.weights_from = ("the run's checkpoint" if resuming else f"converted {converted}" if converted

@@ -28,7 +28,8 @@ gradient-accumulation fusion still apply. On CPU every fusion is off: megatron's
 
 `megatron.transformer_impl` forces a spec (`local`, or `transformer_engine`, refused where TE does not
 import) the way Megatron-LM's `--transformer-impl` does; `auto` (default) decides as above. Pure: no
-communication; the same on every rank of a homogeneous cluster.
+communication, no torch (the caller says whether there is CUDA); the same on every rank of a homogeneous
+cluster.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 TE_SPEC, LOCAL_SPEC = "transformer_engine", "local"
 TRANSFORMER_IMPLS = ("auto", TE_SPEC, LOCAL_SPEC)
@@ -90,12 +89,11 @@ class KernelPlan:
                 + f"; packed rows: {'THD (cu_seqlens)' if self.packing == 'thd' else 'block mask'}")
 
 
-def plan_kernels(megatron, *, cuda: bool | None = None, can_import: Callable[[str], bool] = importable) -> KernelPlan:
-    """The spec and flags for a `MegatronSection` (see the module docstring). `cuda` (default: whether
-    torch sees a GPU) and `can_import` (default: `importable`) are what the decision reads, so a test can
-    ask it "as if TE were present". Raises ValueError for `transformer_impl: transformer_engine` where TE
-    cannot run."""
-    cuda = torch.cuda.is_available() if cuda is None else cuda
+def plan_kernels(megatron, *, cuda: bool, can_import: Callable[[str], bool] = importable) -> KernelPlan:
+    """The spec and flags for a `MegatronSection` (see the module docstring). `cuda` (whether the run's
+    devices are GPUs: the engine passes torch's answer) and `can_import` (default: `importable`) are what
+    the decision reads, so a test can ask it "as if TE were present". Raises ValueError for
+    `transformer_impl: transformer_engine` where TE cannot run."""
     impl = getattr(megatron, "transformer_impl", "auto")
     if impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"megatron.transformer_impl: {impl!r} is not one of {list(TRANSFORMER_IMPLS)}")

@@ -29,6 +29,7 @@ from .convert import (
     transformer_config_from_hf,
 )
 from .kernels import LOCAL_SPEC, KernelPlan, plan_kernels
+from .support import hf_config_for
 
 
 def initialize_model_parallel(recipe: Recipe) -> None:
@@ -144,21 +145,6 @@ def layer_spec(config, pp_rank: int, vp_stage: int | None = None, plan: KernelPl
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
-def hf_config_for(recipe: Recipe):
-    """The HF config of the recipe's backbone: read from `model.name_or_path`, or built from
-    `model.config` (`transformers.AutoConfig.for_model`, random weights)."""
-    from transformers import AutoConfig
-
-    m = recipe.model
-    if m.config is not None:
-        config = dict(m.config)
-        model_type = config.pop("model_type", None)
-        if model_type is None:
-            raise ValueError("model.config: needs a model_type (e.g. llama)")
-        return AutoConfig.for_model(model_type, **config)
-    return AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code)
-
-
 def local_checkpoint_dir(name_or_path: str) -> Path:
     """A local directory with the checkpoint's safetensors: the path itself, or the hub snapshot in the
     HF cache (config and safetensors only; offline jobs read HF_HOME)."""
@@ -221,7 +207,7 @@ def build_gpt_model(recipe: Recipe, pre_process: bool, post_process: bool, vp_st
 
     cpu_shim.apply()
     m, mg = recipe.model, recipe.megatron
-    plan = plan if plan is not None else plan_kernels(mg)
+    plan = plan if plan is not None else plan_kernels(mg, cuda=torch.cuda.is_available())
     hf_config = hf_config_for(recipe)
     tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     pp_rank, pp_size = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_world_size()
@@ -264,7 +250,7 @@ def build_model_chunks(recipe: Recipe, plan: KernelPlan | None = None, read_hf_w
     kernel plan. Same contract as `build_gpt_model`."""
     from megatron.core import parallel_state
 
-    plan = plan if plan is not None else plan_kernels(recipe.megatron)
+    plan = plan if plan is not None else plan_kernels(recipe.megatron, cuda=torch.cuda.is_available())
     pp_rank, pp = parallel_state.get_pipeline_model_parallel_rank(), recipe.megatron.pp_size
     vp = recipe.megatron.virtual_pp_size
     stages = [None] if vp is None else list(range(vp))

@@ -40,52 +40,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
-REFUSED_MOE_TYPES = {"qwen2_moe": "Qwen2-MoE's shared expert (with its own sigmoid gate) is not converted",
-                     "deepseek_v3": "DeepSeek-V3's MLA attention and grouped routing are not converted",
-                     "olmoe": "OLMoE is not converted"}
+from .support import (  # noqa: F401  (the family rules, pure: support.py)
+    MOE_MODEL_TYPES,
+    REFUSED_MOE_TYPES,
+    check_supported_moe,
+    expert_ffn_size,
+    is_moe,
+    num_experts,
+    renormalises_top_k,
+)
+
 DISPATCHERS = ("alltoall", "allgather")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-
-
-def is_moe(hf_config) -> bool:
-    return getattr(hf_config, "model_type", None) in MOE_MODEL_TYPES
-
-
-def num_experts(hf_config) -> int:
-    return hf_config.num_experts if hf_config.model_type == "qwen3_moe" else hf_config.num_local_experts
-
-
-def expert_ffn_size(hf_config) -> int:
-    return hf_config.moe_intermediate_size if hf_config.model_type == "qwen3_moe" else hf_config.intermediate_size
-
-
-def renormalises_top_k(hf_config) -> bool:
-    """Whether the top-k probabilities are divided by their sum (Mixtral always; Qwen3-MoE per
-    `norm_topk_prob`). megatron's softmax-after-top-k (`moe_router_pre_softmax=False`) is exactly
-    that; without renormalisation it is softmax first, top-k of the probabilities."""
-    return hf_config.model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False))
-
-
-def check_supported_moe(hf_config) -> None:
-    """Raise NotImplementedError for MoE configs the conversion would get wrong."""
-    kind = getattr(hf_config, "model_type", None)
-    if kind in REFUSED_MOE_TYPES:
-        raise NotImplementedError(f"model_type {kind!r}: {REFUSED_MOE_TYPES[kind]}; the Megatron engine converts the"
-                                  f" mixture-of-experts families {list(MOE_MODEL_TYPES)}")
-    if kind not in MOE_MODEL_TYPES:
-        return
-    if kind == "qwen3_moe":
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
-            raise NotImplementedError(f"decoder_sparse_step {hf_config.decoder_sparse_step}, mlp_only_layers "
-                                      f"{hf_config.mlp_only_layers}: dense layers mixed with MoE layers are not "
-                                      f"converted (every layer must be an MoE layer)")
-    if float(getattr(hf_config, "router_jitter_noise", 0.0) or 0.0) > 0:
-        raise NotImplementedError(f"router_jitter_noise {hf_config.router_jitter_noise}: the router's input noise "
-                                  f"is not reproduced; set it to 0")
-    if num_experts(hf_config) < hf_config.num_experts_per_tok:
-        raise ValueError(f"num_experts_per_tok {hf_config.num_experts_per_tok} exceeds the "
-                         f"{num_experts(hf_config)} experts")
 
 
 def aux_coeff(hf_config, recipe_coeff: float | None) -> float:

@@ -26,38 +26,7 @@ import math
 
 import torch
 
-REPRODUCED = ("default", "linear", "llama3", "yarn")
-_PER_BATCH = {"dynamic": "HF recomputes its frequencies from each batch's length past max_position_embeddings",
-              "longrope": "HF picks its short or long factors from each batch's length"}
-
-
-def rope_settings(hf_config) -> tuple[float, dict | None]:
-    """(rope theta, scaling dict or None) from a transformers 5 `rope_parameters` or a transformers 4
-    `rope_theta` + `rope_scaling`. Raises NotImplementedError for what the engine cannot reproduce."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params and all(isinstance(v, dict) for v in params.values()):  # one per attention type (transformers 5)
-        if len(params) != 1:
-            raise NotImplementedError(f"RoPE per attention type ({sorted(params)}): the Megatron engine has one RoPE")
-        params = next(iter(params.values()))
-    if params:
-        params = dict(params)
-        theta = float(params.pop("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0))
-    else:
-        theta = float(getattr(hf_config, "rope_theta", None) or 10000.0)
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if partial is not None and float(partial) != 1.0:
-        raise NotImplementedError(f"partial_rotary_factor {partial}: the Megatron engine rotates the whole head")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in _PER_BATCH:
-        raise NotImplementedError(f"rope scaling {kind!r}: {_PER_BATCH[kind]}; the Megatron engine fixes them when "
-                                  f"it builds the model (supported: {list(REPRODUCED)})")
-    if kind not in REPRODUCED:
-        raise NotImplementedError(f"rope scaling {kind!r}: the Megatron engine supports {list(REPRODUCED)} RoPE (a "
-                                  f"{kind} model would get the wrong positions)")
-    if kind == "default":
-        return theta, None
-    return theta, {**params, "rope_type": kind}
+from .support import rope_settings
 
 
 def rope_inv_freq(hf_config, kv_channels: int) -> torch.Tensor:

@@ -79,7 +79,8 @@ def _rank(rank, world, root: str, stages: tuple, expected: list):
     _skip_cpu_shm_op()
     import deepspeed
 
-    from recipes.engines.deepspeed.config import build_optimizer, deepspeed_config
+    from recipes.engines.deepspeed.config import deepspeed_config
+    from recipes.engines.deepspeed.optimizer import build_optimizer
     from recipes.engines.deepspeed.model import build_model, training_module
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)

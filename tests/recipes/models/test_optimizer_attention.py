@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from recipes.config import recipe_from_dict
-from recipes.engines.deepspeed.config import build_optimizer, optimizer_kind
+from recipes.engines.deepspeed.optimizer import build_optimizer, optimizer_kind
 from recipes.engines.deepspeed.model import build_model, log_attention
 from recipes.experiments.tiny import tiny_llama_config
 

@@ -1,0 +1,199 @@
+"""What the rest of the project asks of a training engine: `EngineContract`, one object per engine in
+the registry `recipes.engines.ENGINES`, keyed by `train.engine`.
+
+Config, checks, planning, validation, train, convert and launch ask the recipe's engine through its
+contract (`recipes.engines.engine_contract(recipe)`) instead of comparing `train.engine` to a name.
+A contract is pure: it reads the recipe (duck-typed, never imported from recipes.config), the model's
+config and numbers, and imports no torch, deepspeed or megatron at module level; the engine's runtime
+(`build_engine`, `recipes.engines.runtime`) is the only part that does.
+
+Switching engines (`train.engine=megatron` on a DeepSpeed recipe, and back): each engine states what
+its own settings ask for in neutral terms (`stated_intents`: an `Intent` per setting that differs from
+its default), and the chosen engine's `adopt_settings` maps each intent it has an equivalent for onto
+its own keys (a note for the log, said once; the source key is then reset to its default, so the
+recipe the run writes says what runs), and refuses, naming the key, each intent that would be lost.
+Neither engine reads the other's keys: the intents are the only thing that crosses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from recipes.parallel_dims import ParallelDims
+
+# ---- intents: what a setting asks for, in terms no engine owns -------------------------------------------
+
+TENSOR_PARALLEL = "tensor_parallel"  # int: ranks that split every layer's matrices
+PIPELINE_PARALLEL = "pipeline_parallel"  # int: pipeline stages
+VIRTUAL_PIPELINE = "virtual_pipeline"  # int: model chunks per pipeline stage (interleaving)
+EXPERT_PARALLEL = "expert_parallel"  # int: ranks that split each MoE layer's experts
+SEQUENCE_PARALLEL = "sequence_parallel"  # bool: activations split along the sequence inside the TP group
+SHARD_OPTIMIZER = "shard_optimizer_state"  # bool: optimizer state (and main gradients) split over DP ranks
+RECOMPUTE = "recompute_activations"  # "full" | "selective": activations recomputed in backward
+OFFLOAD_OPTIMIZER = "offload_optimizer"  # bool: optimizer state in host memory
+OFFLOAD_WEIGHTS = "offload_weights"  # bool: weights in host memory
+REDUCE_PRECISION = "gradient_reduce_precision"  # "bf16": gradients summed over ranks in 16 bits
+RAW_ENGINE_CONFIG = "raw_engine_config"  # dict: settings passed to the engine's library as they are
+ATTENTION_KERNEL = "attention_kernel"  # str: a named attention implementation of the engine's library
+LOGITS_HEAD = "logits_head"  # "chunked": the head computed chunk by chunk, no full-vocabulary logits
+LAYER_IMPLEMENTATION = "layer_implementation"  # str: which transformer layer implementation / fused kernels
+TOKEN_DISPATCH = "moe_token_dispatch"  # str: how MoE tokens travel to their experts
+OVERLAP_GRAD_REDUCE = "overlap_grad_reduce"  # bool false: the gradient reduction does not overlap backward
+OVERLAP_PARAM_GATHER = "overlap_param_gather"  # bool false: the weight gather does not overlap forward
+PRECONVERTED_WEIGHTS = "preconverted_weights"  # str: the backbone's weights already in the engine's format
+
+
+@dataclass(frozen=True)
+class Intent:
+    """One setting of a recipe as its engine states it: `what` it asks for (a name above), the neutral
+    `value`, the recipe `key` that says it, the value as written (`stated`) and the key's default (the
+    value the key takes again once another engine has adopted the intent)."""
+
+    what: str
+    value: Any
+    key: str
+    stated: Any
+    default: Any
+    engine: str  # the engine whose setting it is
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """How an engine adopts an intent: the recipe key it sets and the value for the intent's value
+    (`value` None: the intent's value as it is; `key` None: nothing to set, the engine does it its own
+    way, said in `note`), or why it cannot (`refuse`: what to use instead, in this engine's own keys;
+    `refusal`: the whole message, a template over the intent's fields, when the usual one misleads)."""
+
+    key: str | None = None
+    value: Callable[[Any], Any] | None = None
+    note: str = ""
+    refuse: str | None = None
+    refusal: str | None = None
+
+
+def get_key(recipe, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(recipe, section), name)
+
+
+def set_key(recipe, key: str, value) -> None:
+    section, name = key.split(".", 1)
+    setattr(getattr(recipe, section), name, value)
+
+
+def adopt(target: str, table: Mapping[str, Adoption], defaults: Mapping[str, Any], intents: list[Intent],
+          recipe) -> tuple[list[str], list[str]]:
+    """(errors, notes) of adopting `intents` (another engine's) onto engine `target` through `table`
+    (intent name -> Adoption; a name not in it has no equivalent). `defaults`: the target's own keys'
+    defaults, to tell a key the recipe set from one it left alone: a key the recipe sets itself is the
+    target engine's own word and is used as set (said in the note). Mapped keys are written into the
+    recipe and the source keys reset to their defaults, after every intent is judged, so a refusal leaves
+    the recipe as it was written."""
+    errors: list[str] = []
+    notes: list[str] = []
+    writes: list[tuple[str, Any]] = []
+    for intent in intents:
+        how = table.get(intent.what)
+        said = f"{intent.key}: {intent.stated!r} is the {intent.engine} engine's setting; on {target}"
+        if how is None or how.refuse is not None:
+            if how is not None and how.refusal is not None:
+                errors.append(how.refusal.format(key=intent.key, stated=intent.stated, value=intent.value))
+                continue
+            instead = how.refuse if how is not None else f"train.engine: {intent.engine}"
+            errors.append(f"{intent.key}: {intent.stated!r} is read by the {intent.engine} engine only; this recipe "
+                          f"trains on train.engine: {target}, which would ignore it (remove it; instead: {instead})")
+            continue
+        writes.append((intent.key, intent.default))
+        if how.key is None:  # the engine does this its own way: said, nothing to set
+            notes.append(f"{said}: {how.note}")
+            continue
+        mapped = how.value(intent.value) if how.value is not None else intent.value
+        current = get_key(recipe, how.key)
+        if how.key != intent.key and current != defaults[how.key] and current != mapped:
+            notes.append(f"{said} it would set {how.key}: {_yaml(mapped)}; the recipe sets {how.key}: "
+                         f"{_yaml(current)}, used as set")
+            continue
+        notes.append(f"{said} it sets {how.key}: {_yaml(mapped)}" + (f" ({how.note})" if how.note else ""))
+        writes.append((how.key, mapped))
+    if not errors:
+        for key, value in writes:
+            set_key(recipe, key, value)
+    return errors, notes
+
+
+def _yaml(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+# ---- the contract --------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineContract(Protocol):
+    """Everything the project asks of one training engine, answered without torch or the engine's
+    library. Methods take the recipe (a `recipes.config.Recipe`, duck-typed) and, where a rule needs the
+    model's shape, its transformers config (`model_cfg`, AutoConfig: never the weights)."""
+
+    name: str  # the value of train.engine
+    section: str  # the recipe section it reads (`recipe.<section>`)
+    Section: type  # that section's dataclass (its settings and their defaults)
+
+    def recipe_problems(self, recipe) -> list[str]:
+        """Refusals when the recipe loads (`Recipe.validate`), each naming its key: what this engine
+        cannot train at all (a model kind, a head, LoRA), whatever the other settings."""
+
+    def section_problems(self, section) -> list[str]:
+        """Errors of this engine's own section, checked for every recipe whichever engine it trains on
+        (choices, positive sizes, settings that need another of the section's settings)."""
+
+    def stated_intents(self, recipe) -> list[Intent]:
+        """What this engine's settings ask for, one `Intent` per setting differing from its default
+        (its section's keys, and the keys of other sections that only this engine reads)."""
+
+    def adopt_settings(self, recipe) -> tuple[list[str], list[str]]:
+        """(errors, notes): the other engines' `stated_intents` mapped onto this engine's equivalents
+        (written into the recipe; each note said once in the log) or refused (an error naming the key:
+        exit 2). Call once, before anything reads the recipe's layout."""
+
+    def parallel_dims(self, recipe, world_size: int) -> ParallelDims:
+        """The run's layout on `world_size` ranks (its data-parallel size is `.dp`)."""
+
+    def cluster_world(self, recipe) -> int:
+        """The ranks the recipe's cluster section describes (nodes x ranks per node)."""
+
+    def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
+        """The layouts the model (or, given `world_size`, the world) cannot take, each naming its keys:
+        `recipes.validate` exits 2 on these, `recipes.train` refuses them before building anything."""
+
+    def start_problems(self, recipe, here: bool = True) -> list[str]:
+        """What stops the engine from starting this recipe that the recipe alone cannot tell (files it
+        starts from; kernels that must import `here`, where the run starts)."""
+
+    def plan(self, recipe, model_cfg, *, hardware, rows, world_size: int | None = None,
+             moe_imbalance: float = 1.0):
+        """The memory and time plan of the recipe's layout (`recipes.planning`)."""
+
+    def checkpoint_layout(self, recipe, dims: ParallelDims) -> dict:
+        """What a checkpoint records of the layout that saved it (`layout.json`)."""
+
+    def saved_by(self, saved_layout: dict) -> bool:
+        """Whether a checkpoint's `layout.json` was written by this engine."""
+
+    def resume_problem(self, saved: dict, recipe, world_size: int, where) -> str | None:
+        """Why the checkpoint saved at layout `saved` (in `where`) cannot resume this recipe on
+        `world_size` ranks (None: it can)."""
+
+    def resume_may_change(self) -> tuple[str, ...]:
+        """This engine's recipe keys a resume may change (it reshards or converts the checkpoint)."""
+
+    def distributed_setup(self) -> dict:
+        """What `recipes.training.runtime.setup_distributed` needs for this engine (keyword arguments)."""
+
+    def converts(self) -> bool:
+        """Whether the engine has its own weight format, made once by `python -m recipes.convert`."""
