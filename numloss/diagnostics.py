@@ -124,7 +124,7 @@ def gradient_sums(objective, stats: LogitStats, counts=None, sequence_ids: torch
             return out + d_lse[:, None] * probabilities, d_lse * mass_elsewhere
 
         blocks = {name: block(value) for name, value in parts.items()}
-        reference = block(ce)[0] if "gce" in parts else blocks[REFERENCE][0]
+        reference = block(ce)[0] if objective.replaces_ce else blocks[REFERENCE][0]
     sums = {f"{PREFIX}{REFERENCE}/ref_sq": _dot(reference, reference)}
     for name, (grad, off_block) in blocks.items():
         sums[f"{PREFIX}{name}/sq"] = _dot(grad, grad)

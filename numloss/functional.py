@@ -1,4 +1,5 @@
-"""One function per loss term: `fn(logits, labels, vocab, **options) -> 0-d tensor`.
+"""One function per loss term: `fn(logits, labels, vocab, **options) -> 0-d tensor` (a registered
+term of your own: `term_function(name)`).
 
 Common arguments: `logits` [..., V] (any float dtype; the math is fp32), `labels` [...] aligned with
 them (the caller shifts), `ignore_index` (-100). Parallel contract: with `group` (the tensor-parallel
@@ -25,15 +26,7 @@ from typing import Callable
 import torch
 
 from .logit_stats import IGNORE_INDEX, compute_logit_stats, numeric_logit_stats
-from .losses import (
-    cross_entropy_term,
-    dist2_term,
-    gce_term,
-    ntil_term,
-    ntl_mse_term,
-    ntl_was_term,
-    smmd_term,
-)
+from .losses import cross_entropy_term, term_spec
 from .vocab import NumericVocab
 
 _NUMERIC_ONLY_NOTE = """
@@ -82,15 +75,20 @@ def _driven_by(term, needs_full_vocab: Callable[[dict], bool], full_when: str = 
     return fn
 
 
-cross_entropy = _driven_by(cross_entropy_term, lambda o: True, numeric_when=None)
-ntl_was = _driven_by(ntl_was_term, lambda o: bool(o["reweigh"]), full_when=" with reweigh=True",
-                     numeric_when=" without reweigh")
-ntl_mse = _driven_by(ntl_mse_term, lambda o: bool(o["reweigh"]), full_when=" with reweigh=True",
-                     numeric_when=" without reweigh")
-gce = _driven_by(gce_term, lambda o: True, numeric_when=None)  # it scores every other position with CE
-dist2 = _driven_by(dist2_term, lambda o: o["normalize"] == "full", full_when=' with normalize="full" (the default)',
-                   numeric_when=' with normalize="numeric"')
-ntil = _driven_by(ntil_term, lambda o: False, full_when=None)
-smmd = _driven_by(smmd_term, lambda o: False, full_when=None)
+def term_function(name: str, full_when: str | None = "", numeric_when: str | None = ""):
+    """The logits-level function of the registered term `name` (a user's too): it makes the full pass
+    over the vocabulary only when the term's registration says it needs the log-sum-exp with those
+    options (`numloss.losses.registry`, need "full_vocab")."""
+    spec = term_spec(name)
+    return _driven_by(spec.fn, lambda options: "full_vocab" in spec.needs(options), full_when, numeric_when)
 
-__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd"]
+
+cross_entropy = _driven_by(cross_entropy_term, lambda o: True, numeric_when=None)
+ntl_was = term_function("ntl_was", full_when=" with reweigh=True", numeric_when=" without reweigh")
+ntl_mse = term_function("ntl_mse", full_when=" with reweigh=True", numeric_when=" without reweigh")
+gce = term_function("gce", numeric_when=None)  # it scores every other position with CE
+dist2 = term_function("dist2", full_when=' with normalize="full" (the default)', numeric_when=' with normalize="numeric"')
+ntil = term_function("ntil", full_when=None)
+smmd = term_function("smmd", full_when=None)
+
+__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "term_function"]

@@ -1,6 +1,7 @@
 """Loss normalisation over a whole optimizer step: one global denominator per kind of term.
 
-Every loss value is a sum over its items divided by a count of its kind:
+Every loss value is a sum over its items divided by a count of its kind (which one: each term's
+registration, `numloss.losses.registry`):
 
 | key                       | what is counted                                          | terms                       |
 |---------------------------|----------------------------------------------------------|-----------------------------|
@@ -100,20 +101,6 @@ def reduce_counts(counts: Iterable[LossCounts] | LossCounts, group=None) -> Loss
     packed = torch.tensor([float(local.values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     return LossCounts(dict(zip(keys, packed.tolist())))
-
-
-def denominator_key(term: str, options: Mapping | None = None) -> str:
-    """Which count term `term` (a `numloss.losses.TERMS` name, or "ce") divides by, given its options."""
-    options = options or {}
-    if term in ("ce", "gce", "z_loss"):
-        return TOKENS
-    if term == "ntil":
-        return SEQUENCES
-    if term == "dist2" and options.get("weighting", "none") == "place_value":
-        return PLACE_VALUE
-    if term in ("ntl_was", "ntl_mse") and options.get("position_weights") is not None:
-        return f"{term}.position_weights"
-    return NUMERIC
 
 
 # ---- the counting, shared by the terms (their own default denominators) and by `batch_counts` ----------

@@ -3,6 +3,10 @@
     total = CE + Σ_k w_k · term_k                       (ntl_was, ntl_mse, dist2, ntil, smmd)
     total = (1 - w) · CE + w · GCE  + Σ_k w_k · term_k  (GCE replaces CE; w = 1 by default)
 
+The terms are those registered in `numloss.losses.registry` (the built-in ones and any a user registers
+with `numloss.register_term`); each one's default weight, option rules, vocabulary needs and count come
+from its registration.
+
 All terms share one pass over the logits (`compute_logit_stats`), so adding a term costs only its
 [M, N] math at the M numeric positions. A term listed with weight 0 is still computed and reported but
 adds exactly nothing: every weight 0 gives plain CE, value and gradient.
@@ -19,7 +23,6 @@ also carries `grad_sums`, each part's gradient on the numeric block as additive 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -27,14 +30,13 @@ import torch
 from .chunked_head import DEFAULT_CHUNK_SIZE, chunked_logit_stats
 from .diagnostics import gradient_sums, with_numeric_block
 from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
-from .losses import TERMS, cross_entropy_term
+from .losses import DEFAULT_WEIGHTS, cross_entropy_term, registered_terms, term_spec
 from .losses.cross_entropy import z_loss_term
-from .losses.options import finite, option_problems
-from .normalization import LossCounts, batch_counts, denominator_key
+from .losses.options import finite
+from .normalization import TOKENS, LossCounts, batch_counts
 from .vocab import NumericVocab
 
-# The default weights (docs/losses.md) (GCE's 1.0 means it fully replaces CE).
-DEFAULT_WEIGHTS = {"ntl_was": 0.3, "ntl_mse": 0.3, "gce": 1.0, "dist2": 0.1, "ntil": 0.3, "smmd": 3.0}
+__all__ = ["DEFAULT_WEIGHTS", "Objective", "ObjectiveConfig", "ObjectiveConfigError", "ObjectiveOutput", "TermConfig"]
 
 
 @dataclass
@@ -67,8 +69,9 @@ class ObjectiveConfig:
     """The terms and their weights and options, checked when made (`numloss.losses.options`): unknown
     terms or options, weights that are not numbers (a string "3" too), non-finite or negative weights,
     option values the term cannot use (a scalar or zero `sigmas`, `tau <= 0`, a string where a number
-    belongs, ...) are `ObjectiveConfigError`s (ValueErrors) naming each key's path. `Objective` adds
-    the vocabulary's checks (NTIL needs a digits vocabulary)."""
+    belongs, ...), two terms that each replace CE, are `ObjectiveConfigError`s (ValueErrors) naming each
+    key's path. The rules are each term's registration's (`numloss.register_term`). `Objective` adds the
+    vocabulary's checks (NTIL needs a digits vocabulary)."""
 
     terms: dict[str, TermConfig] = field(default_factory=dict)
     z_loss: float = 0.0
@@ -76,8 +79,10 @@ class ObjectiveConfig:
 
     def __post_init__(self):
         for name, term in list(self.terms.items()):
-            if name not in TERMS:
-                raise ObjectiveConfigError([f"terms.{name}: unknown term; known terms: {sorted(TERMS)}"])
+            if name not in DEFAULT_WEIGHTS:
+                raise ObjectiveConfigError([f"terms.{name}: unknown term; known terms: {sorted(registered_terms())}"
+                                            " (a term of your own: numloss.register_term)"])
+            spec = term_spec(name)
             if term is None:
                 term = TermConfig()
             elif isinstance(term, (int, float)) and not isinstance(term, bool):
@@ -88,12 +93,15 @@ class ObjectiveConfig:
                 raise ObjectiveConfigError([f"terms.{name}: expected a weight (a number) or a mapping of weight and "
                                             f"options, got {term!r}"])
             if term.weight is None:
-                term.weight = DEFAULT_WEIGHTS[name]
-            _check_options(name, term.options)
-            problems = option_problems(name, term.options, term.weight)
+                term.weight = spec.default_weight
+            problems = spec.config_problems(term.options, term.weight)
             if problems:
                 raise ObjectiveConfigError(problems)
             self.terms[name] = term
+        replacing = [name for name in self.terms if term_spec(name).replaces_ce]
+        if len(replacing) > 1:
+            raise ObjectiveConfigError([f"terms.{replacing[1]}: {replacing[0]} and {replacing[1]} each replace CE;"
+                                        " an objective takes at most one of them"])
         for key, value in (("z_loss", self.z_loss),):
             problem = finite(0)(value)
             if problem:
@@ -132,19 +140,6 @@ def _term_from_dict(name: str, spec: dict) -> TermConfig:
         raise ObjectiveConfigError([f"terms.{name}.options: expected a mapping, got {options!r}"])
     options = {**options, **spec}  # options may be given flat or under "options"
     return TermConfig(weight=None if weight is None else float(weight), options=options, rescale_to_ce=rescale)
-
-
-# Arguments that come with each batch, not from the config: the step's denominator and packed rows'
-# sequence ids (for the terms that take them).
-_PER_BATCH = {"denominator", "sequence_ids"}
-
-
-def _check_options(name: str, options: dict) -> None:
-    allowed = set(inspect.signature(TERMS[name]).parameters) - {"stats", "vocab"} - _PER_BATCH
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ObjectiveConfigError([f"terms.{name}.{key}: no such option of {name}; options: {sorted(allowed)}"
-                                    for key in unknown])
 
 
 @dataclass
@@ -194,9 +189,9 @@ class Objective:
             config = ObjectiveConfig()
         elif isinstance(config, dict):
             config = ObjectiveConfig.from_dict(config)
-        if "ntil" in config.terms and not vocab.is_digits():
-            raise ValueError(f"objective: term 'ntil' needs a digits vocabulary (values 0..9, numeric policy "
-                             f"digits); {vocab!r} is not one")
+        problems = [p for name, term in config.terms.items() for p in term_spec(name).vocab_problems(vocab, term.options)]
+        if problems:
+            raise ValueError("objective: " + "; ".join(problems))
         self.vocab = vocab
         self.config = config
         self.diagnostics = diagnostics
@@ -225,31 +220,31 @@ class Objective:
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
                     vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                     counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                    diagnostics: bool | None = None, logit_transform=None) -> ObjectiveOutput:
+                    diagnostics: bool | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed one vocabulary chunk at a time and never for the whole vocabulary at once
         (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
-        collectives as the logits path, plus d hidden's all-reduce in backward under TP.
-        `logit_transform`: the model's logit scale / soft cap (`numloss.logit_transform.LogitTransform`)."""
+        collectives as the logits path, plus d hidden's all-reduce in backward under TP."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
                                     self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size,
-                                    fused=self.fused, logit_transform=logit_transform)
+                                    fused=self.fused)
         probe = None
         if self._diagnosing(diagnostics):
             flat = hidden.detach().reshape(-1, hidden.shape[-1])
-
-            def block(rows, cols):
-                x = flat[rows] @ weight.detach()[cols].t()
-                return x if logit_transform is None else logit_transform.apply(x).to(x.dtype)
-
             probe = stats if self.config.terms else with_numeric_block(
-                stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index, block)
+                stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index,
+                lambda rows, cols: flat[rows] @ weight.detach()[cols].t())
         return self._output(stats, counts, sequence_ids, probe)
+
+    @property
+    def replaces_ce(self) -> str | None:
+        """The configured term that replaces CE (GCE), or None."""
+        return next((name for name in self.config.terms if term_spec(name).replaces_ce), None)
 
     def denominator_keys(self) -> dict[str, str]:
         """{"ce": key, term: key, ...}: which count (`numloss.normalization`) each part divides by."""
-        keys = {"ce": denominator_key("ce")}
-        keys.update({name: denominator_key(name, term.options) for name, term in self.config.terms.items()})
+        keys = {"ce": TOKENS}
+        keys.update({name: term_spec(name).denominator(term.options) for name, term in self.config.terms.items()})
         return keys
 
     def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
@@ -288,30 +283,31 @@ class Objective:
     def parts(self, stats: LogitStats, counts: LossCounts | None = None,
               sequence_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(CE, each term's unweighted value, the parts of the total): the parts are what the total adds
-        up, in its order of summation: "ce" (CE, or (1 - w)·CE beside GCE), "gce" (w·GCE), every other
-        term's w·term (`stopgrad(CE / term)·w·term` with `rescale_to_ce`), and "z_loss" when configured.
-        `numloss.diagnostics` takes the gradient of each part."""
+        up, in its order of summation: "ce" (CE, or (1 - w)·CE beside GCE), "gce" (w·GCE; so is any term
+        that replaces CE), every other term's w·term (`stopgrad(CE / term)·w·term` with `rescale_to_ce`),
+        and "z_loss" when configured. `numloss.diagnostics` takes the gradient of each part."""
         keys = self.denominator_keys()
 
         def per_batch(name: str) -> dict:
             """The term's per-batch arguments: its step denominator, and packed sequence ids."""
             extra = {} if counts is None else {"denominator": counts.denominator(keys[name])}
-            if sequence_ids is not None and "sequence_ids" in inspect.signature(TERMS[name]).parameters:
+            if sequence_ids is not None and term_spec(name).takes_sequence_ids:
                 extra["sequence_ids"] = sequence_ids
             return extra
 
         ce_denominator = None if counts is None else counts.denominator(keys["ce"])
         ce = cross_entropy_term(stats, self.vocab, denominator=ce_denominator)
         terms = self.config.terms
-        values = {name: TERMS[name](stats, self.vocab, **term.options, **per_batch(name))
+        values = {name: term_spec(name).fn(stats, self.vocab, **term.options, **per_batch(name))
                   for name, term in terms.items()}
         scaled = {name: _rescaled(values[name], ce) if term.rescale_to_ce else values[name]
                   for name, term in terms.items()}
-        # GCE replaces CE: (1 - w)·CE + w·GCE, exactly CE at w = 0 and exactly GCE at w = 1.
-        gce = terms.get("gce")
-        parts = {"ce": ce} if gce is None else {"ce": (1 - gce.weight) * ce, "gce": gce.weight * scaled["gce"]}
+        # A term that replaces CE (GCE): (1 - w)·CE + w·term, exactly CE at w = 0 and exactly the term at w = 1.
+        replacing = self.replaces_ce
+        parts = {"ce": ce} if replacing is None else {"ce": (1 - terms[replacing].weight) * ce,
+                                                      replacing: terms[replacing].weight * scaled[replacing]}
         for name, term in terms.items():
-            if name != "gce":
+            if name != replacing:
                 parts[name] = term.weight * scaled[name]
         if self.config.z_loss:  # a penalty on the normaliser, kept whether CE or GCE scores the tokens
             parts["z_loss"] = z_loss_term(stats, self.config.z_loss, ce_denominator)

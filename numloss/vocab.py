@@ -20,6 +20,9 @@ SPACE_MARKERS = ("Ġ", "▁", " ")
 
 POLICIES = ("digits", "integers", "float")
 
+# The decimal point's token text (DEL groups digits and points into numbers).
+DECIMAL_POINT = "."
+
 # Only ASCII digits: `\d` would also accept "３" or "٣", and Python's float() would accept "1_000",
 # "nan" and "inf". Exponents are left out on purpose: a token "e5" is not a number on its own.
 # fullmatch, not match with "$": "$" also matches before a final newline, which made a token "3\n"
@@ -43,6 +46,8 @@ class NumericVocab:
             vocab-parallel (the TP shards tell the global width); with it, vocab-parallel logits whose
             shards tile another width are an error (`vocab_size_fixed`).
         name: how errors and reprs refer to this vocabulary (the tokenizer and policy it came from).
+        decimal_point_id: the vocab id of the decimal point token ".", or None (DEL's place weights read
+            it; `from_tokenizer` finds it). It must not be a numeric token.
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class NumericVocab:
         values: Sequence[float] | torch.Tensor,
         vocab_size: int | None = None,
         name: str = "NumericVocab",
+        decimal_point_id: int | None = None,
     ):
         ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().cpu()
         vals = torch.as_tensor(values, dtype=torch.float64).flatten().cpu()
@@ -72,6 +78,16 @@ class NumericVocab:
             vocab_size = max_id + 1
         if max_id >= vocab_size:
             raise ValueError(f"{name}: token id {max_id} does not fit logits of width {vocab_size}")
+        if decimal_point_id is not None:
+            if isinstance(decimal_point_id, bool) or not hasattr(decimal_point_id, "__index__") or \
+                    decimal_point_id.__index__() < 0:
+                raise ValueError(f"{name}: decimal_point_id must be a token id (an int >= 0), got {decimal_point_id!r}")
+            decimal_point_id = decimal_point_id.__index__()
+            if self.vocab_size_fixed and decimal_point_id >= vocab_size:
+                raise ValueError(f"{name}: decimal_point_id {decimal_point_id} does not fit logits of width {vocab_size}")
+            if bool((ids == decimal_point_id).any()):
+                raise ValueError(f"{name}: decimal_point_id {decimal_point_id} is one of the numeric tokens")
+        self.decimal_point_id = decimal_point_id
         self.name = name
         self.token_ids = ids
         self.values = vals
@@ -131,6 +147,11 @@ class NumericVocab:
         v = self.values
         return bool(((v == v.round()) & (v >= 0) & (v <= 9)).all())
 
+    def is_ten_digits(self) -> bool:
+        """True when the numeric tokens are exactly the ten digits 0..9, one token each (what DEL's ten
+        digit logits need; a vocabulary with space variants has two tokens per digit)."""
+        return self.size == 10 and self.is_digits() and self.values.unique().numel() == 10
+
     # ---- construction from a tokenizer ----------------------------------------------------------
     @classmethod
     def from_tokenizer(
@@ -147,6 +168,9 @@ class NumericVocab:
         - "integers": canonical integers 0..max_value ("7", "42", not "07") that are one token.
         - "float": every token whose text is a plain decimal number ("3", "0.5", "-2", ".5").
 
+        Whatever the policy, the token whose text is exactly "." becomes `decimal_point_id` (None when the
+        tokenizer has none, or when it lies beyond `vocab_size`).
+
         Tokens are read from the tokenizer's vocabulary (added tokens included), not by encoding, so the
         result does not depend on pre-tokenizer quirks. `space_variants=True` also counts a token with one
         leading space marker ("Ġ3", "▁3", " 3") as that number. `vocab_size` is the logits width; it
@@ -162,7 +186,8 @@ class NumericVocab:
         ids, values = [], []
         # Every numeric token ends in a digit or "." ("3."): only such tokens are parsed and sorted, a few
         # thousand of a 128k-151k entry vocabulary (parsing and sorting all of it took ~0.2 s).
-        candidates = [(i, t) for t, i in _tokenizer_vocab(tokenizer).items() if t[-1:] in _NUMERIC_LAST]
+        entries = _tokenizer_vocab(tokenizer)
+        candidates = [(i, t) for t, i in entries.items() if t[-1:] in _NUMERIC_LAST]
         for token_id, token in sorted(candidates):
             value = parse_numeric_token(token, policy, max_value, space_variants)
             if value is not None:
@@ -178,7 +203,9 @@ class NumericVocab:
             raise ValueError(
                 f"{name}: numeric token id {too_wide[0]} does not fit logits of width {vocab_size}"
             )
-        vocab = cls(ids, values, vocab_size=vocab_size, name=name)
+        point = entries.get(DECIMAL_POINT)
+        point = point if point is not None and point < vocab_size else None
+        vocab = cls(ids, values, vocab_size=vocab_size, name=name, decimal_point_id=point)
         vocab.vocab_size_fixed = width_given
         return vocab
 

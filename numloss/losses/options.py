@@ -1,8 +1,10 @@
-"""What each term's options may be, checked when an `ObjectiveConfig` is made, not at the first forward.
+"""Rules for a term's options, checked when an `ObjectiveConfig` is made, not at the first forward.
 
-A rule per option: finite numbers with the sign the term's math needs, choices from the term's own
-list, and the shapes it indexes (SMMD's `sigmas` a non-empty list of positive numbers, never a scalar).
-Options not listed here (a `generator`, `position_weights` tensors) are checked where they are used.
+A rule is `rule(value) -> None` (fine) or a message saying what is wrong. Each term registers a rule per
+option (`numloss.register_term(..., options={...})`): finite numbers with the sign the term's math needs,
+choices from the term's own list, and the shapes it indexes (SMMD's `sigmas` a non-empty list of positive
+numbers, never a scalar). Options without a rule (a `generator`, `position_weights` tensors) are checked
+where they are used.
 """
 
 from __future__ import annotations
@@ -48,36 +50,14 @@ def positive_list(value: Any) -> str | None:
     return f"every entry must be a finite number > 0, got {value!r}" if bad else None
 
 
-RULES: dict[str, dict[str, Callable[[Any], str | None]]] = {
-    "smmd": {"sigmas": positive_list, "squash_factor": finite(0, strict=True, optional=True),
-             "kernel": choice("gaussian", "laplace"), "alpha": finite(0, optional=True),
-             "mode": choice("smmd", "mmd", "smooth")},
-    "ntl_was": {"squash_factor": finite(1, optional=True), "reweigh": boolean},
-    "ntl_mse": {"loss": choice("mse", "mae", "huber"), "reweigh": boolean},
-    "gce": {"sigma": finite(0), "renormalize": boolean},
-    "dist2": {"tau": finite(0, strict=True), "normalize": choice("full", "numeric"),
-              "weighting": choice("none", "place_value")},
-    "ntil": {"digit_exp": finite(0, strict=True), "digit_alpha": finite(0), "abs_alpha": finite(0),
-             "mag_alpha": finite(0), "tau": finite(0, strict=True), "noise_scale": finite(0)},
-}
+def token_id(value: Any) -> str | None:
+    """A vocabulary id (an int >= 0) or None."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return None
+    return f"expected a token id (an integer >= 0) or null, got {value!r}"
 
-# the term's weight: a finite number >= 0 (a negative weight trains the model away from the targets);
-# GCE's mixes CE and GCE as (1 - w) CE + w GCE, so it stays in [0, 1]
-WEIGHT_RULES = {"gce": finite(0, maximum=1)}
+
+# A term's weight: a finite number >= 0 (a negative weight trains the model away from the targets); a
+# term that replaces CE mixes the two as (1 - w) CE + w term, so its weight stays in [0, 1]
+# (`numloss.losses.registry`).
 DEFAULT_WEIGHT_RULE = finite(0)
-
-
-def option_problems(name: str, options: dict, weight: float | None) -> list[str]:
-    """Every problem of one term's weight and options, each as `terms.<name>.<key>: problem`, the key's
-    path in the objective's mapping (empty: fine)."""
-    problems = []
-    if weight is not None:
-        problem = WEIGHT_RULES.get(name, DEFAULT_WEIGHT_RULE)(weight)
-        if problem:
-            problems.append(f"terms.{name}.weight: {problem}")
-    for key, value in options.items():
-        rule = RULES.get(name, {}).get(key)
-        problem = rule(value) if rule is not None else None
-        if problem:
-            problems.append(f"terms.{name}.{key}: {problem}")
-    return problems
