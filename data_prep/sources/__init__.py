@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from .arithmetic_gen import Arithmetic
-from .base import BadRecord, Example, Source, SourceConfig, parse_number
+from .base import BadRecord, Example, Source, SourceConfig
 from .chartqa import ChartQA
 from .clock import Clock, ClockText
 from .deepmind_math import DeepMindMath
@@ -26,4 +26,4 @@ def make_source(cfg: SourceConfig) -> Source:
     return SOURCES[cfg.kind](cfg)
 
 
-__all__ = ["SOURCES", "BadRecord", "Example", "Source", "SourceConfig", "make_source", "parse_number"]
+__all__ = ["SOURCES", "BadRecord", "Example", "Source", "SourceConfig", "make_source"]

@@ -13,8 +13,9 @@ A source is split in two halves on purpose:
 Decisions:
 - A record's identity is `ref`, built from the path *relative to the source root* plus a line or row
   number, so the same files give the same ids wherever they are checked out.
-- Answers are parsed by `parse_number`: thousands separators ("1,234"), a leading currency sign,
-  a trailing "%" or ".", fractions ("-3/4") and decimals are accepted; anything else is no answer.
+- Answers are read by `data_prep.answers.parse_answer`, the reader the evaluation reads model outputs
+  with (thousands separators, currency and units, fractions, signs; a text that is not one number, such
+  as a surd, is no answer), so gold and prediction are read alike.
 - `require_answer` (default True): a record with no parsable numeric answer is rejected
   ("no_answer"). Sources with non-numeric answers (ChartQA) can switch it off per build.
 """
@@ -27,7 +28,6 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any, ClassVar, Iterator
 
 from ..shards import sha256_file
@@ -297,30 +297,6 @@ def get_field(row: dict, name: str, kind: str = "str") -> Any:
 
 
 # ---- numbers -----------------------------------------------------------------------------------
-_NUMBER_TEXT = re.compile(
-    r"^(?P<s1>[-+])?\s*[$€£]?\s*(?P<s2>[-+])?(?P<int>\d{1,3}(?:,\d{3})+|\d+)?(?P<frac>\.\d+)?\s*%?\.?$"
-)
-_FRACTION_TEXT = re.compile(r"^\s*([-+]?\d+)\s*/\s*([-+]?\d+)\s*$")
-
-
-def parse_number(text: Any) -> float | None:
-    """The number a final-answer string stands for, or None. See the module docstring."""
-    if text is None or isinstance(text, bool):
-        return None
-    if isinstance(text, (int, float)):
-        return float(text) if text == text and abs(text) != float("inf") else None
-    s = str(text).strip()
-    m = _FRACTION_TEXT.match(s)
-    if m:
-        den = int(m.group(2))
-        return float(Fraction(int(m.group(1)), den)) if den != 0 else None
-    m = _NUMBER_TEXT.match(s)
-    if not m or (m["int"] is None and m["frac"] is None):
-        return None
-    value = float((m["int"] or "0").replace(",", "") + (m["frac"] or ""))
-    return -value if "-" in (m["s1"] or "", m["s2"] or "") else value
-
-
 def format_number(x: float | int) -> str:
     """Shortest text for a number: 27.0 -> "27", 0.5 -> "0.5"."""
     if isinstance(x, int):

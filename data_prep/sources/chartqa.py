@@ -9,7 +9,9 @@ The image bytes are carried as they are; the vision-language processor is applie
 
 from __future__ import annotations
 
-from .base import Example, Source, get_field, load_image, parse_number
+from data_prep.answers import parse_answer
+
+from .base import Example, Source, get_field, load_image
 
 
 class ChartQA(Source):
@@ -24,5 +26,5 @@ class ChartQA(Source):
             label = label[0] if label else ""
         label = str(label).strip()
         image = load_image(get_field(row, self.opts["image_field"], kind="any"), base_dir)
-        return Example(prompt=str(query).strip(), target=label, answer=parse_number(label),
+        return Example(prompt=str(query).strip(), target=label, answer=parse_answer(label),
                        answer_text=label, image=image)

@@ -19,7 +19,9 @@ import fnmatch
 import os
 import re
 
-from .base import Example, Source, get_field, iter_question_answer_lines, parse_number, resolve_files
+from data_prep.answers import parse_answer
+
+from .base import Example, Source, get_field, iter_question_answer_lines, resolve_files
 
 # "In base 16, what is -1a + 2b?", "What is 101 (base 2) in base 16?": the answer is in that base.
 _BASE_RE = re.compile(r"\bbase (\d+)\b")
@@ -48,5 +50,5 @@ class DeepMindMath(Source):
         answer = get_field(row, "answer").strip()
         bases = {int(b) for b in _BASE_RE.findall(question)}
         decimal = not bases or bases == {10}
-        return Example(prompt=question, target=answer, answer=parse_number(answer) if decimal else None,
+        return Example(prompt=question, target=answer, answer=parse_answer(answer) if decimal else None,
                        answer_text=answer, number_spans=decimal)

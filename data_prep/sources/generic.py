@@ -1,28 +1,26 @@
 """Any JSONL / JSON / Parquet / CSV (or hub dataset) with configurable field names.
 
-Options: `prompt_field`, `target_field`, `answer_field` (optional; without it the answer is parsed from
-the target: the text after the last "####" if there is one, else the last number in the target),
+Options: `prompt_field`, `target_field`, `answer_field` (optional; without it the answer is read from
+the target: the text after the last "####" if there is one, else `data_prep.answers.read_answer`'s answer),
 `image_field` (optional). An empty prompt is allowed (plain language-model text).
 """
 
 from __future__ import annotations
 
-import re
+from data_prep.answers import parse_answer, read_answer
 
-from .base import Example, Source, get_field, load_image, parse_number
+from .base import Example, Source, get_field, load_image
 from .gsm8k import final_answer
-
-_LAST_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
 
 def answer_from_target(target: str) -> tuple[str | None, float | None]:
     text, value = final_answer(target)
     if text is not None:
         return text, value
-    found = _LAST_NUMBER.findall(target)
-    if not found:
+    reading = read_answer(target)
+    if reading is None:
         return None, None
-    return found[-1], parse_number(found[-1])
+    return reading.numeral, reading.value
 
 
 class Generic(Source):
@@ -41,7 +39,7 @@ class Generic(Source):
         target = get_field(row, self.opts["target_field"])
         if self.opts["answer_field"]:
             raw = row.get(self.opts["answer_field"])
-            answer_text, answer = (None if raw is None else str(raw)), parse_number(raw)
+            answer_text, answer = (None if raw is None else str(raw)), parse_answer(raw)
         else:
             answer_text, answer = answer_from_target(target)
         image = None

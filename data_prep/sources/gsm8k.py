@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
-from .base import EMPTY_TARGET, NO_ANSWER, BadRecord, Example, Source, get_field, parse_number
+from data_prep.answers import parse_answer
+
+from .base import EMPTY_TARGET, NO_ANSWER, BadRecord, Example, Source, get_field
 
 _CALC = re.compile(r"<<[^<>]*>>")
 
@@ -19,7 +21,7 @@ def final_answer(text: str) -> tuple[str | None, float | None]:
     if "####" not in text:
         return None, None
     answer = text.rsplit("####", 1)[1].strip()
-    return answer, parse_number(answer)
+    return answer, parse_answer(answer)
 
 
 class GSM8K(Source):

@@ -6,7 +6,9 @@ the equation, then "#### N" with the answer, and the prompt is Body + " " + Ques
 
 from __future__ import annotations
 
-from .base import Example, Source, format_number, get_field, parse_number
+from data_prep.answers import parse_answer
+
+from .base import Example, Source, format_number, get_field
 
 
 class SVAMP(Source):
@@ -17,7 +19,7 @@ class SVAMP(Source):
         body = get_field(row, "Body").strip()
         question = get_field(row, "Question").strip()
         equation = get_field(row, "Equation").strip()
-        value = parse_number(row.get("Answer"))
+        value = parse_answer(row.get("Answer"))
         answer_text = format_number(value) if value is not None else str(row.get("Answer"))
         prompt = f"{body} {question}" if body else question
         target = f"{equation} = {answer_text}\n#### {answer_text}"

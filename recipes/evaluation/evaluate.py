@@ -48,6 +48,8 @@ from typing import Any, Callable, Sequence
 
 from data_prep.shards import read_manifest
 
+from data_prep.answers import parse_answer
+
 from . import metrics as M
 from recipes.inputs.vision import load_processor, vision_inputs
 
@@ -202,7 +204,7 @@ def generate_texts(model, tokenizer, rows: Sequence[dict], batch_size: int = 16,
 def relaxed_match(prediction: str, answer: float | None, answer_text: str | None, tol: float = 0.05) -> bool:
     """ChartQA's relaxed accuracy: a numeric answer within `tol` relative error, else a string match."""
     if answer is not None:
-        p = M.parse_number(prediction)
+        p = parse_answer(prediction)
         if p is None:
             return False
         if answer == 0:
@@ -238,7 +240,7 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
                 rec["time_gap"] = gap
                 rec["correct"] = parsed is not None and gap == 0
         else:
-            parsed = M.parse_number(p)
+            parsed = parse_answer(p)
             rec["parsed"] = parsed
             if r["answer"] is not None:
                 rec["correct"] = parsed is not None and abs(parsed - r["answer"]) <= 1e-9

@@ -1,7 +1,8 @@
 """Metrics the recipes report on generated answers (docs/losses.md, "What each term computes").
 
 Every metric takes the model's decoded answer texts and the reference numbers. An answer is scored by
-the number it parses to (`parse_number`: the last number in the text), so "x = 42." and "42" are the
+the number it reads as (`data_prep.answers.parse_answer`, the reader the gold answers were read with: "####",
+\\boxed{}, "the answer is", else the last line's number; docs/evaluation.md), so "x = 42." and "42" are the
 same answer. An answer that does not parse counts as wrong for exact match and is left out of MAE and
 R² (which are then over the parsed answers only); `parse_rate` says how many that was, so a model that
 stops emitting numbers cannot look good on MAE.
@@ -21,38 +22,18 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, Sequence
+from typing import Sequence
 
-# An optional sign, digits, an optional decimal part. Thousands separators are not accepted: "1,000"
-# parses as 0 (its last number), which is what a strict exact-match scorer should see.
-_NUMBER_RE = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+from data_prep.answers import parse_answer
+
 _CLOCK_RE = re.compile(r"(\d{1,2}):(\d{2})")
 
 MINUTES_PER_DIAL = 12 * 60
 
 
-def parse_number(text: str | None) -> float | None:
-    """The last number in `text` as a float ("= -17" -> -17.0, "3.50" -> 3.5), or None if there is none."""
-    if text is None:
-        return None
-    matches = _NUMBER_RE.findall(text)
-    if not matches:
-        return None
-    try:
-        value = float(matches[-1])
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def parse_numbers(texts: Iterable[str | None]) -> list[float | None]:
-    """`parse_number` of each text."""
-    return [parse_number(t) for t in texts]
-
-
 def _as_parsed(predictions: Sequence) -> list[float | None]:
     """Texts are parsed; numbers (and None) are taken as they are."""
-    return [p if p is None or isinstance(p, (int, float)) else parse_number(p) for p in predictions]
+    return [p if p is None or isinstance(p, (int, float)) else parse_answer(p) for p in predictions]
 
 
 def _check_lengths(predictions: Sequence, targets: Sequence) -> None:

@@ -1,4 +1,4 @@
-"""Each source adapter on fixtures written here, and the answer parser."""
+"""Each source adapter on fixtures written here (the answer reader: tests/data_prep/test_answers.py)."""
 
 import io
 import json
@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from tests.data_prep.helpers import GSM8K_ROWS, png_bytes, write_csv, write_jsonl, write_parquet
 
-from data_prep.sources import BadRecord, SourceConfig, make_source, parse_number
+from data_prep.sources import BadRecord, SourceConfig, make_source
 from data_prep.sources.clock import hand_angles
 
 
@@ -22,15 +22,6 @@ def examples(cfg):
         except BadRecord as e:
             out.append((ref, e))
     return out
-
-
-@pytest.mark.parametrize("text,value", [
-    ("72", 72.0), ("1,600", 1600.0), ("-3", -3.0), ("$1,234.50", 1234.5), ("45%", 45.0), ("7.", 7.0),
-    ("-3/4", -0.75), (".5", 0.5), ("- 5", -5.0), (12, 12.0), (2.5, 2.5),
-    ("abc", None), ("1,2", None), ("", None), ("12:30", None), ("3 apples", None), ("1/0", None), (None, None),
-])
-def test_parse_number(text, value):
-    assert parse_number(text) == value
 
 
 def test_gsm8k(tmp_path):

@@ -13,8 +13,9 @@ from recipes.evaluation import metrics
     [("42", 42.0), ("-17", -17.0), ("x = 3.50", 3.5), ("7 then 8", 8.0), (" 0 ", 0.0), ("+5", 5.0),
      (".5", 0.5), ("no number", None), ("", None), (None, None), ("-", None)],
 )
-def test_parse_number(text, value):
-    assert metrics.parse_number(text) == value
+def test_answers_read_as_data_prep_reads_them(text, value):
+    # metrics reads predictions with data_prep.answers (tests/data_prep/test_answers.py tests the reader)
+    assert metrics._as_parsed([text]) == [value]
 
 
 def test_exact_match_counts_parse_failures_as_wrong():
