@@ -24,6 +24,7 @@ from .logit_stats import IGNORE_INDEX, LogitStats, compute_logit_stats
 from .losses.registry import register_term, unregister_term
 from .objective import DEFAULT_WEIGHTS, Objective, ObjectiveConfig, ObjectiveOutput, TermConfig
 from .normalization import LossCounts, reduce_counts
+from .labels import shift_labels
 from .parallel import count_comm
 from .vocab import NumericVocab
 
@@ -45,4 +46,5 @@ __all__ = [
     "LossCounts",
     "reduce_counts",
     "IGNORE_INDEX",
+    "shift_labels",
 ]

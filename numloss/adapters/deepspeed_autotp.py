@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from ..labels import shift_labels
 from ..logit_stats import IGNORE_INDEX
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
@@ -93,14 +93,6 @@ def find_vocab_shard(model) -> VocabShard:
     else:
         vocab_size = int(inner.config.vocab_size)
     return VocabShard(None, 0, vocab_size, vocab_size)
-
-
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """HF's causal shift: position t is scored against labels[t + 1]; the last position is ignored.
-
-    Shifting the labels (not slicing the logits) keeps the logits tensor as it is: no copy of a
-    [b, s, V_local] tensor."""
-    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
 def causal_lm_objective(

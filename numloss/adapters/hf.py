@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from ..chunked_head import DEFAULT_CHUNK_SIZE
+from ..labels import shift_labels
 from ..logit_transform import LogitTransform
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
-from .deepspeed_autotp import causal_lm_objective, find_vocab_shard, shift_labels
+from .deepspeed_autotp import causal_lm_objective, find_vocab_shard
 
 
 class NumericLMOutput(dict):

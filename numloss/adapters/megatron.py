@@ -54,8 +54,9 @@ therefore returns `share x T` with this micro-batch's token count: the gradient 
 optimizer is that of the global batch's loss, the same on every layout and on both engines, and a
 model trained through Megatron's stock `finalize_model_grads` needs nothing else.
 
-Labels: the training loop gives Hugging Face-style unshifted labels with -100; `shift_labels`
-(shared with the DeepSpeed adapters) is the one place they are shifted to be logit-aligned.
+Labels: the training loop gives Hugging Face-style unshifted labels with -100; `numloss.shift_labels`
+(the one the HF adapter and the trainer integration use) is the one place they are shifted to be
+logit-aligned.
 `megatron_labels` turns shifted labels into Megatron's (labels without an ignore index, loss_mask)
 for `install_numeric_loss` and Megatron's own CE.
 
@@ -72,10 +73,9 @@ import torch.distributed as dist
 from ..logit_stats import LogitStats, NumericRows, compute_logit_stats
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
-from .deepspeed_autotp import shift_labels
 
 __all__ = ["PerTokenLoss", "install_numeric_loss", "language_model_loss", "megatron_labels",
-           "megatron_tp_group", "numeric_loss_func", "shift_labels"]
+           "megatron_tp_group", "numeric_loss_func"]
 
 
 @dataclass

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..adapters.deepspeed_autotp import shift_labels
+from ..labels import shift_labels
 from ..logit_stats import IGNORE_INDEX
 from ..normalization import LossCounts, reduce_counts
 from ..objective import Objective, ObjectiveConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from numloss.adapters.megatron import shift_labels
+from numloss import shift_labels
 from recipes.engines.megatron.batches import check_attention, prepare_window
 from recipes.inputs.batches import packed_attention_mask
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from numloss import NumericVocab, Objective
-from numloss.adapters.megatron import megatron_labels, numeric_loss_func, shift_labels
+from numloss import NumericVocab, Objective, shift_labels
+from numloss.adapters.megatron import megatron_labels, numeric_loss_func
 from numloss.normalization import reduce_counts
 from tests.distributed import run_ranks
 

@@ -63,7 +63,7 @@ def whole_batch_objective(model, vocab, spec: dict, batch: dict) -> dict[str, fl
     """The objective of the whole global batch in one forward, divided by its own counts, and the norm
     of its gradient (`grad_norm`): what the integration's step must log, computed without it."""
     from numloss import Objective
-    from numloss.adapters.deepspeed_autotp import shift_labels
+    from numloss import shift_labels
 
     model.zero_grad()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

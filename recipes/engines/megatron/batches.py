@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from numloss.adapters.megatron import shift_labels
+from numloss import shift_labels
 
 PACKINGS = ("mask", "thd")
 
