@@ -216,6 +216,7 @@ def train_loop(config: dict) -> None:
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
     from recipes.config import recipe_from_dict
+    from recipes.engines import engine_contract
     from recipes.training.runtime import setup_distributed
     from recipes.train import Hooks, train
 
@@ -224,7 +225,8 @@ def train_loop(config: dict) -> None:
     if config.get("run_id"):  # a restarted worker group takes this run's own out_dir lock back (run_lock)
         os.environ["NUMLOSS_RUN_ID"] = config["run_id"]
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
-    setup_distributed(deepspeed=recipe.train.engine == "deepspeed")  # adopts Ray's process group (recipes.training.runtime)
+    # adopts Ray's process group (recipes.training.runtime), set up as the recipe's engine needs it
+    setup_distributed(**engine_contract(recipe).distributed_setup())
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}

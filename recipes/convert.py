@@ -25,15 +25,18 @@ import os
 import sys
 from pathlib import Path
 
+from recipes.engines import ENGINES, engine_contract
+
 EXIT_REFUSED = 2
 
 
 def refusals(recipe, out: Path, tp: int, pp: int, world: int) -> list[str]:
     """Why this conversion cannot start (every rank checks the same; nothing read but the file system)."""
     problems = []
-    if recipe.train.engine != "megatron":
+    if not engine_contract(recipe).converts():
+        converting = " or ".join(name for name, engine in ENGINES.items() if engine.converts())
         problems.append(f"train.engine: {recipe.train.engine!r}; recipes.convert makes Megatron checkpoints "
-                        "(train.engine: megatron)")
+                        f"(train.engine: {converting})")
     if recipe.model.name_or_path is None:
         problems.append("model.name_or_path: none (the model is built from model.config, random weights): nothing "
                         "to convert")

@@ -122,7 +122,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         # ---- reliability: static checks before anything is built or written (recipes.checks.preflight),
         # then one run per out_dir (recipes.reliability.run_lock) ----
         say = (lambda line: print(f"[numloss] {line}", flush=True)) if runtime.is_main else None
-        for line in preflight(recipe, runtime.world_size, say=say):
+        for line in preflight(recipe, runtime.world_size, say=say, cuda=runtime.device.type == "cuda"):
             if runtime.is_main:
                 print(f"[numloss] {line}", flush=True)
         note = lock.acquire()

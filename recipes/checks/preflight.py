@@ -36,7 +36,10 @@ from typing import Callable
 
 from data_prep.shards import MANIFEST, read_manifest
 
-from recipes.checks.model_checks import data_parallel_size
+from recipes.checks import data_checks, model_checks, run_dir_checks
+from recipes.checks.engine_settings import engine_setting_problems
+from recipes.engines import engine_contract
+from recipes.reliability.checkpoints import LATEST
 
 
 class RecipeCheckError(ValueError):
@@ -131,8 +134,6 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
     (None: not compared); `config`: the model's config (None: resolved here, `model_checks.model_config`);
     `check_model`: false when the caller already reported that the config cannot be read; `say`: progress
     lines (an old manifest's scan)."""
-    from recipes.checks import data_checks, model_checks, run_dir_checks
-
     found = Findings(errors=objective_problems(recipe) + run_dir_checks.out_dir_problems(recipe))
     if config is None and check_model:
         try:
@@ -172,39 +173,26 @@ def static_checks(recipe, world_size: int | None, data_parallel: int, *, tokeniz
     return found
 
 
-def megatron_start_problems(recipe, here: bool = True) -> list[str]:
-    """The Megatron engine's start: `megatron.transformer_impl: transformer_engine` where TE cannot run (only
-    when `here` is where the run starts: `recipes.validate` runs elsewhere), and a `megatron.load_converted`
-    directory that is missing, unfinished, or holds another backbone or dtype (not asked of a run that
-    will resume: it reads its own checkpoint, not the conversion)."""
-    from recipes.engines.megatron.converted import converted_problems
-    from recipes.engines.megatron.kernels import plan_kernels
-    from recipes.reliability.checkpoints import LATEST
-
-    problems = []
-    try:
-        if here:
-            plan_kernels(recipe.megatron)
-    except ValueError as err:
-        problems.append(str(err))
+def start_problems(recipe, cuda: bool | None) -> list[str]:
+    """What stops the engine from starting that the recipe alone cannot tell (its contract's
+    `start_problems`: Megatron's kernels and converted weights). `cuda`: whether the run's devices are
+    GPUs, None when the run starts elsewhere (`recipes.validate`); a run that will resume is not asked
+    about the files a fresh start reads."""
     resuming = (Path(recipe.train.out_dir) / "checkpoints" / LATEST).is_file()
-    if recipe.megatron.load_converted and not resuming:
-        problems += converted_problems(recipe)
-    return problems
+    return engine_contract(recipe).start_problems(recipe, cuda=cuda, resuming=resuming)
 
 
-def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None] | None = None) -> list[str]:
+def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None] | None = None,
+              cuda: bool = False) -> list[str]:
     """Every static check of the module docstring for a run on `world_size` ranks; raises
     RecipeCheckError listing the errors, returns the warnings (prefixed "warning: ") and notes.
-    `tokenizer`: the model's (default: loaded as `model_tokenizer`); `say`: progress lines."""
-    from recipes.checks.engine_settings import engine_setting_problems
-
+    `tokenizer`: the model's (default: loaded as `model_tokenizer`); `say`: progress lines; `cuda`:
+    whether the run's devices are GPUs (`recipes.train` passes its runtime's)."""
     errors, mapped = engine_setting_problems(recipe)
-    if recipe.train.engine == "megatron":
-        errors += megatron_start_problems(recipe)
+    errors += start_problems(recipe, cuda)
     if tokenizer is None and (Path(recipe.data.train) / MANIFEST).is_file():
         tokenizer = model_tokenizer(recipe)
-    found = static_checks(recipe, world_size, data_parallel_size(recipe, world_size),
+    found = static_checks(recipe, world_size, engine_contract(recipe).parallel_dims(recipe, world_size).dp,
                           tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None, say=say)
     errors += found.errors
     if errors:

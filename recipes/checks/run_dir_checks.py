@@ -4,12 +4,12 @@ and the checkpoint the run would resume from was saved by this engine at a layou
 - `train.out_dir` (or a part of its path) naming a file, or a directory the run may not write, is
   refused (it would fail at the lock or the first save, after the model was built).
 - Resume: the checkpoint `checkpoints/latest` names is read for its `layout.json` only (it is verified
-  byte for byte later, at resume: `recipes.reliability.checkpoints`). A checkpoint of the other engine
-  (Megatron's layout has `pipeline_parallel`) is refused; a DeepSpeed one is asked
-  `recipes.engines.deepspeed.checkpoints.resume_problem` (the same tensor-parallel size, ZeRO stage and
-  LoRA, and for LoRA the same data-parallel size: a 70B base would otherwise load before the refusal).
-  Megatron's checkpoints reshard onto any layout. When `latest` turns out corrupt and the run falls back
-  to an older checkpoint, that one's layout is compared at resume only.
+  byte for byte later, at resume: `recipes.reliability.checkpoints`). A checkpoint another engine saved
+  (each engine's contract recognises its own layout: `saved_by`) is refused; one of this engine is asked
+  its contract's `resume_problem` (DeepSpeed: the same tensor-parallel size, ZeRO stage and LoRA, and
+  for LoRA the same data-parallel size: a 70B base would otherwise load before the refusal; Megatron's
+  checkpoints reshard onto any layout). When `latest` turns out corrupt and the run falls back to an
+  older checkpoint, that one's layout is compared at resume only.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+
+from recipes.engines import ENGINES, engine_contract
 
 
 def out_dir_problems(recipe) -> list[str]:
@@ -53,14 +55,11 @@ def resume_problems(recipe, data_parallel: int) -> list[str]:
     if found is None:
         return []
     directory, saved = found
-    engine = "megatron" if "pipeline_parallel" in saved else "deepspeed"
-    if engine != recipe.train.engine:
+    engine = engine_contract(recipe)
+    if not engine.saved_by(saved):
+        other = next((name for name, contract in ENGINES.items() if contract.saved_by(saved)), "another")
         return [f"train.engine: {recipe.train.engine}, but the checkpoint this run would resume from, {directory}, was "
-                f"saved by the {engine} engine, which the other cannot load: resume with train.engine: {engine}, or "
+                f"saved by the {other} engine, which the other cannot load: resume with train.engine: {other}, or "
                 f"train into a new train.out_dir"]
-    if engine == "deepspeed":
-        from recipes.engines.deepspeed.checkpoints import resume_problem, run_layout
-
-        problem = resume_problem(saved, run_layout(recipe, data_parallel), directory)
-        return [problem] if problem else []
-    return []
+    problem = engine.resume_problem(saved, recipe, data_parallel, directory)
+    return [problem] if problem else []

@@ -171,26 +171,36 @@ class EngineContract(Protocol):
         """The layouts the model (or, given `world_size`, the world) cannot take, each naming its keys:
         `recipes.validate` exits 2 on these, `recipes.train` refuses them before building anything."""
 
-    def start_problems(self, recipe, here: bool = True) -> list[str]:
-        """What stops the engine from starting this recipe that the recipe alone cannot tell (files it
-        starts from; kernels that must import `here`, where the run starts)."""
+    def model_problems(self, recipe, model_cfg) -> list[str]:
+        """Models the engine cannot train at all (a family its conversion does not support)."""
 
-    def plan(self, recipe, model_cfg, *, hardware, rows, world_size: int | None = None,
-             moe_imbalance: float = 1.0):
-        """The memory and time plan of the recipe's layout (`recipes.planning`)."""
+    def start_problems(self, recipe, *, cuda: bool | None, resuming: bool) -> list[str]:
+        """What stops the engine from starting this recipe that the recipe alone cannot tell: kernels
+        that must import where the run starts (`cuda`: whether its devices are GPUs; None: the run starts
+        elsewhere, not judged), files a fresh start reads (not asked when `resuming`)."""
 
-    def checkpoint_layout(self, recipe, dims: ParallelDims) -> dict:
+    def plan(self, recipe, model_cfg, *, hardware, rows, **options):
+        """The memory and time plan of the recipe's layout: a `recipes.planning.plan.Plan`, made by the
+        engine's `plan.py` over recipes.planning's cost models (`options`: that module's)."""
+
+    def layout_candidates(self, recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
+                          moe_imbalance: float = 1.0) -> list:
+        """Every layout of `global_batch` rows per step this engine could run on the recipe's cluster that
+        fits `hardware.mem_gib`, each a `recipes.planning.plan.Candidate` (recipes.validation.recommend)."""
+
+    def layout_changes(self, recipe, model_cfg, *, hardware, rows, params: tuple[int, int], now) -> list:
+        """Changes of the recipe's own layout (`now`, its plan) that shorten its step or cost fewer
+        GPU-seconds and fit, each a `recipes.planning.plan.Candidate` (validate's advice)."""
+
+    def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
         """What a checkpoint records of the layout that saved it (`layout.json`)."""
 
     def saved_by(self, saved_layout: dict) -> bool:
         """Whether a checkpoint's `layout.json` was written by this engine."""
 
-    def resume_problem(self, saved: dict, recipe, world_size: int, where) -> str | None:
+    def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         """Why the checkpoint saved at layout `saved` (in `where`) cannot resume this recipe on
-        `world_size` ranks (None: it can)."""
-
-    def resume_may_change(self) -> tuple[str, ...]:
-        """This engine's recipe keys a resume may change (it reshards or converts the checkpoint)."""
+        `data_parallel` data-parallel ranks (None: it can)."""
 
     def distributed_setup(self) -> dict:
         """What `recipes.training.runtime.setup_distributed` needs for this engine (keyword arguments)."""

@@ -28,34 +28,7 @@ import torch.distributed as dist
 from recipes.reliability.checkpoint_writes import guarded_write
 from recipes.reliability.checkpoints import CheckpointDirs
 
-
-# the recipe key behind each entry of layout.json, for the messages
-_LAYOUT_KEYS = {"tensor_parallel": "deepspeed.tp_size", "zero_stage": "deepspeed.zero_stage", "lora": "model.lora"}
-
-
-def run_layout(recipe, data_parallel: int) -> dict:
-    """The layout a DeepSpeed run saves in each checkpoint's layout.json and compares at resume."""
-    layout = {"data_parallel": data_parallel, "tensor_parallel": recipe.deepspeed.tp_size,
-              "zero_stage": recipe.deepspeed.zero_stage}
-    if recipe.model.lora is not None:
-        layout["lora"] = True  # a LoRA checkpoint holds the adapters only: resume LoRA onto LoRA
-    return layout
-
-
-def resume_problem(saved: dict, layout: dict, where) -> str | None:
-    """Why a checkpoint saved with layout `saved` cannot resume at `layout` (None: it can, at another
-    data-parallel size through the universal conversion). `recipes.checks.preflight` asks before any
-    model is built; `universal_tag_to_load` again at resume."""
-    for key, recipe_key in _LAYOUT_KEYS.items():
-        if saved.get(key) != layout.get(key):
-            return (f"{recipe_key}: {where} was saved with {key}={saved.get(key)}; this run has {layout.get(key)}: "
-                    f"resume with the same {recipe_key}, or train into a new train.out_dir")
-    if layout.get("lora") and saved.get("data_parallel") != layout.get("data_parallel"):
-        # ds_to_universal expects every parameter in the checkpoint (not run here)
-        return (f"model.lora: {where} was saved on {saved.get('data_parallel')} data-parallel ranks; a LoRA run "
-                f"resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')}): run "
-                f"it on {saved.get('data_parallel')} data-parallel ranks, or train into a new train.out_dir")
-    return None
+from .contract import resume_problem
 
 
 def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -> str | None:

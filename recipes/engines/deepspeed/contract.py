@@ -212,8 +212,8 @@ class DeepSpeedContract:
     def model_problems(self, recipe, model_cfg) -> list[str]:
         return []  # any Hugging Face causal LM (or image-text model) that transformers builds
 
-    def start_problems(self, recipe, here: bool = True, cuda: bool = False) -> list[str]:
-        return []
+    def start_problems(self, recipe, *, cuda: bool | None, resuming: bool) -> list[str]:
+        return []  # it starts from the Hugging Face checkpoint, on any device
 
     # ---- the plan ----
 

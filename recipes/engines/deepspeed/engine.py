@@ -37,6 +37,7 @@ from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
 from .config import deepspeed_config
+from .contract import run_layout
 from .export import export_model
 from .lora import apply_lora, save_adapter, trainable_parameters
 from .model import build_model, training_module
@@ -55,7 +56,7 @@ class DeepSpeedEngine:
         ds_config = deepspeed_config(recipe, runtime.world_size, pin_memory=torch.cuda.is_available())
         tp = recipe.deepspeed.tp_size
         self.dp = DataParallel.tensor_parallel_first(runtime.rank, runtime.world_size, tp)
-        self.layout = checkpoints.run_layout(recipe, self.dp.size)
+        self.layout = run_layout(recipe, self.dp.size)
         self.tokenizer, self.processor = load_tokenizer(recipe)
         model, live_ds_config = build_model(recipe, ds_config, runtime.device)
         self.lora = recipe.model.lora

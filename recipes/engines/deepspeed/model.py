@@ -13,6 +13,7 @@ from numloss.chunked_head import DEFAULT_CHUNK_SIZE
 
 from recipes.config import Recipe
 
+from .contract import autotp_problem
 from .moe import MoeNumericCausalLM, is_moe_model, moe_routing
 
 
@@ -158,18 +159,3 @@ def training_module(model, objective, recipe: Recipe):
             raise ValueError(problem)
         return numeric_autotp_model(model, objective, chunked, recipe.loss.chunk_size)
     return NumericCausalLM(model, objective, chunked=chunked, chunk_size=recipe.loss.chunk_size)
-
-
-def autotp_problem(config, tp_size: int, zero_stage: int) -> str | None:
-    """Why AutoTP cannot run this model at this layout (None: it can). AutoTP splits attention by KV
-    heads: with fewer KV heads than TP ranks, the ranks past the head count hold empty q/k/v shards.
-    That is still correct at ZeRO 0-2 (their all-reduce adds zeros; checked on CPU: the loss equals
-    TP 1), but ZeRO-3 cannot partition an empty parameter and DeepSpeed 0.19.8 fails at the first
-    forward."""
-    text = getattr(config, "text_config", None) or config
-    kv = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", None)
-    if kv is not None and kv < tp_size and zero_stage == 3:
-        return (f"deepspeed.tp_size: the model has {kv} KV heads, fewer than tp_size {tp_size}: AutoTP leaves "
-                f"ranks {kv}..{tp_size - 1} without attention heads, which ZeRO-3 cannot partition; use "
-                f"deepspeed.zero_stage 2 or tp_size <= {kv}")
-    return None

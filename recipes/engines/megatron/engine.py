@@ -34,6 +34,7 @@ from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime
 
 from . import checkpoints, step
+from .contract import checkpoint_layout
 from .converted import load_converted
 from .kernels import KernelPlan, plan_kernels
 from .moe import AuxLossScale, install_aux_loss
@@ -72,9 +73,7 @@ class MegatronEngine:
         initialize_model_parallel(recipe)
         self.dp = DataParallel(ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                                ps.get_data_parallel_group())
-        self.layout = {"tensor_parallel": m.tp_size, "pipeline_parallel": m.pp_size, "data_parallel": self.dp.size,
-                       "virtual_pipeline_parallel": m.virtual_pp_size, "sequence_parallel": m.sequence_parallel,
-                       "expert_parallel": m.ep_size}
+        self.layout = checkpoint_layout(m, self.dp.size)
         self.tokenizer, _ = load_tokenizer(recipe)
         # rows as the reader made them ([b, s] masks, packed rows' segment ids): batches.prepare_window
         # builds what the layer spec takes (a block mask, or THD sequences)

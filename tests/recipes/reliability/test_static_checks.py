@@ -28,7 +28,7 @@ import pytest
 from data_prep.stats import write_stats
 from recipes.config import recipe_from_dict
 from recipes.checks import preflight as checks
-from recipes.planning import validate as V
+from recipes.validation import validate as V
 from recipes.checks.model_checks import context_limit
 
 REPO = Path(__file__).resolve().parents[3]
@@ -234,9 +234,14 @@ def test_settings_the_engine_would_ignore_are_refused_or_mapped(real):
                                      "model.attn_implementation=sdpa"))
     assert "deepspeed.offload_optimizer: True is read by the deepspeed engine only" in message
     assert "model.attn_implementation: 'sdpa' is a Hugging Face attention kernel" in message
-    message = _refused(real, _recipe(real, "megatron.recompute=full"))  # on DeepSpeed
-    assert "megatron.recompute: 'full' is read by the megatron engine only" in message
+    # selective recomputation has no Hugging Face equivalent; full is gradient checkpointing (mapped)
+    message = _refused(real, _recipe(real, "megatron.recompute=selective"))  # on DeepSpeed
+    assert "megatron.recompute: 'selective' is read by the megatron engine only" in message
     assert "instead: model.gradient_checkpointing" in message
+    full = _recipe(real, "megatron.recompute=full")
+    lines = checks.preflight(full, 2, tokenizer=real["tokenizer"])
+    assert full.model.gradient_checkpointing and full.megatron.recompute is None
+    assert any("sets model.gradient_checkpointing: true" in line for line in lines)
     mapped = _recipe(real, "train.engine=megatron", "model.gradient_checkpointing=true")
     lines = checks.preflight(mapped, 2, tokenizer=real["tokenizer"])
     assert mapped.megatron.recompute == "full" and not mapped.model.gradient_checkpointing
