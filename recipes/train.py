@@ -58,6 +58,7 @@ from .engines.runtime import build_engine
 from .inputs.batches import model_inputs
 from .checks.preflight import RecipeCheckError, preflight
 from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
+from .reliability.export_writer import export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
@@ -244,7 +245,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 raise Preempted(step, dirs.root / step_tag(step), preemption.cause, stage="export")
             mark_phase("export", step)
             _check_weights(engine, step, dirs, runtime)
-            engine.export(out / "final")
+            engine.export(out / "final", export_record(dirs, step, recipe.to_dict(), engine.name))
     finally:
         metrics.close()
         if progress is not None:

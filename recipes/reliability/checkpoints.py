@@ -103,6 +103,12 @@ class CheckpointDirs:
             self._checked = True
         return self.latest_tag()
 
+    def manifest_sha256(self, tag: str | None) -> str | None:
+        """The sha256 of a checkpoint's checkpoint.json (None: no such checkpoint, or one saved before
+        verification): it names that save, where the step tag is shared with a later save of the same step."""
+        path = self.root / tag / MANIFEST if tag else None
+        return sha256_file(path) if path is not None and path.is_file() else None
+
     def saved_layout(self) -> dict | None:
         """The layout the latest checkpoint was saved with (None: no checkpoint, or none recorded)."""
         return self._saved_json("layout.json")

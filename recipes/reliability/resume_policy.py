@@ -21,10 +21,13 @@ of the recipe is one of three kinds (`POLICY`, longest prefix first; a key not i
 Every accepted change is printed with the step it takes effect, put in that step's metrics.jsonl row
 (`recipe_changed`), and recorded in `<out_dir>/recipe_history.jsonl` (`recipes.reliability.recipe_history`).
 
-A finished run (its checkpoint at `train.steps`, and `final/` there when it exports) started again with
-the same recipe, or with changes of the run kind only, says so and does nothing (exit 0, `final/`
-untouched); with a training change it is refused (exit 2): more `train.steps` continues it, another
-recipe is a new `train.out_dir`. `train.steps` below the checkpoint's step is refused.
+A finished run (its checkpoint at `train.steps`, and when it exports a `final/` whose record says it holds
+that checkpoint: `recipes.reliability.export_writer`) started again with the same recipe, or with changes
+of the run kind only, says so and does nothing (exit 0, `final/` untouched); with a training change it is
+refused (exit 2): more `train.steps` continues it, another recipe is a new `train.out_dir`. A run that
+trained its last step but whose export was stopped or killed (`final/` missing, of an earlier step, or
+without a record) is not finished: the same command loads the last checkpoint, trains nothing and exports
+it. `train.steps` below the checkpoint's step is refused.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from data_prep.shards import sha256_file
 from numloss import ObjectiveConfig
 from recipes.config import Recipe
 
-from .checkpoints import CheckpointDirs, tag_step
+from .checkpoints import MANIFEST, CheckpointDirs, tag_step
+from .export_writer import clean_leftovers, read_record
 from recipes.training.runtime import Runtime
 from recipes.training.schedule import Schedule
 
@@ -265,18 +270,21 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
                             + "\nResume with the old values, or start a new run in another train.out_dir")
     done = step >= recipe.train.steps
     training = [c for c in changes if c.kind == TRAINING and c.key != "train.steps"]
-    exported = not recipe.train.export or (out / "final").is_dir()
+    exported = not recipe.train.export or export_holds(out, tag)
     if done and training:
         state = ("trained all its steps" if not exported else
-                 "finished (final/ is there)" if recipe.train.export else "finished")
+                 "finished (final/ holds its last step)" if recipe.train.export else "finished")
         raise ResumeRefused(f"{out} has {state}: its checkpoint {tag} is at train.steps = {step}, and this recipe "
                             f"changes how it would train: " + "; ".join(c.describe() for c in training)
                             + f". To train on with it, raise train.steps (the run resumes from step {step}); "
                             f"for another run, use a new train.out_dir")
+    if done and not exported:
+        plan.warnings.append(f"{recipe.name} trained all {step} steps but is not exported: {export_state(out)}; "
+                             f"this start exports {where}")
     if done and exported:
         plan.finished = True
         plan.message = (f"{recipe.name} already finished: {where} is at train.steps = {step}"
-                        + (f" and {out / 'final'} is there" if recipe.train.export else "")
+                        + (f" and {out / 'final'} holds it" if recipe.train.export else "")
                         + "; nothing to do (raise train.steps to train further)"
                         + (f". Ignored: {'; '.join(c.describe() for c in changes)}" if changes else ""))
         return plan
@@ -286,6 +294,22 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
     return plan
 
 
+def export_holds(out: Path, tag: str) -> bool:
+    """Whether `out/final` is the export of checkpoint `tag` (its record says so: `export_writer`)."""
+    record = read_record(out / "final")
+    manifest = out / "checkpoints" / tag / MANIFEST
+    return record is not None and record.holds(tag_step(tag), tag, sha256_file(manifest) if manifest.is_file() else None)
+
+
+def export_state(out: Path) -> str:
+    """What `out/final` holds, in words."""
+    final = out / "final"
+    record = read_record(final)
+    if record is not None:
+        return f"{final} holds {record.describe()}"
+    return f"{final} does not record what it holds" if final.is_dir() else f"there is no {final}"
+
+
 def plan_resume(recipe: Recipe, dirs: CheckpointDirs, runtime: Runtime, saved_fallback=None) -> ResumePlan:
     """`decide` for this run directory, on rank 0, the same plan on every rank (one broadcast); raises
     ResumeRefused on every rank together. `dirs.resume_tag()` verifies the checkpoint first (a
@@ -293,6 +317,9 @@ def plan_resume(recipe: Recipe, dirs: CheckpointDirs, runtime: Runtime, saved_fa
     tag = dirs.resume_tag()
     result: list = [None]
     if runtime.is_main:
+        if recipe.train.export:  # an export interrupted while switching in: put the previous one back first
+            for line in clean_leftovers(Path(recipe.train.out_dir) / "final"):
+                print(f"[numloss] {line}", file=sys.stderr, flush=True)
         saved, saved_from = dirs.saved_recipe(), ""
         if tag is not None and saved is None and saved_fallback is not None:
             saved, saved_from = saved_fallback(tag_step(tag))

@@ -57,8 +57,9 @@ class Engine(Protocol):
     def load_state(self, directory: Path) -> None:
         ...
 
-    def export(self, path: Path) -> None:
-        """A Hugging Face safetensors model (sharded) plus tokenizer or processor in `path`."""
+    def export(self, path: Path, record: Any = None) -> None:
+        """A Hugging Face safetensors model (sharded) plus tokenizer or processor in `path`, written by the
+        one export writer (`recipes.reliability.export_writer`), whose `record` says what it holds."""
         ...
 
     def close(self) -> None:

@@ -154,8 +154,8 @@ def _failing_exports(rank, world, model_dir, out):
     Then a plain export succeeds in the same process group: nobody was left inside a collective."""
     import pytest
 
-    from recipes.engines.megatron import export as export_module
     from recipes.engines.megatron.export import export_hf
+    from recipes.reliability import export_writer
     from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel
 
     initialize_model_parallel(recipe_for(model_dir, pp=2))
@@ -166,23 +166,23 @@ def _failing_exports(rank, world, model_dir, out):
         (path / "previous.safetensors").write_text("the previous export")
     dist.barrier()
 
-    real_flush, real_assemble = export_module._ShardWriter.flush, export_module._assemble
+    real_flush, real_assemble = export_writer.ShardWriter.flush, export_writer._assemble
 
     def disk_full(self):
         raise OSError(28, "No space left on device")
 
     if rank == 1:
-        export_module._ShardWriter.flush = disk_full
+        export_writer.ShardWriter.flush = disk_full
     with pytest.raises(RuntimeError, match=r"writing the shards failed on 1 rank\(s\); rank 1: OSError: .*No space left"):
         export_hf(chunks, path, max_shard_bytes=40_000)
-    export_module._ShardWriter.flush = real_flush
+    export_writer.ShardWriter.flush = real_flush
     assert [p.name for p in path.iterdir()] == ["previous.safetensors"]
 
     if rank == 0:
-        export_module._assemble = lambda *a: (_ for _ in ()).throw(PermissionError("read-only file system"))
+        export_writer._assemble = lambda *a: (_ for _ in ()).throw(PermissionError("read-only file system"))
     with pytest.raises(RuntimeError, match=r"assembling the export failed on 1 rank\(s\); rank 0: PermissionError"):
         export_hf(chunks, path, max_shard_bytes=40_000)
-    export_module._assemble = real_assemble
+    export_writer._assemble = real_assemble
     assert [p.name for p in path.iterdir()] == ["previous.safetensors"]
 
     info = export_hf(chunks, path, max_shard_bytes=40_000)

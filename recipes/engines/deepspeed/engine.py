@@ -30,6 +30,7 @@ import torch
 from numloss import NumericVocab, Objective
 from recipes.config import Recipe
 from recipes.reliability.checkpoints import CheckpointDirs
+from recipes.reliability.export_writer import ExportRecord
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime, clear_method_caches
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
@@ -135,14 +136,18 @@ class DeepSpeedEngine:
         checkpoints.load_state(self.engine, directory, self._load_tag, trainable_only=self.lora is not None)
         apply_recipe_schedule(self.scheduler, self.recipe)
 
-    def export(self, path: Path) -> None:
+    def export(self, path: Path, record: ExportRecord | None = None) -> None:
+        """The Hugging Face model (merged, for LoRA with `model.lora.export_merged`) and for LoRA its adapter
+        in `adapter/`, through the one export writer (`export.export_model`). Collective."""
         tokenizer = self.processor or self.tokenizer
         zero_stage = self.recipe.deepspeed.zero_stage
-        if self.lora is None or self.lora.export_merged:
-            export_model(self.engine, self.model, tokenizer, path, self.runtime, zero_stage=zero_stage,
-                         tp_size=self.recipe.deepspeed.tp_size)
+        merged = self.lora is None or self.lora.export_merged
+        adapter = None
         if self.lora is not None:
-            save_adapter(self.peft_model, path / "adapter", tokenizer, self.runtime.is_main, zero_stage)
+            def adapter(staging: Path) -> None:
+                save_adapter(self.peft_model, staging / "adapter", tokenizer, self.runtime.is_main, zero_stage)
+        export_model(self.engine, self.model if merged else None, tokenizer, path, self.runtime,
+                     zero_stage=zero_stage, tp_size=self.recipe.deepspeed.tp_size, record=record, extra=adapter)
 
     def close(self) -> None:
         """Destroy DeepSpeed's engine and drop this engine's model, wrapper and optimizer: DeepSpeed ties

@@ -13,39 +13,34 @@ Parallel contract: a collective; every rank calls `export_model` with the same e
 0-3 with or without AutoTP (`deepspeed.tp_size`): under ZeRO-3 `GatheredParameters` reassembles each
 parameter, under AutoTP DeepSpeed's `GatherReplacedLayerParams` reassembles the TP slices.
 
-Atomic: the shards, then the index, config and tokenizer (last) are written into `.final.partial` beside
-`final/`, fsynced, and switched in by rank 0 only when every rank has reported its shard written; a
-rank that fails reports its error to the others (no rank is left waiting), the staging directory is
-removed and the previous `final/` stays as it was (or there is none): never a mix of old and new shards.
+Written by the one export writer (`recipes.reliability.export_writer`): each rank's shard into the staging
+directory, fsynced; rank 0 then writes the index, config, generation config, tokenizer and the record of
+what `final/` holds, and switches the directory in atomically; a rank that fails reports its error to the
+others (no rank is left waiting) and the previous `final/` stays as it was. This module only gathers the
+weights and names them as transformers does.
 
 LoRA (`model.lora` with `export_merged`): each LoRA layer is one unit of the plan, its base weight and
 adapters gathered together, and written as the layer it replaced, `W + alpha/r · B A`
 (`recipes.engines.deepspeed.lora.merged_weight`): the merged model under the base model's own keys.
 
-Layout (transformers' own for sharded checkpoints): `model-00001-of-0000N.safetensors` ... and
-`model.safetensors.index.json` = {"metadata": {"total_size": bytes}, "weight_map": {key: file}}; a
-single shard is written as `model.safetensors` with no index.
+Layout: one shard per rank that the plan gives modules, named as transformers names them
+(`recipes.reliability.export_writer.shard_names`), with its index when there are several.
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import os
-import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from recipes.reliability.checkpoints import fsync_path
-from recipes.training.file_modes import give_default_mode
+from recipes.reliability.export_writer import ExportRecord, HFFiles, Shard, write_export, write_shard
 from recipes.training.runtime import Runtime
 
 from .lora import is_lora_layer, merged_weight
 
 PREFIX = "model."  # NumericCausalLM holds the HF model as `.model` (recipes.engines.deepspeed.model.training_module)
-INDEX = "model.safetensors.index.json"
 
 
 def _modules_with_state(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -104,16 +99,36 @@ def plan(sizes: list[int], world_size: int) -> list[int]:
     return owner
 
 
-def shard_name(index: int, count: int) -> str:
-    return "model.safetensors" if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_stage: int, tp_size: int,
+                 record: ExportRecord | None = None, extra: Callable[[Path], None] | None = None) -> dict:
+    """Write the sharded export of `engine.module.model` through the one export writer
+    (`recipes.reliability.export_writer`; see the module docstring). `record`: what `final/` says it holds;
+    `extra(staging)`: more of the export (LoRA's adapter), called on every rank after the shards. Returns
+    this rank's {"file", "keys", "bytes"} (file None when the plan gave it nothing)."""
+
+    def write_shards(staging: Path) -> list[Shard]:
+        state = _rank_state(engine, model, runtime, zero_stage, tp_size)
+        shards = [write_shard(staging, f"rank-{runtime.rank:05d}.safetensors", state)] if state else []
+        if extra is not None:
+            extra(staging)
+        return shards
+
+    if model is None:  # a LoRA adapter alone: no merged weights
+        files = HFFiles()
+    else:
+        generates = getattr(model, "generation_config", None) is not None and model.can_generate()
+        files = HFFiles(model.config, model.generation_config if generates else None, tokenizer)
+    shards = write_export(path, write_shards, files, record)
+    if not shards:
+        return {"file": None, "keys": [], "bytes": 0}
+    return {"file": shards[0].file, "keys": shards[0].keys, "bytes": shards[0].bytes}
 
 
-def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_stage: int, tp_size: int) -> dict:
-    """Write the sharded export of `engine.module.model` (see the module docstring). Returns this rank's
-    {"file", "keys", "bytes"} (file None when the plan gave it nothing)."""
+def _rank_state(engine, model, runtime: Runtime, zero_stage: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """This rank's share of the HF state dict: every module gathered on every rank (a collective), the
+    modules the plan gives this rank kept on its CPU, under the checkpoint's key names."""
     import deepspeed
     from deepspeed.module_inject.layers import GatherReplacedLayerParams
-    from safetensors.torch import save_file
 
     try:
         from transformers.core_model_loading import revert_weight_conversion
@@ -121,6 +136,8 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
         def revert_weight_conversion(model, state):
             return state
 
+    if model is None:
+        return {}
     world = dist.get_world_size()
     modules = _modules_with_state(engine.module)
     # the plan from rank 0's view of the sizes: AutoTP slices can be uneven across TP ranks, and every
@@ -128,7 +145,6 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
     sizes = [[sum(_local_numel(p) for p in _unit_parameters(m)) for _, m in modules]]
     dist.broadcast_object_list(sizes, src=0)
     owners = plan(sizes[0], world)
-    writers = sorted(set(owners))
     mine: dict[str, torch.Tensor] = {}
     seen: set[int] = set()  # tied weights (the same Parameter in two modules) are written once
     for (prefix, module), owner in zip(modules, owners):
@@ -161,109 +177,4 @@ def export_model(engine, model, tokenizer, path: Path, runtime: Runtime, zero_st
         model._weight_conversions = None
     if state:
         state = revert_weight_conversion(model, state)  # the checkpoint's key names, as save_pretrained
-    count = len(writers)
-    file = shard_name(writers.index(runtime.rank), count) if runtime.rank in writers else None
-    path = Path(path)
-    staging = staging_dir(path)
-    if runtime.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # a failed export's leftovers
-        staging.mkdir(parents=True)
-    dist.barrier()  # the directory exists on shared storage before anyone writes into it
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    error = None
-    try:
-        if file is not None:
-            save_file(state, str(staging / file), metadata={"format": "pt"})
-            fsync_path(staging / file)
-        elif state:
-            raise RuntimeError(f"rank {runtime.rank} holds {len(state)} tensors but no shard file in the plan")
-    except Exception as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
-        error = f"rank {runtime.rank}: {type(err).__name__}: {err}"
-    mine_info = {"file": file, "keys": sorted(state), "bytes": nbytes, "error": error}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine_info)  # also: every shard is on disk past this point
-    errors = [info["error"] for info in everyone if info["error"]]
-    if not errors and runtime.is_main:
-        try:
-            _finish(everyone, count, model, tokenizer, staging, path)
-        except Exception as err:  # noqa: BLE001
-            errors.append(f"rank 0 (index, config, switch): {type(err).__name__}: {err}")
-    verdict = [errors]
-    dist.broadcast_object_list(verdict, src=0)  # rank 0 has switched `path` in, or not
-    if verdict[0]:
-        if runtime.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        kept = f"the previous {path} is unchanged" if path.is_dir() else f"no {path} was written"
-        raise RuntimeError(f"export to {path} failed ({kept}): " + "; ".join(verdict[0]))
-    mine_info.pop("error")
-    return mine_info
-
-
-def staging_dir(path: Path) -> Path:
-    """Where an export is written before it is switched in: beside `path`, hidden."""
-    return path.parent / f".{path.name}.partial"
-
-
-def _finish(everyone: list, count: int, model, tokenizer, staging: Path, path: Path) -> None:
-    """Rank 0, once every shard is on disk: the index, config and tokenizer last, everything fsynced,
-    then the staging directory switched in for `path` (an atomic exchange where the file system has
-    one, else two renames) and the previous export removed."""
-    weight_map: dict[str, str] = {}
-    for info in everyone:
-        for key in info["keys"]:
-            if key in weight_map:
-                raise RuntimeError(f"export: {key} written by two ranks ({weight_map[key]}, {info['file']})")
-            weight_map[key] = info["file"]
-    if count > 1:
-        index = {"metadata": {"total_size": sum(i["bytes"] for i in everyone)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        (staging / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    model.config.save_pretrained(str(staging))
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    give_default_mode(staging)  # safetensors writes its shards 0600, the rest is 0644
-    for f in staging.iterdir():
-        if f.is_file():
-            fsync_path(f)
-    fsync_path(staging)
-    if path.exists() and _exchange(staging, path):  # `path` is the new export, `staging` the old one
-        shutil.rmtree(staging, ignore_errors=True)
-    else:
-        old = path.parent / f".{path.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)  # a crash between these two renames leaves the previous export in `old`
-        os.replace(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_path(path.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(str(a)), at_fdcwd, os.fsencode(str(b)), rename_exchange) == 0
-
-
-def read_export(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an export (sharded with its index, or a single `model.safetensors`) in one dict,
-    keyed as in the files: for checks and tools; transformers' from_pretrained reads the directory as is."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / INDEX
-    if not index.is_file():
-        return load_file(str(path / "model.safetensors"))
-    weight_map = json.loads(index.read_text())["weight_map"]
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(set(weight_map.values())):
-        part = load_file(str(path / file))
-        if set(part) != {k for k, f in weight_map.items() if f == file}:
-            raise ValueError(f"{path / file}: its tensors differ from what {index.name} maps to it")
-        out.update(part)
-    return out
+    return state

@@ -73,14 +73,21 @@ def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
 
 def save_adapter(peft_model, path: Path, tokenizer, is_main: bool, zero_stage: int) -> None:
     """The adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`) and the
-    tokenizer in `path`: what `PeftModel.from_pretrained(base, path)` loads. A collective."""
+    tokenizer in `path`: what `PeftModel.from_pretrained(base, path)` loads. A collective: rank 0's
+    failure is raised on rank 0 after the barrier (the export writer tells every rank)."""
     import deepspeed
 
     adapters = [p for p in peft_model.parameters() if p.requires_grad]
+    error = None
     with deepspeed.zero.GatheredParameters(adapters, enabled=zero_stage == 3):
         if is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            peft_model.save_pretrained(str(path), safe_serialization=True)
-            tokenizer.save_pretrained(str(path))
-            give_default_mode(path)  # safetensors writes the adapter 0600, the rest is 0644
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                peft_model.save_pretrained(str(path), safe_serialization=True)
+                tokenizer.save_pretrained(str(path))
+                give_default_mode(path)  # safetensors writes the adapter 0600, the rest is 0644
+            except Exception as err:  # noqa: BLE001  (raised once every rank is past the barrier)
+                error = err
     dist.barrier()
+    if error is not None:
+        raise error

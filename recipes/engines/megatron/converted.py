@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from recipes.reliability.export_writer import agree
+
 from .support import CONVERTED_JSON, FORMAT, hf_fields
 
 def _model_request(model_chunks: list) -> dict:
@@ -43,8 +45,6 @@ def save_converted(out: str | Path, model_chunks: list, recipe, hf_config) -> di
     """Write this rank's chunks into `<out>.partial`, then (rank 0) `CONVERTED_JSON` and the rename to
     `out`. Refuses an existing `out`. Returns what `CONVERTED_JSON` holds. Collective."""
     from megatron.core import dist_checkpointing, parallel_state
-
-    from .export import agree
 
     out = Path(out)
     staging = partial_dir(out)

@@ -30,6 +30,7 @@ from numloss import NumericVocab, Objective
 from recipes.config import Recipe
 from recipes.inputs.tokenizer import load_tokenizer
 from recipes.reliability.checkpoints import CheckpointDirs
+from recipes.reliability.export_writer import ExportRecord
 from recipes.training.parallel import DataParallel
 from recipes.training.runtime import Runtime
 
@@ -181,18 +182,13 @@ class MegatronEngine:
         """Restore what `save_state` wrote, from any TP / PP / DP layout. Collective."""
         checkpoints.load_state(directory, self.model, self.optimizer)
 
-    def export(self, path: Path) -> None:
-        """A Hugging Face safetensors model in `path` (`export.export_hf`: DP rank 0's copy, one writer
-        per pipeline stage) and, from rank 0, the tokenizer beside it. Collective."""
-        import torch.distributed as dist
-
+    def export(self, path: Path, record: ExportRecord | None = None) -> None:
+        """A Hugging Face safetensors model with its tokenizer in `path` (`export.export_hf`: DP rank 0's
+        copy, one writer per pipeline stage, through the one export writer). Collective."""
         from .export import export_hf
 
         with self._gathered_params():
-            export_hf(self.model, path)
-        if self.runtime.is_main:
-            self.tokenizer.save_pretrained(str(path))
-        dist.barrier()
+            export_hf(self.model, path, tokenizer=self.tokenizer, record=record)
 
     def close(self) -> None:
         """Destroy megatron's model-parallel state and drop the model and optimizer, which hold its groups

@@ -9,44 +9,40 @@ Contract (`export_hf`):
   up_r]` split, vocabulary padding dropped, the tied output copy dropped) and writes its own shard
   files, starting a new file past `max_shard_bytes`. So one rank per pipeline stage writes, and no rank
   ever holds more than its stage's share of the model (at 70B, PP 8, bf16: ~18 GB) plus one full tensor.
-- Rank 0 then numbers the shards `model-0000i-of-0000N.safetensors` (pipeline order), writes
-  `model.safetensors.index.json` ({"metadata": {"total_size"}, "weight_map"}), `config.json` (the
-  original HF config, dtype set to the export's) and `generation_config.json` (the backbone's, as
-  transformers loaded it: an Instruct model's end-of-turn ids and sampling defaults; the DeepSpeed
-  export writes the same), all inside a temporary directory beside the target
-  (`.<name>.tmp-export`), and renames it to `path` when complete (an existing `path` is replaced). A
-  crash mid-export leaves the previous export, or nothing, at `path`, never a partial one.
-- A failure on one rank fails every rank, promptly: the steps that can fail locally (rank 0 preparing
-  the directory, a writer's disk, rank 0's assembly) end in an agreement (`agree`, an all-gather of
-  each rank's error) instead of a barrier, and a writer whose disk failed keeps joining its TP group's
-  gathers without writing. Every rank then raises the same RuntimeError naming the failed ranks, where
-  it would otherwise wait in the next collective until the process group's timeout (60 min by default).
+- The one export writer (`recipes.reliability.export_writer`) does the rest, as for the DeepSpeed engine:
+  the shards go into a staging directory beside the target, fsynced; rank 0 numbers them (pipeline
+  order), writes `model.safetensors.index.json`, `config.json` (the original HF config, dtype set to the
+  export's), `generation_config.json` (the backbone's, as transformers loaded it: an Instruct model's
+  end-of-turn ids and sampling defaults), the tokenizer and the record of what the export holds, fsyncs
+  them and switches the directory in atomically. A crash mid-export leaves the previous export, or
+  nothing, at `path`, never a partial one.
+- A failure on one rank fails every rank, promptly: the writer ends each step that can fail locally in an
+  agreement (an all-gather of each rank's error) instead of a barrier, and a writer whose disk failed
+  keeps joining its TP group's gathers without writing. Every rank then raises the same RuntimeError
+  naming the failed ranks, where it would otherwise wait in the next collective until the process
+  group's timeout (60 min by default).
 - MoE (`moe.py`): an expert's weights live on one expert-parallel rank, which is a data-parallel rank;
   they are read from expert-data-parallel rank 0 of each EP rank (so the DP ranks 0 .. ep-1 read
   experts), gathered over the experts' TP group, numbered globally and written by that TP group's rank
   0 into its own files (`stage-P-epE-*`); the dense tensors are DP rank 0's as above.
-- The tokenizer is the caller's to save into `path` afterwards. Returns the HF keys this rank wrote
-  and their bytes: {"keys": [...], "bytes": n} (empty on ranks that write nothing).
+- Returns the HF keys this rank wrote and their bytes: {"keys": [...], "bytes": n} (empty on ranks that
+  write nothing).
 `transformers.AutoModelForCausalLM.from_pretrained(path)` loads the result.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from recipes.training.file_modes import give_default_mode
+from recipes.reliability.export_writer import ExportRecord, HFFiles, Shard, ShardWriter, write_export
 
 from .convert import global_layer_names, layer_range, megatron_to_hf, tp_split_dim
 from .moe import global_expert_names, is_expert_param
 
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -71,50 +67,14 @@ def _chunk_tensors(chunk) -> dict[str, torch.Tensor]:
     return global_layer_names(state, offset)
 
 
-def agree(step: str, error: Exception | None, what: str = "export_hf") -> None:
-    """Collective: raise on every rank if `step` of `what` failed on any (each rank contributes its own
-    error or None); the message names each failed rank and its error."""
-    errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise RuntimeError(f"{what}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from error
-
-
-class _ShardWriter:
-    """Accumulates HF tensors on one rank and writes a safetensors file whenever `max_bytes` is reached."""
-
-    def __init__(self, directory: Path, prefix: str, max_bytes: int):
-        self.directory, self.prefix, self.max_bytes = directory, prefix, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[str, list[str], int]] = []  # (file, keys, bytes)
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.detach().to("cpu").contiguous()
-        self.pending_bytes += size
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
-            return
-        file = f"{self.prefix}-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(self.directory / file), metadata={"format": "pt"})
-        self.files.append((file, sorted(self.pending), self.pending_bytes))
-        self.pending, self.pending_bytes = {}, 0
-
-
 def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dtype | None = None,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, generation_config=None) -> dict:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, generation_config=None, tokenizer=None,
+              record: ExportRecord | None = None) -> dict:
     """Write the HF export of a GPTModel trained under any TP x PP (x VP) x DP layout; see the module
     docstring for the contract. `model_chunks`: this rank's chunk or list of chunks; `hf_config` and
     `generation_config`: the backbone's (default: the ones `build_gpt_model` attached to the chunk; no
     generation_config.json when neither is there); `dtype`: the tensors' dtype on disk (default: the
-    model's)."""
+    model's); `tokenizer`: saved inside the export; `record`: what the export says it holds."""
     from megatron.core import parallel_state
 
     chunks = [unwrap(c) for c in (model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks])]
@@ -124,9 +84,6 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
     generation_config = generation_config or getattr(chunks[0], "generation_config", None)
     config = chunks[0].config
     dtype = dtype or config.params_dtype
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-export"
-    rank = dist.get_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank, tp_size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
     tp_src = parallel_state.get_tensor_model_parallel_src_rank()
@@ -138,89 +95,42 @@ def export_hf(model_chunks, path: str | Path, hf_config=None, *, dtype: torch.dt
     expert_tp_group = parallel_state.get_expert_tensor_parallel_group() if moe else None
     expert_tp_src = dist.get_global_rank(expert_tp_group, 0) if moe else None
     writes = writes or (reads_experts and parallel_state.get_expert_tensor_parallel_rank() == 0)
-
-    error = None
-    if rank == 0:
-        try:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a crashed export's leftovers
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = e
-    agree("preparing the directory", error)  # it exists (shared storage) before anyone writes into it
-
     ep_part = f"-ep{parallel_state.get_expert_model_parallel_rank():04d}" if moe else ""
-    writer = _ShardWriter(tmp, f"stage-{pp_rank:04d}{ep_part}", max_shard_bytes) if writes else None
-    error = None
-    if reads or reads_experts:
-        for chunk in chunks:
-            for name, tensor in _chunk_tensors(chunk).items():
-                # every TP rank of the group walks the same names in the same order (same layers); an
-                # expert is read from its EP rank's expert-DP rank 0, the rest from DP rank 0
-                expert = moe and is_expert_param(name)
-                if not (reads_experts if expert else reads):
-                    continue
-                group, src = (expert_tp_group, expert_tp_src) if expert else (tp_group, tp_src)
-                if tp_split_dim(name) is None or tp_size == 1:
-                    shards = [tensor]
-                else:
-                    shards = [torch.empty_like(tensor) for _ in range(tp_size)] if writes else None
-                    dist.gather(tensor.contiguous(), shards, dst=src, group=group)
-                if writes and error is None:  # after a failed write: keep gathering, stop writing
-                    try:
-                        for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
-                            writer.add(hf_name, hf_tensor.to(dtype))
-                    except Exception as e:  # noqa: BLE001  (any error: agree re-raises it on every rank)
-                        error = e
-                del shards
-        if writes and error is None:
-            try:
-                writer.flush()
-            except Exception as e:  # noqa: BLE001
-                error = e
-    agree("writing the shards", error)
-    mine = {"stage": pp_rank, "parts": writer.files if writer else []}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)  # past this point every shard is on disk
 
-    error = None
-    if rank == 0:
-        try:
-            _assemble(everyone, tmp, path, hf_config, dtype, generation_config)
-        except Exception as e:  # noqa: BLE001
-            error = e
-    agree("assembling the export", error)  # on success the export is complete at `path` for every rank
-    return {"keys": sorted(k for _, keys, _ in mine["parts"] for k in keys),
-            "bytes": sum(n for _, _, n in mine["parts"])}
+    def write_shards(staging: Path) -> list[Shard]:
+        """This rank's stage: gathered over its TP group, converted, written by its TP rank 0."""
+        writer = ShardWriter(staging, f"stage-{pp_rank:04d}{ep_part}", max_shard_bytes) if writes else None
+        error = None
+        if reads or reads_experts:
+            for chunk in chunks:
+                for name, tensor in _chunk_tensors(chunk).items():
+                    # every TP rank of the group walks the same names in the same order (same layers); an
+                    # expert is read from its EP rank's expert-DP rank 0, the rest from DP rank 0
+                    expert = moe and is_expert_param(name)
+                    if not (reads_experts if expert else reads):
+                        continue
+                    group, src = (expert_tp_group, expert_tp_src) if expert else (tp_group, tp_src)
+                    if tp_split_dim(name) is None or tp_size == 1:
+                        shards = [tensor]
+                    else:
+                        shards = [torch.empty_like(tensor) for _ in range(tp_size)] if writes else None
+                        dist.gather(tensor.contiguous(), shards, dst=src, group=group)
+                    if writes and error is None:  # after a failed write: keep gathering, stop writing
+                        try:
+                            for hf_name, hf_tensor in megatron_to_hf({name: shards}, config, hf_config).items():
+                                writer.add(hf_name, hf_tensor.to(dtype))
+                        except Exception as e:  # noqa: BLE001  (raised below, once the gathers are done)
+                            error = e
+                    del shards
+        if error is not None:
+            raise error
+        if writer is None:
+            return []
+        writer.flush()
+        return writer.shards
 
-
-def _assemble(everyone: list[dict], tmp: Path, path: Path, hf_config, dtype: torch.dtype, generation_config) -> None:
-    """Rank 0: number the shards, write the index and configs into `tmp`, and switch it in at `path`."""
-    parts = sorted((info["stage"], file, keys, nbytes) for info in everyone for file, keys, nbytes in info["parts"])
-    count = len(parts)
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, (_, file, keys, nbytes) in enumerate(parts):
-        final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-        os.replace(tmp / file, tmp / final)
-        for key in keys:
-            if key in weight_map:
-                raise RuntimeError(f"export: {key} written twice ({weight_map[key]}, {final})")
-            weight_map[key] = final
-        total += nbytes
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     out_config = copy.deepcopy(hf_config)
     out_config.dtype = dtype
-    out_config.save_pretrained(str(tmp))
-    if generation_config is not None:
-        generation_config.save_pretrained(str(tmp))
-    give_default_mode(tmp)  # safetensors writes its shards 0600, the rest is 0644
-    if path.exists():  # replace the previous export: move it aside, then drop it once the new one is in
-        old = path.parent / f".{path.name}.old-export"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, path)
+    mine = write_export(path, write_shards, HFFiles(out_config, generation_config, tokenizer), record,
+                        what="export_hf")
+    return {"keys": sorted(k for shard in mine for k in shard.keys), "bytes": sum(shard.bytes for shard in mine)}

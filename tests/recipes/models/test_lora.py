@@ -61,7 +61,7 @@ def _adapter(run) -> dict[str, torch.Tensor]:
 
 
 def _check_merged_export(root, run) -> dict[str, torch.Tensor]:
-    from recipes.engines.deepspeed.export import read_export
+    from recipes.reliability.export_writer import read_export
 
     base, merged, adapter = _base_state(root), read_export(run / "final"), _adapter(run)
     assert set(merged) == set(base)

@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 from tests.recipes.torchrun_helpers import read_metrics, run_to_end  # noqa: E402
 
 from data_prep.reader import ShardDataset  # noqa: E402
-from recipes.engines.deepspeed.export import read_export  # noqa: E402
+from recipes.reliability.export_writer import read_export  # noqa: E402
 from recipes.inputs.vision import decode_image, load_processor, training_inputs, vision_inputs  # noqa: E402
 
 IGNORE = -100

@@ -26,7 +26,8 @@ def _rank(rank, world, root: str):
     import safetensors.torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from recipes.engines.deepspeed.export import export_model, staging_dir
+    from recipes.engines.deepspeed.export import export_model
+    from recipes.reliability.export_writer import staging_dir
 
     root = Path(root)
     runtime = Runtime(rank, world, rank, torch.device("cpu"))

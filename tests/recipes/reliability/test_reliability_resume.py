@@ -135,7 +135,7 @@ def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from
     assert "tiny already finished" in again.stdout and "nothing to do" in again.stdout
     other_lr = _one_process(recipe, out, *changed[:-2], f"optim.lr={1e-4}", changed[-1])
     assert other_lr.returncode == 2, other_lr.stdout[-2000:] + other_lr.stderr[-3000:]
-    assert f"{out} has finished (final/ is there)" in other_lr.stderr
+    assert f"{out} has finished (final/ holds its last step)" in other_lr.stderr
     assert "optim.lr: 0.0003 -> 0.0001" in other_lr.stderr and "raise train.steps" in other_lr.stderr
     seed = _one_process(recipe, out, *changed[:-3], "train.steps=10", changed[-2], changed[-1], "train.seed=1")
     assert seed.returncode == 2, seed.stdout[-2000:] + seed.stderr[-3000:]

@@ -60,7 +60,7 @@ def test_training_lowers_the_loss_and_exports_the_trained_weights(reference_run)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from recipes.engines.deepspeed.export import read_export
+    from recipes.reliability.export_writer import read_export
 
     checkpoint = get_fp32_state_dict_from_zero_checkpoint(str(reference_run / "checkpoints"))
     exported = read_export(reference_run / "final")  # 2 ranks: 2 shards + transformers' index
@@ -113,7 +113,7 @@ def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, re
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), a["step"]
     # the fp32 run of the same recipe starts at the same loss, up to bf16 rounding
     assert logits[0]["loss"] == pytest.approx(read_metrics(reference_run)[0]["loss"], rel=2e-2)
-    from recipes.engines.deepspeed.export import read_export
+    from recipes.reliability.export_writer import read_export
 
     exported = read_export(root / "bf16-logits" / "final")
     assert {v.dtype for v in exported.values()} == {torch.bfloat16}
