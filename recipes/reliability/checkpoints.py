@@ -9,10 +9,18 @@ then writes, fsyncs and renames `latest` (and fsyncs its directory). So a crash 
 previous checkpoint in charge, and a step directory is either committed or a leftover of a save that
 never completed.
 
-Leftovers never shadow a good checkpoint. At the first start after a crash (`resume_tag`, before any
-engine is built) rank 0 removes, with a warning naming each, every staging directory and every step
-directory newer than the checkpoint the run resumes from (a partial directory of an older version):
-their steps are trained and saved again. A newer one that is complete (its checkpoint.json: a crash
+A save cut short is not lost. At the first start after a crash (`resume_tag`, before any engine is built),
+a staging directory newer than `latest` that holds its checkpoint.json (rank 0 writes it only once every
+rank's files are written and hashed: the commit was cut short after it, e.g. torchrun's shutdown timeout
+killed a rank during a slow save) is verified like any checkpoint and, intact, committed (renamed to its
+step, `latest` written), with a warning. A `latest` that is missing or unreadable (not a step tag) is
+rewritten to the newest intact checkpoint (staging or committed, verified), with a warning naming it; an
+unreadable one with no intact checkpoint refuses the start (`CheckpointCorrupt`), a missing one with none
+starts the run over.
+
+Leftovers never shadow a good checkpoint. Then rank 0 removes, with a warning naming each, every staging
+directory and every step directory newer than the checkpoint the run resumes from (a partial directory
+of an older version): their steps are trained and saved again. A newer one that is complete (its checkpoint.json: a crash
 between the rename and `latest`, or `latest` pointed back by hand) is kept aside as `skipped_<tag>`. Pruning after a save
 keeps the `keep_last` newest committed checkpoints (with `checkpoint.json`, at or before the new one)
 and removes only directories older than all of them, so the checkpoint just saved and the intact ones
@@ -88,20 +96,90 @@ class CheckpointDirs:
         self.root, self.keep_last, self.runtime, self.fallback = Path(root), keep_last, runtime, fallback
         self.recipe = recipe
         self._checked = False
+        self._verified: str | None = None  # a checkpoint `_recover` verified already
 
     def latest_tag(self) -> str | None:
         marker = self.root / LATEST
         return marker.read_text().strip() if marker.is_file() else None
+
+    def _latest_problem(self) -> str | None:
+        """Why `latest` cannot be read as a step tag (None: it can, or there is none)."""
+        marker = self.root / LATEST
+        try:
+            text = marker.read_text().strip() if marker.is_file() else None
+        except (OSError, UnicodeDecodeError) as err:
+            return f"{marker} is unreadable ({type(err).__name__}: {err})"
+        if text is not None and not STEP_DIR.fullmatch(text):
+            return f"{marker} holds {text[:40]!r}, not a checkpoint's name"
+        return None
 
     def resume_tag(self) -> str | None:
         """The checkpoint to resume from: `latest` once verified (the first call checks it and removes
         the leftovers of unfinished saves, a collective), or the newest intact older one after a warning
         (see the module docstring)."""
         if not self._checked:
+            self._recover()
             self._select()
             self._remove_unfinished(self.latest_tag())
             self._checked = True
         return self.latest_tag()
+
+    def _recover(self) -> None:
+        """Before `latest` is verified: commit a verified staging directory newer than `latest` (a save cut
+        short between its checkpoint.json and `latest`, e.g. a rank killed by torchrun's shutdown timeout),
+        and when `latest` is missing or unreadable, point it at the newest intact checkpoint; each said in a
+        warning. A collective (the candidates are hashed by every rank)."""
+        found = [None]
+        if self.runtime.is_main and self.root.is_dir():
+            problem = self._latest_problem()
+            latest = None if problem else self.latest_tag()
+            after = tag_step(latest) if latest else -1
+            candidates = []
+            for path in self.root.iterdir():
+                staged, committed = STAGING.fullmatch(path.name), STEP_DIR.fullmatch(path.name)
+                if not (path / MANIFEST).is_file() or not (staged or committed):
+                    continue
+                step = int((staged or committed).group(1))
+                if (staged and step > after) or (committed and latest is None):
+                    candidates.append((step, bool(staged), path.name))
+            found = [(latest, problem, [name for *_, name in sorted(candidates, reverse=True)])]
+        dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            return
+        latest, problem, candidates = found[0]
+        why = problem or (f"{self.root / LATEST} is missing" if latest is None else "")
+        for name in candidates:
+            problems = self._problems(name)
+            if problems:
+                if self.runtime.is_main:
+                    print(f"[numloss] warning: {self.root / name} was not resumed from: " + "; ".join(problems[:3]),
+                          file=sys.stderr, flush=True)
+                continue
+            if self.runtime.is_main:
+                self._commit_recovered(name, why)
+            self._verified = name.removeprefix(".").removesuffix(".partial")
+            dist.barrier()
+            return
+        if problem:
+            raise CheckpointCorrupt(f"{problem}, and no checkpoint in {self.root} is intact: remove {self.root} to "
+                                    f"start over")
+
+    def _commit_recovered(self, name: str, why: str) -> None:
+        """Rank 0: make the intact `name` (a staging or a step directory) the checkpoint `latest` names."""
+        tag = name.removeprefix(".").removesuffix(".partial")
+        if name != tag:
+            target = self.root / tag
+            if target.exists():  # an unfinished directory of the same step: the staging one is the verified save
+                shutil.rmtree(target)
+            os.replace(self.root / name, target)
+            fsync_path(self.root)
+            said = (f"{self.root / name} holds a verified checkpoint whose commit was cut short (its checkpoint.json "
+                    f"is there, `latest` was not written): committed as {tag}")
+        else:
+            said = f"{why}: resuming from {tag}, the newest intact checkpoint"
+        _atomic_write(self.root / LATEST, tag)
+        fsync_path(self.root)
+        print(f"[numloss] warning: {said}", file=sys.stderr, flush=True)
 
     def manifest_sha256(self, tag: str | None) -> str | None:
         """The sha256 of a checkpoint's checkpoint.json (None: no such checkpoint, or one saved before
@@ -329,7 +407,7 @@ class CheckpointDirs:
     def _select(self) -> None:
         """Verify `latest`; fall back to the newest intact older checkpoint, or refuse (see the docstring)."""
         tag = self.latest_tag()
-        if tag is None:
+        if tag is None or tag == self._verified:
             return
         problems = self._problems(tag)
         if not problems:

@@ -7,7 +7,10 @@ engine that writes one state file per rank, as DeepSpeed writes its shards.
   and prints the command that falls back;
 - a planted `rank_00000.pt` that would run code when unpickled (a shared run directory; its entry in
   checkpoint.json rewritten to match): refused by `torch.load(weights_only=True)`, nothing runs;
-- every save wrote checkpoint.json (size and sha256 of every file) before `latest` named it.
+- every save wrote checkpoint.json (size and sha256 of every file) before `latest` named it;
+- a save whose commit is cut short after its checkpoint.json (rank 0 SIGKILLed where it renames the staging
+  directory) is verified and committed at the next start; a missing or unreadable `latest` resumes from the
+  newest intact checkpoint, a damaged newer one named.
 """
 
 from __future__ import annotations
@@ -200,3 +203,79 @@ def test_a_failed_save_fails_on_every_rank_and_leftovers_never_shadow_a_good_che
     assert f"removed {tmp_path / 'step_00000005'}: newer than step_00000002" in err, err[-3000:]
     assert f"removed {tmp_path / '.step_00000006.partial'}: the staging directory" in err
     assert f"{tmp_path / 'step_00000007'} is complete but newer than step_00000002" in err
+
+
+def _save_then_die_before_the_rename(rank, world, root: str):
+    """Steps 2 and 4 saved; step 6's save is cut short on rank 0 right after its checkpoint.json, where
+    its staging directory would be renamed (a SIGKILL, as torchrun's shutdown timeout sends)."""
+    import signal
+
+    from recipes.reliability.checkpoints import CheckpointDirs
+    from recipes.training.runtime import Runtime
+
+    root = Path(root)
+    runtime = Runtime(rank, world, rank, torch.device("cpu"))
+    save, _ = _engine_state(rank)
+    data = FakeData()
+    dirs = CheckpointDirs(root, keep_last=3, runtime=runtime)
+    for step in (2, 4):
+        data.position = step * 8
+        dirs.save(step, data, save, {"data_parallel": world})
+    dist.barrier()
+    if rank == 0:
+        replace = os.replace
+
+        def die_at_the_commit(src, dst):
+            if str(src).endswith(".step_00000006.partial"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            replace(src, dst)
+
+        os.replace = die_at_the_commit
+    data.position = 48
+    dirs.save(6, data, save, {"data_parallel": world})
+
+
+def _resume(rank, world, root: str, expected: int, marker: str | None):
+    from recipes.reliability.checkpoints import CheckpointDirs
+    from recipes.training.runtime import Runtime
+
+    root = Path(root)
+    runtime = Runtime(rank, world, rank, torch.device("cpu"))
+    if rank == 0 and marker is not None:
+        (root / "latest").write_text(marker) if marker else (root / "latest").unlink()
+    dist.barrier()
+    _, load = _engine_state(rank)
+    resumed = FakeData()
+    assert CheckpointDirs(root, 3, runtime).load(resumed, load) == expected and resumed.position == expected * 8
+    assert (root / "latest").read_text() == f"step_{expected:08d}"
+
+
+def test_a_verified_save_cut_short_is_committed_and_a_lost_latest_resumes_the_newest(tmp_path, capfd):
+    """Before: a missing `latest` renamed every checkpoint `skipped_step_*` and the run started at step 0,
+    and a staging directory with its checkpoint.json was thrown away the same way."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    with pytest.raises((ProcessExitedException, ProcessRaisedException)):  # rank 0 killed, rank 1 left alone
+        run_ranks(2, _save_then_die_before_the_rename, str(tmp_path), timeout=120)
+    staged = tmp_path / ".step_00000006.partial"
+    assert (staged / "checkpoint.json").is_file() and (tmp_path / "latest").read_text() == "step_00000004"
+
+    run_ranks(2, _resume, str(tmp_path), 6, None, timeout=120)  # the cut-short commit is completed
+    err = capfd.readouterr().err
+    assert f"{staged} holds a verified checkpoint whose commit was cut short" in err and "committed as step_00000006" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000002", "step_00000004", "step_00000006"]
+
+    run_ranks(2, _resume, str(tmp_path), 6, "", timeout=120)  # `latest` deleted
+    err = capfd.readouterr().err
+    assert f"{tmp_path / 'latest'} is missing: resuming from step_00000006, the newest intact checkpoint" in err, err
+    run_ranks(2, _resume, str(tmp_path), 6, "step_0000\x00garbage", timeout=120)  # `latest` unreadable
+    err = capfd.readouterr().err
+    assert "not a checkpoint's name: resuming from step_00000006" in err, err
+
+    # the newest one damaged and `latest` gone: the newest intact one, the damaged one named
+    shard = tmp_path / "step_00000006" / "model_rank1.pt"
+    shard.write_bytes(shard.read_bytes()[:50])
+    run_ranks(2, _resume, str(tmp_path), 4, "", timeout=120)
+    err = capfd.readouterr().err
+    assert f"{tmp_path / 'step_00000006'} was not resumed from: {shard}: 50 bytes" in err, err
+    assert "resuming from step_00000004, the newest intact checkpoint" in err
