@@ -15,9 +15,11 @@ How DeepSpeed 0.19.8 leaves the logits split (read from its source):
   replaces the HF model's `loss_function` with a `VocabParallelCausalLMLoss` (plain CE only).
 
 This module reads the TP group and the vocab range from that `VocabParallelLinear` (identified by its
-attributes, so importing this module never imports deepspeed), computes the numloss objective on the
-split logits, and can install the objective as the model's `loss_function` in place of DeepSpeed's CE
-(the same hook DeepSpeed uses), so `engine(input_ids, labels=labels).loss` is the numeric objective.
+attributes, so importing this module never imports deepspeed) and computes the numloss objective on the
+split logits (`causal_lm_objective`). A model trains with it through `numloss.adapters.hf`:
+`numeric_autotp_model(model, objective)` before `deepspeed.initialize` makes the HF model's own forward
+return the objective (logits or chunked head), with the model's config, `tp_plan` and module names left
+as AutoTP needs them; DeepSpeed's CE stays installed in the `loss_function` hook, unused.
 
 Without a vocab-parallel head (TP = 1, or AutoTP with a gathered head) the logits are the full
 vocabulary and `find_vocab_shard` returns a shard with no group: the same code runs densely.
@@ -30,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from ..labels import shift_labels
-from ..logit_stats import IGNORE_INDEX
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
 
@@ -126,66 +127,3 @@ def causal_lm_objective(
                          f" vocabulary was built for {objective.vocab.vocab_size}")
     return objective(logits, shifted_labels.to(logits.device), group=shard.group, vocab_start=shard.start,
                      counts=counts, sequence_ids=sequence_ids, diagnostics=diagnostics)
-
-
-class NumericCausalLMLoss:
-    """A Hugging Face `loss_function` computing the numloss objective on (possibly vocab-split) logits.
-
-    Signature as HF's `ForCausalLMLoss` / DeepSpeed's `VocabParallelCausalLMLoss`:
-    `(logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-    shift_labels=None, **kwargs) -> loss`. The last `ObjectiveOutput` is kept in `.last` for logging
-    (`.last.log_dict()`).
-
-    `num_items_in_batch`, the step's normaliser:
-    - a `LossCounts` (every denominator of the step, `numloss.normalization`): every term divides by
-      its own count over the step, so the micro-batches' losses add up to the whole batch's exactly.
-      With the HF Trainer or TRL's SFTTrainer use `numloss.integrations.hf_trainer` instead, which
-      makes these counts in the Trainer's public `get_batch_samples` and is tested with the real classes;
-    - a number (the HF Trainer's own: the valid tokens of the whole accumulated batch): CE divides by
-      it exactly; the numeric terms, which need counts the Trainer does not make, are divided by this
-      micro-batch's own counts and weighted by its share of the valid tokens.
-    """
-
-    def __init__(self, objective: Objective, shard: VocabShard):
-        self.objective = objective
-        self.shard = shard
-        self.last: ObjectiveOutput | None = None
-
-    def __call__(self, logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
-                 shift_labels=None, **kwargs):
-        if ignore_index != self.objective.config.ignore_index:
-            raise ValueError(f"ignore_index {ignore_index} differs from the objective's"
-                             f" {self.objective.config.ignore_index}")
-        step_counts = num_items_in_batch if isinstance(num_items_in_batch, LossCounts) else None
-        out = causal_lm_objective(self.objective, logits, labels, self.shard, shifted_labels=shift_labels,
-                                  counts=step_counts)
-        self.last = out
-        loss = out.loss
-        if num_items_in_batch is not None and step_counts is None:
-            aligned = shift_labels if shift_labels is not None else labels[..., 1:]
-            valid = (aligned != ignore_index).sum().to(loss.dtype)
-            loss = loss * valid / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype).clamp_min(1)
-        return loss
-
-
-def install_numeric_loss(model, objective: Objective) -> NumericCausalLMLoss:
-    """Make `model(input_ids, labels=labels).loss` (an engine or its HF module) the numloss objective.
-
-    Replaces the HF `loss_function` (DeepSpeed's `VocabParallelCausalLMLoss` under a vocab-parallel
-    head) with a `NumericCausalLMLoss` bound to this rank's shard; the replaced function stays in
-    `model._numloss_original_loss_function`. Call after `deepspeed.initialize` (AutoTP installs its own
-    loss during initialisation). Returns the installed callable.
-    """
-    inner = _unwrap(model)
-    if not hasattr(inner, "loss_function"):
-        raise ValueError(f"{type(inner).__name__} has no loss_function hook to replace")
-    shard = find_vocab_shard(inner)
-    loss_fn = NumericCausalLMLoss(objective, shard)
-    original = inner.loss_function
-    inner.loss_function = loss_fn
-    if inner.loss_function is not loss_fn:
-        inner.loss_function = original
-        raise ValueError(f"{type(inner).__name__}.loss_function could not be replaced")
-    if not hasattr(inner, "_numloss_original_loss_function"):
-        inner._numloss_original_loss_function = original
-    return loss_fn

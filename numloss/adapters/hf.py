@@ -1,4 +1,5 @@
-"""A Hugging Face causal LM trained with the numeric objective, from logits or from hidden states.
+"""A Hugging Face causal LM trained with the numeric objective, from logits or from hidden states: the
+one way numloss computes it for an HF model, in a user's own training loop and in `recipes.train` alike.
 
 `NumericCausalLM(model, objective, chunked=True)` is an `nn.Module` whose forward takes
 (input_ids, attention_mask, labels) and returns a `NumericLMOutput`: a dict (so that ZeRO-3's hooks see
@@ -12,7 +13,10 @@ the loss tensor and gather parameters before this module's backward) with attrib
   model's logit scale and soft cap (Gemma-2/3, Granite, Cohere) are read from its config and applied there.
 
 Tensor parallelism: with a DeepSpeed AutoTP vocab-parallel lm_head the weight is this rank's vocab
-shard and the group and range come from `find_vocab_shard`; the same call runs dense otherwise.
+shard and the group and range come from `find_vocab_shard`; the same call runs dense otherwise. AutoTP
+partitions the module given to `deepspeed.initialize` by its HF config, `tp_plan` and module names, so
+under AutoTP give it `numeric_autotp_model(model, objective)`: the HF model itself, whose forward is
+NumericCausalLM's (the same `numeric_lm_forward`).
 
 ZeRO-3: the lm_head weight is used outside its own module's forward, so DeepSpeed's module hooks would
 not gather it. It is registered as an external parameter of this wrapper
@@ -22,6 +26,8 @@ and backward, once per step on every rank whatever its token count. Build the wr
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -111,8 +117,8 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
                        chunk_size: int = DEFAULT_CHUNK_SIZE, loss_counts: LossCounts | None = None,
                        sequence_ids: torch.Tensor | None = None, diagnostics: bool | None = None,
                        **model_kwargs) -> NumericLMOutput:
-    """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM`, and
-    of a model that computes the objective itself (the AutoTP training module in `recipes.engines.deepspeed.model`).
+    """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM` and of
+    `numeric_autotp_model`'s model.
 
     Logits path: `full_forward(...)` (the HF model's own forward) gives `[b, s, V_local]` logits.
     Chunked: only the backbone (`model.<base_model_prefix>`) runs, and its last hidden states meet the
@@ -129,3 +135,43 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
     return NumericLMOutput.of(objective.from_hidden(
         hidden, weight, targets, group=shard.group, vocab_start=shard.start, chunk_size=chunk_size,
         logit_transform=LogitTransform.from_model_config(getattr(model, "config", None)), **per_batch))
+
+
+def numeric_autotp_model(model: nn.Module, objective: Objective, chunked: bool = False,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> nn.Module:
+    """The HF model itself, its class swapped for a subclass whose forward returns the numeric objective
+    (`NumericLMOutput`, as NumericCausalLM: the same `numeric_lm_forward`, logits or chunked head) and
+    which has NumericCausalLM's `counts`: what DeepSpeed's AutoTP must partition. Call it before
+    `deepspeed.initialize(model=...)`; the model's own `loss_function` hook stays as it is (AutoTP
+    installs its vocab-parallel CE there, which this forward never calls).
+
+    Why not the NumericCausalLM wrapper: AutoTP reads the module given to `deepspeed.initialize` for
+    its `config` (attention and KV head counts), its HF `tp_plan` and its `loss_function` hook, and
+    DeepSpeed 0.19.8 recognises the output head by the module name `lm_head`; under the wrapper the
+    name is `model.lm_head` and, whenever the vocabulary is a multiple of the KV head count, the head is
+    split like attention, by KV heads: with fewer KV heads than TP ranks some ranks get no vocabulary
+    at all and DeepSpeed refuses the model (Qwen2.5-7B, 4 KV heads, at TP 8). Here every name, the
+    config and the plan are the HF model's own; checkpoint keys have no `model.` prefix."""
+    base = type(model)
+
+    class NumericObjectiveModel(base):
+        def counts(self, labels, sequence_ids=None):
+            return batch_counts(self.__dict__["_numloss_objective"], labels, sequence_ids)
+
+        def forward(self, input_ids=None, labels=None, attention_mask=None, *, loss_counts=None,
+                    sequence_ids=None, diagnostics=None, **kwargs):
+            full_forward = functools.partial(base.forward, self)
+            return numeric_lm_forward(self, full_forward, self.__dict__["_numloss_objective"], input_ids, labels,
+                                      attention_mask, chunked=chunked, chunk_size=chunk_size,
+                                      loss_counts=loss_counts, sequence_ids=sequence_ids, diagnostics=diagnostics,
+                                      **kwargs)
+
+    NumericObjectiveModel.__name__ = NumericObjectiveModel.__qualname__ = f"Numeric{base.__name__}"
+    model.__class__ = NumericObjectiveModel
+    model.__dict__["_numloss_objective"] = objective  # not a submodule: no state in the checkpoint
+    head = model.get_output_embeddings().weight
+    if chunked and hasattr(head, "ds_id"):  # ZeRO-3: the head's weight is used outside its module's forward
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, head)
+    return model

@@ -2,12 +2,13 @@
 equals the TP-1 objective on the same weights. Real gloo processes, DeepSpeed on the CPU accelerator.
 
 Each of 2 ranks (TP 2; every rank fed the same batch) builds a tiny random Llama under a
-live HfDeepSpeedConfig, initialises a DeepSpeed engine with `"tensor_parallel": {"autotp_size": 2,
-"vocab_parallel_lm_head": true}` and ZeRO-3, and runs the objective on its logits shard (uneven vocab:
-101 rows). Rank 0 consolidates the full weights (`_zero3_consolidated_16bit_state_dict` gathers ZeRO
-and TP shards), runs a plain single-process HF model on them and broadcasts the reference loss, terms
-and gradients; every rank checks its own shard. Also checked: the installed `loss_function` path
-(`engine(ids, labels=labels).loss`), and plain CE against DeepSpeed's own `VocabParallelCausalLMLoss`.
+live HfDeepSpeedConfig, makes it compute the objective itself (`numloss.adapters.hf.numeric_autotp_model`,
+what `recipes.train` gives DeepSpeed under AutoTP), initialises a DeepSpeed engine with
+`"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": true}` and ZeRO-3, and runs
+`engine(ids, labels=labels)` on its logits shard (uneven vocab: 101 rows). Rank 0 consolidates the full
+weights (`_zero3_consolidated_16bit_state_dict` gathers ZeRO and TP shards), runs a plain single-process
+HF model on them and broadcasts the reference loss, terms and gradients; every rank checks its own
+shard. Also checked: plain CE on the split logits against DeepSpeed's own `VocabParallelCausalLMLoss`.
 """
 
 from __future__ import annotations
@@ -84,34 +85,36 @@ def _autotp_rank(rank, world, tp):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from numloss.adapters.deepspeed_autotp import causal_lm_objective, find_vocab_shard, install_numeric_loss
+    from numloss.adapters.deepspeed_autotp import causal_lm_objective, find_vocab_shard
+    from numloss.adapters.hf import numeric_autotp_model
 
     deepspeed.init_distributed(dist_backend="gloo")
     ds_config = _ds_config(tp)
     live = HfDeepSpeedConfig(ds_config)  # noqa: F841  (must stay alive while the model is built)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_llama_config())
+    vocab = NumericVocab(DIGIT_IDS, DIGIT_VALUES, vocab_size=V)
+    objective = Objective(vocab, CONFIG)
+    model = numeric_autotp_model(model, objective)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     try:
-        vocab = NumericVocab(DIGIT_IDS, DIGIT_VALUES, vocab_size=V)
-        objective = Objective(vocab, CONFIG)
         shard = find_vocab_shard(engine)
         assert shard.group is not None and dist.get_world_size(shard.group) == tp
         assert (shard.start, shard.end, shard.vocab_size) == [(0, 51, V), (51, V, V)][dist.get_rank(shard.group)]
 
         ids, labels = _batch()
-        loss_fn = install_numeric_loss(engine, objective)
-        out = engine(input_ids=ids, labels=labels)
-        assert out.logits.shape == (2, 16, shard.local_size)  # the logits stay split
-        # CE against DeepSpeed's own VocabParallelCausalLMLoss (the hook AutoTP installed, now replaced).
-        assert type(engine.module._numloss_original_loss_function).__name__ == "VocabParallelCausalLMLoss"
+        with torch.no_grad():  # the HF model's own forward: logits of this rank's vocab shard
+            logits = LlamaForCausalLM.forward(engine.module, input_ids=ids).logits
+        assert logits.shape == (2, 16, shard.local_size)  # the logits stay split
+        # CE against DeepSpeed's own VocabParallelCausalLMLoss (the hook AutoTP installed, left in place).
+        assert type(engine.module.loss_function).__name__ == "VocabParallelCausalLMLoss"
         assert type(engine.module.lm_head).__name__ == "VocabParallelLinear"
-        deepspeed_ce = engine.module._numloss_original_loss_function(logits=out.logits.detach(), labels=labels,
-                                                                     vocab_size=V)
-        plain_ce = causal_lm_objective(Objective(vocab, {"terms": {}}), out.logits.detach(), labels, shard)
+        deepspeed_ce = engine.module.loss_function(logits=logits, labels=labels, vocab_size=V)
+        plain_ce = causal_lm_objective(Objective(vocab, {"terms": {}}), logits, labels, shard)
         torch.testing.assert_close(plain_ce.loss, deepspeed_ce, rtol=1e-6, atol=1e-6)
-        direct = causal_lm_objective(objective, out.logits, labels, shard)
-        torch.testing.assert_close(out.loss, direct.loss, rtol=0, atol=0)  # the installed hook is the objective
+        out = engine(input_ids=ids, labels=labels)
+        direct = causal_lm_objective(objective, logits, labels, shard)
+        torch.testing.assert_close(out.loss.detach(), direct.loss, rtol=0, atol=0)  # the forward is the objective
         engine.backward(out.loss)
         head = engine.module.lm_head
         lm_grad = safe_get_full_grad(head.weight).detach().clone()  # collective over the ZeRO group
@@ -137,11 +140,11 @@ def _autotp_rank(rank, world, tp):
         tol = dict(rtol=1e-5, atol=1e-5)
         where = f"rank {rank}"
         expected = int(torch.isin(labels[:, 1:], torch.tensor(DIGIT_IDS)).sum())  # the shift drops ids[:, 0]
-        assert loss_fn.last.numeric_positions == reference["numeric"] == expected >= 5
+        assert out.numeric_positions == reference["numeric"] == expected >= 5
         torch.testing.assert_close(out.loss.detach(), reference["loss"], **tol, msg=lambda m: f"{where} loss: {m}")
-        torch.testing.assert_close(loss_fn.last.ce.detach(), reference["ce"], **tol)
+        torch.testing.assert_close(out.ce.detach(), reference["ce"], **tol)
         for name, value in reference["terms"].items():
-            torch.testing.assert_close(loss_fn.last.terms[name].detach(), value, **tol,
+            torch.testing.assert_close(out.terms[name].detach(), value, **tol,
                                        msg=lambda m: f"{where} {name}: {m}")
             assert value.abs() > 1e-3  # each term contributes something checkable
         torch.testing.assert_close(lm_grad, reference["lm_grad"][shard.start:shard.end], **tol,
@@ -163,55 +166,57 @@ def test_autotp_zero3_tp2_matches_tp1_reference():
 def test_importing_numloss_and_its_adapters_imports_no_framework():
     import subprocess
 
-    code = ("import sys, numloss, numloss.adapters.deepspeed_autotp, numloss.adapters.megatron;"
+    code = ("import sys, numloss, numloss.adapters.deepspeed_autotp, numloss.adapters.hf, numloss.adapters.megatron;"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('deepspeed', 'megatron', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
-def test_loss_function_hook_on_a_plain_hf_model():
-    # TP 1, no DeepSpeed: find_vocab_shard gives full logits; the hook equals the objective, and
-    # HF Trainer's num_items_in_batch rescales by this micro-batch's share of valid tokens.
+def test_the_model_computes_the_objective_on_a_plain_hf_model():
+    # TP 1, no DeepSpeed: find_vocab_shard gives full logits; the model's forward is the objective on its
+    # own logits, and its class and module names stay the HF model's (what AutoTP reads).
     from transformers import LlamaForCausalLM
 
-    from numloss.adapters.deepspeed_autotp import causal_lm_objective, find_vocab_shard, install_numeric_loss
+    from numloss.adapters.deepspeed_autotp import causal_lm_objective, find_vocab_shard
+    from numloss.adapters.hf import numeric_autotp_model
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_config())
     shard = find_vocab_shard(model)
     assert (shard.group, shard.start, shard.end, shard.vocab_size) == (None, 0, V, V)
     objective = Objective(NumericVocab(DIGIT_IDS, DIGIT_VALUES, vocab_size=V), CONFIG)
-    hook = install_numeric_loss(model, objective)
+    names = [name for name, _ in model.named_parameters()]
+    numeric = numeric_autotp_model(model, objective)
+    assert numeric is model and isinstance(model, LlamaForCausalLM) and type(model).__name__ == "NumericLlamaForCausalLM"
+    assert [name for name, _ in model.named_parameters()] == names and "lm_head.weight" in names
     ids, labels = _batch()
     out = model(input_ids=ids, labels=labels)
-    direct = causal_lm_objective(objective, out.logits, labels)
+    logits = LlamaForCausalLM.forward(model, input_ids=ids).logits
+    direct = causal_lm_objective(objective, logits, labels)
     torch.testing.assert_close(out.loss, direct.loss, rtol=0, atol=0)
-    assert hook.last.numeric_positions > 0 and (direct.loss - direct.ce).abs() > 1e-3
-    valid = int((labels[:, 1:] != -100).sum())
-    scaled = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(3 * valid)).loss
-    torch.testing.assert_close(scaled, direct.loss / 3, rtol=1e-6, atol=1e-6)
+    assert out.numeric_positions > 0 and (direct.loss - direct.ce).abs() > 1e-3
     with pytest.raises(ValueError, match="exactly one"):
-        causal_lm_objective(objective, out.logits, labels, shifted_labels=labels)
+        causal_lm_objective(objective, logits, labels, shifted_labels=labels)
 
 
-def test_loss_function_with_step_counts_adds_up_to_the_whole_batch():
-    """num_items_in_batch as `LossCounts` (the step's every denominator): the two rows as two
-    micro-batches add up to the objective on both rows at once, numeric terms included; a plain token
-    count (HF's own) gets CE right only."""
+def test_step_counts_add_the_micro_batches_up_to_the_whole_batch():
+    """`loss_counts` (the step's every denominator): the two rows as two micro-batches add up to the
+    objective on both rows at once, numeric terms included."""
     from transformers import LlamaForCausalLM
 
-    from numloss.adapters.deepspeed_autotp import causal_lm_objective, install_numeric_loss, shift_labels
-    from numloss.normalization import LossCounts
+    from numloss import LossCounts, shift_labels
+    from numloss.adapters.deepspeed_autotp import causal_lm_objective
+    from numloss.adapters.hf import numeric_autotp_model
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(_llama_config())
     objective = Objective(NumericVocab(DIGIT_IDS, DIGIT_VALUES, vocab_size=V), CONFIG)
-    install_numeric_loss(model, objective)
+    numeric_autotp_model(model, objective)
     ids, labels = _batch()
-    whole = causal_lm_objective(objective, model(input_ids=ids).logits, labels)
+    whole = causal_lm_objective(objective, LlamaForCausalLM.forward(model, input_ids=ids).logits, labels)
     step = LossCounts.total(objective.counts(shift_labels(labels[i:i + 1])) for i in range(2))
-    parts = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1], num_items_in_batch=step).loss for i in range(2)]
+    assert step == LossCounts.total(model.counts(labels[i:i + 1]) for i in range(2))  # the model's own counts
+    parts = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1], loss_counts=step).loss for i in range(2)]
     torch.testing.assert_close(parts[0] + parts[1], whole.loss, rtol=1e-6, atol=1e-6)
-    tokens = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1],
-                    num_items_in_batch=torch.tensor(step["tokens"])).loss for i in range(2)]
-    assert abs(float((tokens[0] + tokens[1] - whole.loss).detach())) > 1e-4
+    own = [model(input_ids=ids[i:i + 1], labels=labels[i:i + 1]).loss for i in range(2)]  # each row's own counts
+    assert abs(float((own[0] + own[1] - whole.loss).detach())) > 1e-4

@@ -1,7 +1,9 @@
-"""megatron-core GPTModel at TP 2 with `parallel_output=True` and numloss installed as its
-`compute_language_model_loss`: Megatron's masked mean of the per-token output equals the numloss
-objective on the gathered logits (value, terms and parameter gradients), and the CE part equals
-megatron-core's own `vocab_parallel_cross_entropy`. Real gloo processes on the CPU.
+"""megatron-core GPTModel at TP 2 with `parallel_output=True`, its vocab-parallel logits through
+`numloss.adapters.megatron.numeric_loss_func` (the loss_func `recipes.engines.megatron` trains with):
+the loss as megatron-core's schedules and `finalize_model_grads` make it (the returned value over the
+returned token count) equals the numloss objective on the gathered logits (value, terms and parameter
+gradients), and the CE part equals megatron-core's own `vocab_parallel_cross_entropy` on the labels
+`megatron_labels` gives it. Real gloo processes on the CPU.
 
 GPTModel on a CPU needs two redirections (nothing else): `torch.cuda.current_device` (its global
 memory buffer for attention scores) and its RNG tracker's get/set state (attention dropout runs inside
@@ -80,100 +82,84 @@ def _check_tp(rank, world):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from numloss.adapters.megatron import install_numeric_loss
+    from numloss import compute_logit_stats
+    from numloss.adapters.megatron import megatron_labels, numeric_loss_func
 
     model = _build(world)
     try:
         vocab = NumericVocab(DIGIT_IDS, list(range(10)), vocab_size=V)
         assert vocab.is_digits()
         objective = Objective(vocab, CONFIG)
-        hook = install_numeric_loss(model, objective)
         position_ids = torch.arange(S)[None].expand(B, S)
         causal = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()
         v_local = V // world
         start = rank * v_local
+        tp_group = parallel_state.get_tensor_model_parallel_group()
 
         for with_numbers in (True, False):
             ids, labels, loss_mask = _batch(with_numbers)
+            shifted = torch.where(loss_mask.bool(), labels, -100)  # the training loop's labels: -100 not scored
+            counts = objective.counts(shifted)  # the step's counts: one micro-batch on one data-parallel rank
             where = f"rank {rank} numbers={with_numbers}"
             model.zero_grad()
-            per_token = model(ids, position_ids, causal, labels=labels, loss_mask=loss_mask)
-            assert per_token.shape == (B, S)
-            assert (per_token[loss_mask == 0] == 0).all()
-            loss = (per_token * loss_mask).sum() / loss_mask.sum()  # Megatron's loss_func reduction
+            local = model(ids, position_ids, causal)  # no labels: [b, s, V/tp]
+            assert local.shape == (B, S, v_local)
+            value, n, report = numeric_loss_func(objective, counts, shifted, local)
+            assert n.dtype == torch.int and int(n) == int(loss_mask.sum())
+            loss = value / n  # what the schedules and finalize_model_grads make of it: / the step's tokens
             loss.backward()
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
             assert all(torch.isfinite(g).all() for g in grads.values())
             assert grads["output_layer.weight"].shape == (v_local, H) and grads["output_layer.weight"].abs().sum() > 0
             assert grads["embedding.word_embeddings.weight"].abs().sum() > 0  # through every layer
-            out = hook.last.output
 
             # Reference: gather the logits, run numloss densely, push each rank's slice of the gradient
             # back through the same model.
             model.zero_grad()
-            local = model(ids, position_ids, causal)  # no labels: [b, s, V/tp]
-            assert local.shape == (B, S, v_local)
+            local = model(ids, position_ids, causal)
             parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+            dist.all_gather(parts, local.detach().contiguous(), group=tp_group)
             full = torch.cat(parts, dim=-1).requires_grad_(True)
-            dense_labels = torch.where(loss_mask.bool(), labels, -100)
-            dense = objective(full, dense_labels)
+            dense = objective(full, shifted)
             dense.loss.backward()
             local.backward(full.grad[..., start:start + v_local])
 
             tol = dict(rtol=1e-5, atol=1e-5)
             expected_numeric = int((torch.isin(labels, torch.tensor(DIGIT_IDS)) & loss_mask.bool()).sum())
-            assert out.numeric_positions == dense.numeric_positions == expected_numeric
+            assert report["numeric_positions"] == dense.numeric_positions == expected_numeric
             assert expected_numeric == (8 if with_numbers else 0)
             torch.testing.assert_close(loss, dense.loss, **tol, msg=lambda m: f"{where} loss: {m}")
-            torch.testing.assert_close(out.loss, dense.loss, **tol)
-            torch.testing.assert_close(out.ce, dense.ce, **tol)
-            for name, value in dense.terms.items():
-                torch.testing.assert_close(out.terms[name], value, **tol, msg=lambda m: f"{where} {name}: {m}")
+            assert report["loss"] == pytest.approx(float(dense.loss), rel=1e-5)
+            assert report["ce"] == pytest.approx(float(dense.ce), rel=1e-5)
+            for name, term in dense.terms.items():
+                assert report[f"term/{name}"] == pytest.approx(float(term), rel=1e-5, abs=1e-5), f"{where} {name}"
                 if with_numbers and name != "gce":
-                    assert value.abs() > 1e-3, name  # every numeric term is live
+                    assert term.abs() > 1e-3, name  # every numeric term is live
             if with_numbers:
-                assert (loss - out.ce).abs() > 1e-2  # the numeric terms move the total
+                assert (loss - dense.ce).abs() > 1e-2  # the numeric terms move the total
             for name, p in model.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m: f"{where} grad {name}: {m}")
 
-            # The CE part against megatron-core's own vocab-parallel CE (it overwrites fp32 input: a clone).
+            # The CE part against megatron-core's own vocab-parallel CE (it overwrites fp32 input: a clone),
+            # given Megatron's form of the labels (no ignore index, a loss mask).
+            megatron_ids, mask = megatron_labels(shifted)
+            assert torch.equal(mask, loss_mask) and torch.equal(megatron_ids[mask.bool()], labels[loss_mask.bool()])
             logits_sbv = local.detach().transpose(0, 1).contiguous()
-            megatron_ce = vocab_parallel_cross_entropy(logits_sbv.clone(), labels.t().contiguous()).t()
+            megatron_ce = vocab_parallel_cross_entropy(logits_sbv.clone(), megatron_ids.t().contiguous()).t()
             valid = loss_mask.bool()
-            torch.testing.assert_close(hook.last.ce_per_token[valid], megatron_ce[valid], **tol)
-            assert (hook.last.ce_per_token[~valid] == 0).all()
+            ce = compute_logit_stats(local.detach(), shifted, vocab, tp_group, start, numeric=False).ce_per_token
+            ce = ce.view(B, S)
+            torch.testing.assert_close(ce[valid], megatron_ce[valid], **tol)
+            assert (ce[~valid] == 0).all()
+            ce_only = Objective(vocab, {"terms": {}})
+            _, _, ce_report = numeric_loss_func(ce_only, ce_only.counts(shifted), shifted, local.detach().clone())
+            assert ce_report["ce"] == pytest.approx(float(megatron_ce[valid].mean()), rel=1e-5)
+
+        with pytest.raises(ValueError, match="padded vocab"):  # shards that do not tile the numeric vocabulary
+            numeric_loss_func(objective, counts, shifted, local.detach()[..., :-1])
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_gpt_model_tp2_matches_dense_and_megatron_ce():
     run_ranks(2, _check_tp)
-
-
-def _check_language_model_loss_direct(rank, world):
-    # The function itself, without a model: [s, b, V/tp] shards of random logits vs the dense objective.
-    from numloss.adapters.megatron import language_model_loss
-
-    group = dist.group.WORLD
-    vocab = NumericVocab(DIGIT_IDS, list(range(10)), vocab_size=V)
-    objective = Objective(vocab, CONFIG)
-    g = torch.Generator().manual_seed(3)
-    full = 3 * torch.randn(S, B, V, generator=g)
-    _, labels, loss_mask = _batch()
-    v_local = V // world
-    local = full[..., rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
-    result = language_model_loss(objective, labels, local, loss_mask, group=group)
-    ((result.per_token * loss_mask).sum() / loss_mask.sum()).backward()
-    dense_in = full.transpose(0, 1).clone().requires_grad_(True)  # [b, s, V]
-    dense = objective(dense_in, torch.where(loss_mask.bool(), labels, -100))
-    dense.loss.backward()
-    torch.testing.assert_close(result.output.loss, dense.loss, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(local.grad, dense_in.grad.transpose(0, 1)[..., rank * v_local:(rank + 1) * v_local],
-                               rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="padded vocab"):
-        language_model_loss(objective, labels, local[..., :-1], loss_mask, group=group)
-
-
-def test_language_model_loss_on_shards():
-    run_ranks(2, _check_language_model_loss_direct)

@@ -3,13 +3,11 @@ created, AutoTP's module names), and wrapped with the numeric objective."""
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-from numloss.adapters.hf import NumericCausalLM
-from numloss.chunked_head import DEFAULT_CHUNK_SIZE
+from numloss.adapters.hf import NumericCausalLM, numeric_autotp_model
 
 from recipes.config import Recipe
 
@@ -95,47 +93,6 @@ def _default_attention(device: torch.device) -> str:
         except ImportError:
             pass
     return "sdpa"
-
-
-
-
-def numeric_autotp_model(model, objective, chunked: bool = False, chunk_size: int = DEFAULT_CHUNK_SIZE):
-    """The HF model itself, its class swapped for a subclass whose forward returns the numeric objective
-    (`NumericLMOutput`, as NumericCausalLM: the same `numeric_lm_forward`, logits or chunked head) and
-    which has NumericCausalLM's `counts`: what DeepSpeed's AutoTP must partition.
-
-    Why not the NumericCausalLM wrapper: AutoTP reads the module given to `deepspeed.initialize` for
-    its `config` (attention and KV head counts), its HF `tp_plan` and its `loss_function` hook, and
-    DeepSpeed 0.19.8 recognises the output head by the module name `lm_head`; under the wrapper the
-    name is `model.lm_head` and, whenever the vocabulary is a multiple of the KV head count, the head is
-    split like attention, by KV heads: with fewer KV heads than TP ranks some ranks get no vocabulary
-    at all and DeepSpeed refuses the model (Qwen2.5-7B, 4 KV heads, at TP 8). Here every name, the
-    config and the plan are the HF model's own; checkpoint keys have no `model.` prefix."""
-    from numloss.adapters.hf import batch_counts, numeric_lm_forward
-
-    base = type(model)
-
-    class NumericObjectiveModel(base):
-        def counts(self, labels, sequence_ids=None):
-            return batch_counts(self.__dict__["_numloss_objective"], labels, sequence_ids)
-
-        def forward(self, input_ids=None, labels=None, attention_mask=None, *, loss_counts=None,
-                    sequence_ids=None, diagnostics=None, **kwargs):
-            full_forward = functools.partial(base.forward, self)
-            return numeric_lm_forward(self, full_forward, self.__dict__["_numloss_objective"], input_ids, labels,
-                                      attention_mask, chunked=chunked, chunk_size=chunk_size,
-                                      loss_counts=loss_counts, sequence_ids=sequence_ids, diagnostics=diagnostics,
-                                      **kwargs)
-
-    NumericObjectiveModel.__name__ = NumericObjectiveModel.__qualname__ = f"Numeric{base.__name__}"
-    model.__class__ = NumericObjectiveModel
-    model.__dict__["_numloss_objective"] = objective  # not a submodule: no state in the checkpoint
-    head = model.get_output_embeddings().weight
-    if chunked and hasattr(head, "ds_id"):  # ZeRO-3: the head's weight is used outside its module's forward
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(model, head)
-    return model
 
 
 def training_module(model, objective, recipe: Recipe):
