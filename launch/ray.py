@@ -56,6 +56,9 @@ from pathlib import Path
 
 import ray
 
+from recipes.config import load_recipe, recipe_from_dict
+from recipes.engines import engine_contract
+
 REPO = Path(__file__).resolve().parents[1]
 POINTER = "numloss_checkpoint.json"
 FAULT_ENV = "NUMLOSS_FAULT"  # test-only: "STEP:RANK" -> that rank SIGKILLs itself once after that step
@@ -215,8 +218,6 @@ def train_loop(config: dict) -> None:
     import torch.distributed as dist
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
-    from recipes.config import recipe_from_dict
-    from recipes.engines import engine_contract
     from recipes.training.runtime import setup_distributed
     from recipes.train import Hooks, train
 
@@ -291,8 +292,6 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
-    from recipes.config import load_recipe, recipe_from_dict
-
     recipe = load_recipe(recipe_path, overrides)
     data = _absolute_paths(recipe.to_dict(), Path.cwd())
     recipe = recipe_from_dict(data)
@@ -333,7 +332,6 @@ def submit_excludes(recipe: str, overrides: list[str] | tuple, working_dir: str 
     """SUBMIT_EXCLUDES plus the recipe's data, output and local model directories that lie inside the
     uploaded working directory (anchored `/rel/path` patterns): Ray would otherwise zip and upload
     data sets and runs with the code (its working_dir limit is 500 MiB)."""
-    from recipes.config import load_recipe
 
     root = Path(working_dir).resolve()
     r = load_recipe(Path(root, recipe) if not os.path.isabs(recipe) and not os.path.exists(recipe) else recipe,

@@ -25,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+from recipes.config import load_recipe
 from recipes.engines import ENGINES, engine_contract
 
 EXIT_REFUSED = 2
@@ -78,8 +79,6 @@ def convert(recipe, out: Path, tp: int, pp: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from recipes.config import load_recipe
-
     parser = argparse.ArgumentParser(prog="python -m recipes.convert", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")

@@ -61,13 +61,13 @@ from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, Checkpoi
 from .reliability.export_writer import export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
-from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, nonfinite_keys, weights_finite
+from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, weights_finite
 from .training.parallel import reduce_sum
 from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_signals
 from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fallback
 from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .reliability.run_lock import RunLock, RunLocked
-from .training.run_log import MetricsLog, progress_bar
+from .training.run_log import MetricsLog, nonfinite_keys, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
 from .training.throughput import StepMeter
 from .reliability.watchdog import mark_phase, start_watchdog

@@ -17,8 +17,6 @@ left waiting in a collective.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -58,19 +56,6 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v > 0) for v in t.tolist()]
-
-
-def nonfinite_keys(row: dict) -> list[str]:
-    """The keys of a metrics row whose value is a NaN or inf number (None, as ZeRO-0's norm, is fine)."""
-    return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-
-
-def strict_json_row(row: dict) -> dict:
-    """A row every strict JSON reader accepts: non-finite numbers as null, named under "nonfinite"."""
-    bad = nonfinite_keys(row)
-    if not bad:
-        return row
-    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
 
 
 def weights_finite(engine, device: torch.device) -> bool:

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
 
-
 from recipes.config import Recipe
-from recipes.reliability.health import strict_json_row
+
 from .runtime import Runtime
+
+
+def nonfinite_keys(row: dict) -> list[str]:
+    """The keys of a metrics row whose value is a NaN or inf number (None, as ZeRO-0's norm, is fine)."""
+    return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
+def strict_json_row(row: dict) -> dict:
+    """A row every strict JSON reader accepts: non-finite numbers as null, named under "nonfinite"."""
+    bad = nonfinite_keys(row)
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
 
 
 class MetricsLog:

@@ -15,6 +15,8 @@ from recipes.engines import contract as c
 from recipes.parallel_dims import ParallelDims
 from recipes.planning.moe import MoEShape
 
+from . import plan as engine_plan
+
 
 @dataclass
 class DeepSpeedSection:
@@ -218,9 +220,13 @@ class DeepSpeedContract:
     # ---- the plan ----
 
     def plan(self, recipe, model_cfg, *, hardware, rows, **options):
-        from .plan import plan  # the engine's cost model over recipes.planning
+        return engine_plan.plan(recipe, model_cfg, hardware=hardware, rows=rows, **options)
 
-        return plan(recipe, model_cfg, hardware=hardware, rows=rows, **options)
+    def layout_candidates(self, recipe, model_cfg, **options):
+        return engine_plan.layout_candidates(recipe, model_cfg, **options)
+
+    def layout_changes(self, recipe, model_cfg, **options):
+        return engine_plan.layout_changes(recipe, model_cfg, **options)
 
     # ---- checkpoints ----
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import moe
+from .kernels import FUSION_FLAGS, NO_FUSIONS
 from .rope import attention_score_scale, rope_inv_freq  # noqa: F401  (rope_inv_freq: model.py)
 from .support import QKV_BIAS_TYPES, check_supported, head_dim, qk_norm, rope_settings
 DEFAULT_VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
@@ -88,8 +89,6 @@ def transformer_config_from_hf(hf_config, *, tp_size: int = 1, pp_size: int = 1,
     build faster). Pure: no communication. RoPE and the vocabulary are GPTModel arguments: see
     `gpt_model_kwargs`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from .kernels import FUSION_FLAGS, NO_FUSIONS
 
     unknown = set(fusions or {}) - set(FUSION_FLAGS)
     if unknown:

@@ -12,6 +12,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -77,7 +78,6 @@ def seed_model_parallel(seed: int) -> None:
     every TP rank) and its tensor-parallel state (different per TP rank: dropout inside TP regions).
     On CPU the tracker's "CUDA" generator is the CPU one (cpu_shim). Call after
     `initialize_model_parallel`'s group set-up; every rank calls it."""
-    import numpy as np
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

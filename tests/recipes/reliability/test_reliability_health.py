@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from recipes.reliability.health import ZeroGradWatch, nonfinite_keys, strict_json_row, weights_finite
+from recipes.reliability.health import ZeroGradWatch, weights_finite
+from recipes.training.run_log import nonfinite_keys, strict_json_row
 from tests.distributed import run_ranks
 
 

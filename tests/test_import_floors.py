@@ -1,0 +1,312 @@
+"""The project's import structure (docs/architecture.md, "Floors"): every import of numloss, data_prep,
+recipes and launch, those inside functions included (`if TYPE_CHECKING:` blocks left out), read with `ast`
+and held to the floors:
+
+- an import points down or sideways inside its own floor, never up;
+- no cycle between sub-packages (or between the floor groups of an engine's package: its pure modules
+  and its runtime);
+- an import inside a function is of a heavy optional package (HEAVY), of a project module whose top
+  level imports one (directly or through project modules), or of the standard library; nothing else
+  hides inside a function;
+- the pure floors (recipes.planning, recipes.parallel_dims, the engine contracts) import no torch,
+  deepspeed or megatron at module level;
+- numloss imports no other project package.
+
+Each failure lists the offending imports as file:line.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("numloss", "data_prep", "recipes", "launch")
+
+# third-party packages that may be imported inside a function: optional ones (not every install has them),
+# and torch, which the pure floors (recipes.planning, the engine contracts), the launchers' drivers and
+# data_prep's workers (forked: they must not inherit torch's thread pool) import only where a tensor is made
+HEAVY = {"torch", "tqdm", "deepspeed", "megatron", "transformer_engine", "ray", "triton", "trl", "peft", "transformers", "datasets",
+         "vllm", "lm_eval", "wandb", "mlflow", "matplotlib", "tensorboard", "torch_tensorrt", "flash_attn", "apex",
+         "fused_weight_gradient_mlp_cuda", "huggingface_hub", "safetensors", "tokenizers", "gguf", "math_verify",
+         "PIL", "pyarrow", "scipy", "torchvision", "accelerate"}
+# what the pure floors may never import at module level
+RUNTIME_PACKAGES = {"torch", "deepspeed", "megatron", "transformer_engine"}
+
+# an engine package's pure modules (floor 4); its other modules are its runtime (floor 7)
+PURE_ENGINE_MODULES = {"__init__", "contract", "plan", "layout", "support", "kernels", "config"}
+
+# module prefix -> floor (bottom 1 .. top 11); sub-floors order sideways imports inside floor 6
+FLOORS = [
+    ("numloss", 1),
+    ("data_prep", 2),
+    ("recipes.planning", 3), ("recipes.parallel_dims", 3),
+    ("recipes.config", 5), ("recipes.recipe_yaml", 5),
+    ("recipes.inputs", 6.0), ("recipes.training", 6.1), ("recipes.reliability", 6.2),
+    ("recipes.engines.runtime", 7),
+    ("recipes.checks", 8), ("recipes.evaluation", 8),
+    ("recipes.validation", 9), ("recipes.train", 9), ("recipes.convert", 9), ("recipes.validate", 9),
+    ("recipes.evaluate", 9),
+    ("recipes.experiments", 10), ("recipes.demo", 10), ("recipes.study", 10), ("recipes.regimes", 10),
+    ("launch", 11),
+]
+
+
+def floor_of(module: str) -> float | None:
+    parts = module.split(".")
+    if module == "recipes":
+        return 3  # the package's own __init__: imports nothing of the project
+    if parts[:2] == ["recipes", "engines"]:
+        if len(parts) == 2 or parts[2] == "contract":
+            return 4
+        if parts[2] == "runtime":
+            return 7
+        return 4 if len(parts) == 3 or parts[3] in PURE_ENGINE_MODULES else 7
+    for prefix, floor in FLOORS:
+        if module == prefix or module.startswith(prefix + "."):
+            return floor
+    return None
+
+
+def group_of(module: str) -> str:
+    """The unit cycles are judged between: a sub-package (recipes.checks), a top-level module
+    (recipes.config), an engine's pure modules or its runtime (recipes.engines.megatron[pure])."""
+    parts = module.split(".")
+    if parts[:2] == ["recipes", "engines"]:
+        if len(parts) == 2 or parts[2] in ("contract", "runtime"):
+            return module  # the registry, the contract protocol, build_engine: one group each
+        return f"recipes.engines.{parts[2]}[{'pure' if floor_of(module) == 4 else 'runtime'}]"
+    return ".".join(parts[:2]) if len(parts) >= 3 or _is_package(module) else module
+
+
+def _module_files() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _module_files()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES.get(module, Path()).name == "__init__.py"
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str  # importing module
+    target: str  # a project module, or a third-party top-level name
+    project: bool
+    in_function: bool
+    where: str  # file:line
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.source} imports {self.target}{' (inside a function)' if self.in_function else ''}"
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(module: str, node: ast.AST) -> list[tuple[str, bool]]:
+    """(target, is a project module) for one import statement of `module`."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+        return [(_project(name) or name.split(".")[0], _project(name) is not None) for name in names]
+    if node.level:
+        package = module if _is_package(module) else module.rsplit(".", 1)[0]
+        base_parts = package.split(".")
+        base_parts = base_parts[:len(base_parts) - (node.level - 1)]
+        base = ".".join(base_parts + ([node.module] if node.module else []))
+    else:
+        base = node.module
+    out = []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        if sub in MODULES:
+            out.append((sub, True))
+        elif _project(base):
+            out.append((_project(base), True))
+        else:
+            out.append((base.split(".")[0], False))
+    return out
+
+
+def _project(name: str) -> str | None:
+    """The project module `name` names (or its nearest enclosing package that exists), None if not ours."""
+    if name.split(".")[0] not in PACKAGES:
+        return None
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in MODULES:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def _imports(module: str, path: Path) -> list[Import]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[Import] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for other in child.orelse:
+                    visit_one(other, in_function)
+                continue
+            visit_one(child, in_function)
+
+    def visit_one(child: ast.AST, in_function: bool) -> None:
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            for target, project in _targets(module, child):
+                if target != module:
+                    found.append(Import(module, target, project, in_function,
+                                        f"{path.relative_to(REPO)}:{child.lineno}"))
+            return
+        inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        visit(child, inner)
+
+    visit(tree, False)
+    return found
+
+
+IMPORTS = list(dict.fromkeys(imp for module, path in MODULES.items() for imp in _imports(module, path)))
+STDLIB = set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _heavy_modules() -> set[str]:
+    """Project modules whose own top level imports a HEAVY package, and the engines' runtime modules
+    (floor 7: they are where deepspeed and megatron are reached)."""
+    heavy = {imp.source for imp in IMPORTS if not imp.in_function and not imp.project and imp.target in HEAVY}
+    return heavy | {m for m in MODULES if floor_of(m) == 7}
+
+
+def _report(problems: list[str], what: str) -> None:
+    if problems:
+        pytest.fail(f"{len(problems)} {what}:\n" + "\n".join(problems), pytrace=False)
+
+
+def test_every_module_has_a_floor():
+    _report([f"{MODULES[m].relative_to(REPO)}: {m} has no floor (add it to FLOORS, docs/architecture.md)"
+             for m in MODULES if floor_of(m) is None], "modules without a floor")
+
+
+def test_imports_point_down_or_sideways():
+    problems = []
+    for imp in IMPORTS:
+        if not imp.project:
+            continue
+        mine, theirs = floor_of(imp.source), floor_of(imp.target)
+        if mine is not None and theirs is not None and theirs > mine:
+            problems.append(f"{imp}: up from floor {mine:g} to {theirs:g}")
+    _report(problems, "imports point up a floor")
+
+
+def test_no_cycle_between_sub_packages():
+    edges: dict[str, dict[str, list[Import]]] = {}
+    for imp in IMPORTS:
+        if imp.project:
+            a, b = group_of(imp.source), group_of(imp.target)
+            if a != b:
+                edges.setdefault(a, {}).setdefault(b, []).append(imp)
+    cycles = _strongly_connected(edges)
+    problems = []
+    for component in cycles:
+        problems.append(f"cycle between {', '.join(sorted(component))}:")
+        for a in sorted(component):
+            for b, imps in sorted(edges.get(a, {}).items()):
+                if b in component:
+                    problems += [f"  {imp}" for imp in imps]
+    _report(problems, "import cycles (each followed by the imports that make it)")
+
+
+def _strongly_connected(edges: dict[str, dict[str, list]]) -> list[set[str]]:
+    """Tarjan's algorithm: the components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+    counter = [0]
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return out
+
+
+def test_imports_inside_functions_are_heavy_ones_only():
+    heavy = _heavy_modules()
+    problems = []
+    for imp in IMPORTS:
+        if not imp.in_function:
+            continue
+        if imp.project:
+            if imp.target not in heavy:
+                problems.append(f"{imp}: a project module that imports no heavy package at its top level "
+                                "(import it at the top)")
+        elif imp.target not in HEAVY and imp.target not in STDLIB:
+            problems.append(f"{imp}: {imp.target} is not a heavy optional package (import it at the top, or add "
+                            "it to HEAVY with the reason)")
+    _report(problems, "imports inside functions that are neither heavy nor the standard library")
+
+
+def test_pure_floors_import_no_runtime_package_at_module_level():
+    problems = [f"{imp}: floor {floor_of(imp.source):g} is pure (no torch, deepspeed or megatron at module level)"
+                for imp in IMPORTS
+                if not imp.project and not imp.in_function and imp.target in RUNTIME_PACKAGES
+                and imp.source.startswith("recipes") and (floor_of(imp.source) or 0) <= 4]
+    _report(problems, "runtime imports in the pure floors")
+
+
+def test_numloss_imports_no_other_project_package():
+    _report([str(imp) for imp in IMPORTS if imp.project and imp.source.split(".")[0] == "numloss"
+             and imp.target.split(".")[0] != "numloss"], "numloss imports of other project packages")
+
+
+def test_the_floors_are_read_as_documented():
+    """The reader itself, on known imports: a relative import inside a function, a project module
+    reached through `from package import module`, and the floors of an engine's modules."""
+    by_where = {(imp.source, imp.target): imp for imp in IMPORTS}
+    assert ("recipes.engines.runtime", "recipes.engines.megatron.engine") in by_where
+    assert by_where[("recipes.engines.runtime", "recipes.engines.megatron.engine")].in_function
+    assert floor_of("recipes.engines.megatron.contract") == 4 and floor_of("recipes.engines.megatron.step") == 7
+    assert floor_of("recipes.engines.deepspeed.config") == 4 and floor_of("recipes.engines") == 4
+    assert group_of("recipes.checks.preflight") == "recipes.checks" and group_of("recipes.config") == "recipes.config"
+    assert group_of("recipes.engines.megatron.step") == "recipes.engines.megatron[runtime]"
+    assert "recipes.engines.megatron.engine" in _heavy_modules() and "recipes.config" not in _heavy_modules()
