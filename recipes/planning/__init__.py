@@ -1,4 +1,13 @@
-"""Planning a run before it is launched: `validate` (the static checks of `recipes.checks`, then memory,
-disk, traffic and the step model's time per GPU, and a recommended layout), the cost models (`budget`,
-`megatron_budget` on `megatron_layout`, `step_model`, `gemm_rates`, `padding`) and their reports. May
-import numloss, recipes.config, recipes.checks, recipes.training and recipes.engines."""
+"""What a run costs before it is launched, from numbers and shapes alone: the model's shape (`shape`,
+`moe`), where a layout's ranks sit (`placement`, on `recipes.parallel_dims.ParallelDims`), the memory a
+layer and the head keep (`memory`), GEMM rates (`gemm_rates`), padding (`padding`), the step model's
+time, traffic and MFU (`step_model`), each engine's cost model (`deepspeed_costs`, `megatron_costs`), the
+GPU memory a plan may fill (`device_memory`), LoRA's adapter (`lora`), the backbones' configs and
+parameter counts (`backbones`), and the one result of all of it, `Plan` (`plan`). No recipe loading
+here: the engines' plans (`recipes.engines.<engine>.plan`) read a recipe into these, and
+`recipes.validation` prints them. May import numloss and recipes.parallel_dims, nothing else of the
+project."""
+
+from recipes.planning.plan import Candidate, Plan, Stage
+
+__all__ = ["Candidate", "Plan", "Stage"]

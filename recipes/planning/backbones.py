@@ -1,6 +1,6 @@
-"""The backbones recipes.planning.validate knows: the model config a recipe resolves to (local, cached,
-hub, or the offline fallback table of the papers' backbones), its parameter count from an empty-weight
-model, and DeepSpeed's own estimate of model-state memory per GPU."""
+"""The backbones the planner knows: the model config a recipe resolves to (local, cached, hub, or the
+offline fallback table of the papers' backbones) and its parameter count from an empty-weight model.
+DeepSpeed's own estimate of model-state memory is the DeepSpeed engine's (recipes.engines.deepspeed.plan)."""
 
 from __future__ import annotations
 
@@ -172,37 +172,3 @@ def count_parameters(config, vision: bool = False) -> tuple[int, int]:
     total = sum(p.numel() for p in model.parameters())  # parameters() yields a tied tensor once
     largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in model.modules())
     return int(total), int(largest)
-
-
-def zero_memory_estimate(total_params: int, largest_params: int, zero_stage: int, nodes: int,
-                         gpus_per_node: int, tp_size: int = 1, offload_optimizer: bool = False,
-                         offload_params: bool = False) -> dict:
-    """DeepSpeed's model-state memory estimate per GPU and per node's CPU (bytes)."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _has_cuda() else "cuda")
-    per_rank_params = total_params // tp_size
-    dp_per_node = max(1, gpus_per_node // tp_size)
-    if zero_stage == 3:
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
-            total_params=per_rank_params, largest_layer_params=largest_params // tp_size,
-            num_gpus_per_node=dp_per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_params, zero_init=True)
-        fn = "estimate_zero3_model_states_mem_needs"
-    else:
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-        cpu, gpu = estimate_zero2_model_states_mem_needs(
-            total_params=per_rank_params, num_gpus_per_node=dp_per_node, num_nodes=nodes,
-            cpu_offload=offload_optimizer)
-        fn = "estimate_zero2_model_states_mem_needs"
-    return {"gpu_bytes": int(gpu), "cpu_bytes": int(cpu), "function": fn}
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False

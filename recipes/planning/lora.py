@@ -1,5 +1,5 @@
 """What LoRA (`model.lora`) costs per GPU: a frozen base and a small trainable adapter, in place of
-DeepSpeed's full fine-tuning estimate. Used by `recipes.planning.validate`.
+DeepSpeed's full fine-tuning estimate (`recipes.validate` prints it for a LoRA recipe).
 
 Adapter parameters: r x (in + out) for every targeted linear layer (PEFT's matching: a module whose
 name is a target or ends with "." + target; "all-linear": every linear layer but the output head).
@@ -61,17 +61,3 @@ def lora_memory_estimate(base_params: int, largest_params: int, adapter: int, *,
         cpu, base = cpu + base, 0.0
     return {"gpu_bytes": int(base + gathered + weights + grads + optimizer), "cpu_bytes": int(cpu * ranks_per_node),
             "function": f"recipes.planning.lora (frozen base, {adapter:,} adapter parameters)"}
-
-
-def report_lora(rep, cfg, model, total: int) -> int:
-    """`recipes.validate`'s LoRA lines: the adapter's parameter count (returned) and the layers it adapts,
-    added to the report `rep`; an error when `model.lora.target_modules` matches no linear layer."""
-    lora = model.lora
-    adapter, adapted = adapter_parameters(cfg, lora.target_modules, lora.r, model.vision)
-    rep.numbers["lora_params"] = adapter
-    size = f"{adapter / 1e9:.2f}B" if adapter >= 1e9 else f"{adapter / 1e6:.1f}M"
-    rep.add("LoRA", f"r {lora.r}: {size} adapter parameters in {adapted} layers "
-                    f"({100 * adapter / total:.2f}% of the base, frozen in {model.dtype})")
-    if not adapted:
-        rep.errors.append(f"model.lora.target_modules: {lora.target_modules!r} matches no linear layer")
-    return adapter

@@ -1,5 +1,5 @@
 """What the hardware did in each step, for metrics.jsonl: achieved TFLOP/s per rank, MFU, the step's time
-split, peak memory per rank; and the run's summary beside recipes.planning's prediction.
+split, peak memory per rank; and the run's summary beside its engine's plan (`predict`).
 
 Per logged step (`StepMeter.row`):
 - `tflops_per_rank`: model FLOPs of the step's rows (recipes.planning.step_model.model_flops_per_token
@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-from recipes.planning import step_model as sm
+from recipes.engines import engine_contract
+from recipes.planning import step_model
+from recipes.planning.backbones import count_parameters
+from recipes.planning.shape import Shape
 
 GiB = 2**30
 
@@ -46,8 +49,6 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 class StepMeter:
     def __init__(self, recipe, engine, runtime):
-        from recipes.planning.budget import Shape
-
         self.recipe, self.engine, self.runtime = recipe, engine, runtime
         self.cfg = getattr(engine, "hf_config", None)
         try:
@@ -56,7 +57,7 @@ class StepMeter:
             self.shape = None
         self.peak = None
         if runtime.device.type == "cuda":
-            self.peak = recipe.cluster.gpu_peak_tflops or sm.peak_tflops(
+            self.peak = recipe.cluster.gpu_peak_tflops or step_model.peak_tflops(
                 torch.cuda.get_device_name(runtime.device), recipe.model.dtype)
         self._data_s = 0.0
         self.rows: list[dict] = []
@@ -73,7 +74,7 @@ class StepMeter:
             params = sum(p.numel() for p in getattr(self.engine, "model").parameters()) if hasattr(
                 getattr(self.engine, "model", None), "parameters") else 0
             return 6.0 * params * tokens
-        return sm.model_flops_per_token(self.shape, tokens / rows) * tokens
+        return step_model.model_flops_per_token(self.shape, tokens / rows) * tokens
 
     def row(self, reduced: dict, elapsed: float) -> dict:
         """The step's throughput fields (`reduced`: the loop's sums over data parallel, with model_flops,
@@ -122,35 +123,21 @@ class StepMeter:
 
 
 def predict(recipe, cfg, world: int) -> dict:
-    """recipes.planning's prediction for this run's layout at the recipe's hardware settings (cluster.*,
-    else step_model.Hardware's defaults), with rows as long as data.seq_len or the data's manifest says;
-    {} when the model has no layer shapes."""
-    from recipes.planning.backbones import count_parameters
-    from recipes.planning.budget import Shape
-
+    """The plan of this run's layout on `world` ranks (its engine's, through the contract: the one
+    `recipes.validate` reports) at the recipe's hardware settings (cluster.*, else step_model.Hardware's
+    defaults), with rows as long as data.seq_len or the data's manifest says; {} when the model has no
+    layer shapes or the meta device cannot build it."""
     try:
-        shape = Shape.of(cfg)
-        total, largest = count_parameters(cfg, vision=recipe.model.vision)
+        Shape.of(cfg)
+        params = count_parameters(cfg, vision=recipe.model.vision)
     except Exception:  # noqa: BLE001  (a config without layer shapes, or one the meta device cannot build)
         return {}
-    hw = sm.hardware(recipe)
-    rows = sm.row_tokens(recipe)
-    e = 2 if recipe.model.dtype == "bfloat16" else 4
-    label = f"{sm.assumptions(hw, 'bfloat16' if e == 2 else 'float32')}; {rows.note}"
-    if recipe.train.engine == "megatron":
-        from recipes.planning.megatron_report import layout_of, recipe_plan
-        from recipes.planning.moe import MoEShape
-
-        lay, _ = layout_of(recipe)
-        # validate's plan (experts, biases, norms, overlaps, the head), at balanced routing
-        pl = recipe_plan(recipe, cfg, shape, lay, rows=rows, hw=hw, moe=MoEShape.of(cfg),
-                         thd=recipe.megatron.transformer_impl != "local" and torch.cuda.is_available())
-        return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.peak.total / GiB, "limit": "pipeline",
-                "padding_ratio": pl.padding_ratio, "hardware": label}
-    from recipes.planning import budget as B
-    from recipes.planning.deepspeed_report import recipe_layout
-
-    pl = B.deepspeed_plan(shape, total, largest, recipe_layout(recipe, shape, world), rows, hw)
+    hw = step_model.hardware(recipe)
+    rows = step_model.row_tokens(recipe)
+    label = f"{step_model.assumptions(hw, 'bfloat16' if recipe.model.dtype == 'bfloat16' else 'float32')}; {rows.note}"
+    # at balanced routing; Transformer Engine's packing where the run has GPUs
+    pl = engine_contract(recipe).plan(recipe, cfg, hardware=hw, rows=rows, world_size=world, params=params,
+                                      gpus=torch.cuda.is_available())
     return {"step_s": pl.step_s, "mfu": pl.mfu, "memory_gib": pl.total / GiB, "limit": pl.limit,
-            "padding_ratio": pl.padding_ratio, "net_bytes": pl.net_bytes, "nvlink_bytes": pl.nvl_bytes,
+            "padding_ratio": pl.padding_ratio, "net_bytes": pl.net_bytes, "nvlink_bytes": pl.nvlink_bytes,
             "hardware": label}

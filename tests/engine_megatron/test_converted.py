@@ -168,7 +168,7 @@ def test_what_cannot_start_is_refused_before_the_engine(converted, tmp_path):
     assert "transformer_engine needs CUDA and Transformer Engine" in problems(transformer_impl="transformer_engine")
     # recipes.validate reports the conversion too (and leaves TE to the machine the job runs on)
     from recipes.config import dump_recipe
-    from recipes.planning.validate import validate_recipe
+    from recipes.validation.validate import validate_recipe
 
     dump_recipe(dataclasses.replace(recipe, megatron=dataclasses.replace(
         recipe.megatron, load_converted=str(unfinished), transformer_impl="transformer_engine")), tmp_path / "r.yaml")

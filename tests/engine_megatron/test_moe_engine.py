@@ -329,7 +329,7 @@ def _tiny_recipe(tmp_path: Path, kind: str, **megatron) -> Path:
 def test_tp_without_sequence_parallelism_on_an_moe_model_is_refused(tmp_path, kind, capsys):
     from recipes.checks.preflight import RecipeCheckError, preflight
     from recipes.config import load_recipe
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     bad = _tiny_recipe(tmp_path, kind, tp_size=2, ep_size=2, sequence_parallel=False)
     assert V.main([str(bad), "--offline"]) == 2

@@ -155,16 +155,17 @@ def test_planner_counts_the_hf_models_parameters(tied):
     """The Megatron planner's parameters at TP 1 x PP 1 are the HF model's (its own count, from an
     empty-weight model) plus the padding rows of the vocabulary: the q / k norms included."""
     from recipes.planning.backbones import count_parameters
-    from recipes.planning.budget import Shape
-    from recipes.planning.megatron_budget import Layout, padded_vocab, stage_params
+    from recipes.planning.megatron_costs import padded_vocab, stage_params
+    from recipes.planning.placement import Placement
+    from recipes.planning.shape import Shape
 
     hf_config = _config(tie_word_embeddings=tied)
     shape = Shape.of(hf_config)
     assert shape.head_dim == 32
     total, _ = count_parameters(hf_config)
     padding = (padded_vocab(VOCAB, 1) - VOCAB) * 64 * (1 if tied else 2)
-    assert stage_params(shape, Layout(1, 1, 1, 1, False), 0, tied, qk_norm=True) == total + padding
-    two = Layout(2, 2, 1, 1, False)
+    assert stage_params(shape, Placement.of(1, 1, 1, 1, False), 0, tied, qk_norm=True) == total + padding
+    two = Placement.of(2, 2, 1, 1, False)
     held = sum(stage_params(shape, two, r, tied, qk_norm=True) for r in range(2))
     replicated = 2 * (2 * 64 + 2 * 32) + 64  # per layer: both norms, both q / k norms; the final norm
     copy = padded_vocab(VOCAB, 2) * 64 if tied else 0  # the last stage's copy of the tied embedding
@@ -176,7 +177,7 @@ def test_a_tp_that_does_not_divide_the_kv_heads_is_refused(tmp_path):
 
     from recipes.checks import preflight
     from recipes.config import load_recipe
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = tmp_path / "qwen3.yaml"
     path.write_text(yaml.safe_dump({

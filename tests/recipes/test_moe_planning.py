@@ -1,4 +1,4 @@
-"""The planner on mixture-of-experts models (recipes/planning/moe.py, megatron_budget with EP, recommend,
+"""The planner on mixture-of-experts models (recipes/planning/moe.py, megatron_costs with EP, recommend,
 validate): parameter counts against tiny HF models and the published totals, memory and all-to-all bytes
 against hand arithmetic, the recommended layouts of the scale recipes, and the layouts refused (exit 2)."""
 
@@ -8,10 +8,12 @@ import pytest
 import torch
 import yaml
 
-from recipes.planning import megatron_budget as M
-from recipes.planning import megatron_layout as ML
+from recipes.engines.megatron import plan as megatron_plan
+from recipes.engines.megatron.layout import shape_problems
+from recipes.planning import megatron_costs as M
+from recipes.planning import placement as ML
 from recipes.planning import moe as moe_math
-from recipes.planning.budget import Shape
+from recipes.planning.shape import Shape
 from recipes.planning.moe import MoEShape, parameter_counts
 
 SCALE = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale"
@@ -80,13 +82,13 @@ def test_the_megatron_planners_parameters_equal_the_hf_model(kind, extra):
     model = AutoModelForCausalLM.from_config(cfg)
     total = sum(p.numel() for p in model.parameters())
     biased = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if n.endswith("_proj.bias")}
-    tied, qkv_bias, qk_norm = M.model_flags(cfg)
+    tied, qkv_bias, qk_norm = megatron_plan.model_flags(cfg)
     assert qkv_bias == bool(biased) == (kind == "qwen2_moe" and extra.get("qkv_bias", True) or "attention_bias" in extra)
     assert moe_math.output_bias(cfg) == ("o_proj" in biased)
     assert parameter_counts(cfg).total == total
     if "attention_bias" not in extra:
         shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-        assert M.stage_params(shape, ML.Layout(1, 1, 1), 0, tied, qkv_bias, qk_norm, moe) == total
+        assert M.stage_params(shape, ML.Placement.of(1, 1, 1), 0, tied, qkv_bias, qk_norm, moe) == total
 
 
 def test_qkv_bias_of_configs_without_the_key():
@@ -125,8 +127,8 @@ def _tiny_plan(ep, dp=8, recompute=None):
                                   num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
                                   num_experts_per_tok=2))
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    lay = ML.Layout(1, 1, dp, gpus_per_node=8, ep=ep)
-    return shape, moe, M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
+    lay = ML.Placement.of(1, 1, dp, gpus_per_node=8, ep=ep)
+    return shape, moe, M.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
                               recompute=recompute, timed=False)
 
 
@@ -162,8 +164,8 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
     st = pl.stages[0]
     assert st.ep_inter == 0 and st.ep_intra == pytest.approx(4 * 4 * T * k * h * e * 3 / 4)  # 4 layers x 4
     # EP 8 over 2 nodes of 4 GPUs: 4 of the 7 peers are on the other node
-    lay = ML.Layout(1, 1, 8, gpus_per_node=4, ep=8)
-    plan = M.plan(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
+    lay = ML.Placement.of(1, 1, 8, gpus_per_node=4, ep=8)
+    plan = M.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
     sent = 4 * 4 * T * k * h * e * 7 / 8
     assert plan.stages[0].ep_inter == pytest.approx(sent * 4 / 7)
     assert plan.stages[0].ep_intra == pytest.approx(sent * 3 / 7)
@@ -174,22 +176,22 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
 def test_layout_problems_name_ep_and_tp():
     cfg = _config("qwen3_moe", TINY["qwen3_moe"])
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    problems = ML.layout_problems(shape, ML.Layout(1, 1, 8, ep=4), 1, moe)
+    problems = shape_problems(shape, ML.Placement.of(1, 1, 8, ep=4).dims, 1, moe)
     assert problems == ["megatron.ep_size: 4 does not divide the model's 6 experts"]
-    problems = ML.layout_problems(shape, ML.Layout(1, 1, 4, ep=3), 1, moe)
+    problems = shape_problems(shape, ML.Placement.of(1, 1, 4, ep=3).dims, 1, moe)
     assert problems and problems[0].startswith("megatron.ep_size: 3 does not divide the data-parallel size 4")
     assert any("megatron.tp_size: 16" in p and "experts' intermediate size" in p
-               for p in ML.layout_problems(shape, ML.Layout(16, 1, 1, gpus_per_node=16), 1, moe))
+               for p in shape_problems(shape, ML.Placement.of(16, 1, 1, gpus_per_node=16).dims, 1, moe))
     dense = _config("qwen3", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert ML.layout_problems(Shape.of(dense), ML.Layout(1, 1, 2, ep=2), 1, None) == [
+    assert shape_problems(Shape.of(dense), ML.Placement.of(1, 1, 2, ep=2).dims, 1, None) == [
         "megatron.ep_size: 2 > 1, but the model has no experts (a dense MLP)"]
 
 
 @pytest.mark.parametrize("name, gpus", [("qwen3-30b-a3b-4x8", 32), ("qwen3-30b-a3b-8x8", 64),
                                         ("mixtral-8x22b-8x8", 64), ("mixtral-8x22b-4x8", 32)])
 def test_scale_recipes_take_the_recommended_layout_with_ep_inside_a_node(name, gpus):
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     rep = V.validate_recipe(SCALE / f"{name}.yaml", offline=True, seq_len=1024)
     assert rep.ok, rep.render()
@@ -207,7 +209,7 @@ def test_scale_recipes_take_the_recommended_layout_with_ep_inside_a_node(name, g
 
 def test_mixtral_8x22b_does_not_fit_4x8_h100():
     """141B parameters x 18 bytes (bf16 weights, fp32 main grads, fp32 Adam) / 32 GPUs = 79 GB > 71.2 GiB."""
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     rep = V.validate_recipe(SCALE / "mixtral-8x22b-4x8.yaml", ["cluster.gpu=H100", "cluster.gpu_mem_gb=80"],
                             offline=True, seq_len=1024)
@@ -233,7 +235,7 @@ def _tiny_recipe(tmp_path, kind, ep=2, tp=1):
 def test_validate_refuses_layouts_the_model_cannot_take_with_exit_2(tmp_path, kind, bad, refusal, capsys):
     from recipes.checks import preflight
     from recipes.config import load_recipe
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _tiny_recipe(tmp_path, kind)
     assert V.validate_recipe(path, [], offline=True).ok
@@ -247,7 +249,7 @@ def test_validate_refuses_layouts_the_model_cannot_take_with_exit_2(tmp_path, ki
 
 
 def test_ep_not_dividing_the_data_parallel_size_is_refused(tmp_path):
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _tiny_recipe(tmp_path, "mixtral")  # 8 GPUs, TP 2 -> DP 4: EP 4 divides, EP 8 does not (nor 8 > 4 experts)
     assert V.validate_recipe(path, ["megatron.tp_size=2", "megatron.sequence_parallel=true", "megatron.ep_size=4"],
@@ -265,7 +267,7 @@ def test_ep_not_dividing_the_data_parallel_size_is_refused(tmp_path):
 def test_autotp_on_an_moe_model_is_refused_before_any_model_is_built(tmp_path, kind, capsys):
     from recipes.checks import preflight
     from recipes.config import load_recipe
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _tiny_recipe(tmp_path, kind, ep=1)
     on_deepspeed = ["train.engine=deepspeed", "deepspeed.zero_stage=2"]
@@ -285,9 +287,9 @@ def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
     `recipes.validate` reports for the same recipe: the experts' weights and states per EP rank, not a
     dense model of the active width (which it was before: Mixtral-8x22B's 8 experts counted as one)."""
     from recipes.config import load_recipe
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
     from recipes.planning.backbones import resolve_model_config
-    from recipes.planning.budget import GiB
+    from recipes.planning.step_model import GiB
     from recipes.training.throughput import predict
 
     # the local spec on both sides (a run on CPU predicts it; validate assumes GPUs' TE spec otherwise)
@@ -301,10 +303,8 @@ def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
     assert got["step_s"] == pytest.approx(rep.numbers["step_time_s"], rel=1e-12)
     assert got["mfu"] == pytest.approx(rep.numbers["mfu"], rel=1e-12)
     # and the experts are in it: the same plan without them holds less
-    from recipes.planning.megatron_report import layout_of, recipe_plan
     from recipes.planning import step_model as sm
-    from recipes.planning.budget import Shape
 
-    dense = recipe_plan(recipe, cfg, Shape.of(cfg), layout_of(recipe)[0], rows=sm.row_tokens(recipe),
-                        hw=sm.hardware(recipe), moe=None, thd=False)
+    dense = megatron_plan.plan(recipe, cfg, rows=sm.row_tokens(recipe), hardware=sm.hardware(recipe), moe=None,
+                               gpus=False)
     assert dense.peak.total / GiB < 0.9 * got["memory_gib"]

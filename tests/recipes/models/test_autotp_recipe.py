@@ -3,7 +3,7 @@ recipes.train hands DeepSpeed (recipes.engines.deepspeed.model.training_module) 
 tp_plan, and the numeric loss equals the single-process TP-1 loss, before and after one AdamW step,
 on 2 real gloo ranks (TP 2, data parallel 1) at ZeRO-2 (AutoTP's documented stage). At ZeRO-3 the
 rank without attention heads holds empty parameters that ZeRO-3 cannot partition (DeepSpeed 0.19.8
-fails at the first forward, seen here): recipes.planning.validate and recipes.engines.deepspeed.model refuse that layout first.
+fails at the first forward, seen here): recipes.validation.validate and recipes.engines.deepspeed.model refuse that layout first.
 
 Before the fix DeepSpeed received the NumericCausalLM wrapper, which has no `config`, `tp_plan` or
 `loss_function`: DeepSpeed 0.19.8 refuses a vocab-parallel head on it ("requires a writable
@@ -128,7 +128,7 @@ def test_kv_heads_fewer_than_tp_size_match_tp1(tmp_path):
 def test_zero3_with_fewer_kv_heads_than_tp_is_refused_before_launch(tmp_path):
     import yaml
 
-    from recipes.planning import validate
+    from recipes.validation import validate
     from recipes.engines.deepspeed.model import training_module
 
     model = {"model_type": "llama", "vocab_size": V, "hidden_size": 32, "intermediate_size": 64,

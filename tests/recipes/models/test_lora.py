@@ -155,7 +155,7 @@ def test_validate_counts_lora_memory_for_70b_on_one_node():
     + the adapter's weights, fp32 gradients and optimizer states / 8 (recipes.planning.lora)."""
     from pathlib import Path
 
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     r70 = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
     one_node = ["cluster.nodes=1", "train.micro_batch_size=1", "train.grad_accum=8"]

@@ -1,5 +1,5 @@
-"""recipes.planning.budget / deepspeed_report / step_model: the DeepSpeed engine's memory, traffic and step
-time in `python -m recipes.validate`, checked against DeepSpeed's own memory estimator at every shipped
+"""recipes.planning.deepspeed_costs / recipes.engines.deepspeed.plan / recipes.validation.deepspeed_report /
+step_model: the DeepSpeed engine's memory, traffic and step time in `python -m recipes.validate`, checked against DeepSpeed's own memory estimator at every shipped
 recipe and against figures worked out by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads
 of 128, 8 KV heads, V 128256). The traffic formulas are checked against bytes counted in a real gloo run
 in test_traffic_gloo.py.
@@ -18,9 +18,12 @@ import pytest
 
 from recipes.config import load_recipe
 from recipes.engines.deepspeed.config import deepspeed_config
-from recipes.planning import budget as B
+from recipes.engines.deepspeed import plan as deepspeed_plan
+from recipes.planning import deepspeed_costs as costs
 from recipes.planning import step_model as sm
-from recipes.planning import validate as V
+from recipes.planning.shape import Shape
+from recipes.validation import recommend
+from recipes.validation import validate as V
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 R70 = CONFIGS / "scale" / "llama3-70b-4x8.yaml"
@@ -28,7 +31,7 @@ TP8 = CONFIGS / "scale" / "llama3-70b-8x8-tp8.yaml"
 R8 = CONFIGS / "llama3-8b-gsm8k" / "smmd.yaml"
 L, H, I, KVD, VOCAB = 80, 8192, 28672, 8 * 128, 128256
 P70 = 70_553_706_496
-S70 = B.Shape(layers=L, hidden=H, intermediate=I, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)
+S70 = Shape(layers=L, hidden=H, intermediate=I, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)
 GiB = 2**30
 
 
@@ -54,11 +57,27 @@ def _deepspeed_gpu_recipes():
 
 @pytest.mark.parametrize("path", _deepspeed_gpu_recipes(), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_model_states_equal_deepspeeds_estimator_at_every_shipped_recipe(path):
-    """The plan's own model-state bytes (budget.zero_model_states) against DeepSpeed's estimator for the
+    """The plan's own model-state bytes (deepspeed_costs.zero_model_states) against DeepSpeed's estimator for the
     recipe's layout (validate prints the estimator's figure as `gpu_mem_bytes`)."""
     rep = V.validate_recipe(path, offline=True)
     assert rep.ok, rep.render()
     assert rep.numbers["model_states_bytes"] == pytest.approx(rep.numbers["gpu_mem_bytes"], rel=0.01)
+
+
+@pytest.mark.parametrize("stage, params", [(3, False), (3, True), (2, False), (1, False)])
+def test_offloaded_model_states_equal_deepspeeds_estimator(stage, params):
+    """Under offload the plan's model states leave what lives in host memory off the GPU, as DeepSpeed's
+    estimator does (its optimizer states and gradient partitions; ZeRO-3 its weight partition too)."""
+    rep = V.validate_recipe(R70, [f"deepspeed.zero_stage={stage}", "deepspeed.offload_optimizer=true",
+                                  f"deepspeed.offload_params={str(params).lower()}"], offline=True, seq_len=1024,
+                            recommend=False)
+    full = V.validate_recipe(R70, [f"deepspeed.zero_stage={stage}"], offline=True, seq_len=1024, recommend=False)
+    assert rep.numbers["model_states_bytes"] == pytest.approx(rep.numbers["gpu_mem_bytes"], rel=0.01)
+    # by hand, bf16 on 32 GPUs: ZeRO-3 keeps its weight partition (unless offloaded too) and the gathered
+    # module with its gradient; ZeRO 1-2 the bf16 weights
+    largest = rep.numbers["largest_layer_params"]
+    hand = {(3, False): P70 * 2 / 32 + 2 * 2 * largest, (3, True): 2 * 2 * largest}.get((stage, params), 2 * P70)
+    assert rep.numbers["model_states_bytes"] == int(hand) < full.numbers["model_states_bytes"]
 
 
 def test_70b_4x8_memory_with_the_hpz_copy_and_the_refusal_without_checkpointing(base, capsys):
@@ -116,7 +135,7 @@ def test_70b_4x8_traffic_and_time_by_hand(base):
                    for base, hop, net, share in protocols.values())
         assert v["time_s"] == pytest.approx(messages * call)
     comm = sum(v["time_s"] for v in c.values())
-    n_mm = L * B.layer_matmul_params(S70) + VOCAB * H
+    n_mm = L * sm.layer_matmul_params(S70) + VOCAB * H
     attn = 6 * 1024 * 64 * 128 * L
     tokens = 2 * 1024
     # checkpointing runs every layer's forward again; the chunked head does 4 GEMMs (it recomputes the logits)
@@ -154,16 +173,26 @@ def test_advice_only_lists_what_shortens_the_step():
                            mean_row_tokens=200)  # as reviewed
     assert any(t.startswith("deepspeed.tp_size=1") for t in tp.numbers["advice"])
     # every listed change is predicted faster or cheaper, and fits
-    lay = B.DSLayout(zero_stage=3, nodes=4, ranks_per_node=8, hpz=8, micro_batch_size=1, grad_accum=2,
-                     checkpointing=True, chunked=True, prefetch_bucket=H * I, reduce_bucket=H * H)
+    where = costs.placement(4, 8)
+    zero = costs.ZeroSettings(zero_stage=3, hpz=8, micro_batch_size=1, grad_accum=2, checkpointing=True,
+                              chunked=True, prefetch_bucket=H * I, reduce_bucket=H * H)
     rows, hw = sm.Rows(200, 1024, ""), sm.Hardware()
-    base = B.deepspeed_plan(S70, P70, VOCAB * H, lay, rows, hw)
-    tips = B.advice(S70, P70, VOCAB * H, lay, rows, hw)
+    base = costs.estimate(S70, P70, VOCAB * H, where, zero, rows, hw)
+    recipe = load_recipe(R70, REVIEWED)
+    tips = recommend.improvements(recipe, _llama70b(), base, hardware=hw, rows=rows, params=(P70, VOCAB * H))
     assert tips
-    for _, alt in tips:
-        assert alt.step_s < base.step_s or alt.step_s * alt.layout.world < base.step_s * lay.world
+    for tip in tips:
+        alt = tip.plan
+        assert alt.step_s < base.step_s or alt.step_s * alt.world < base.step_s * where.world
         # fewer, larger GPUs: an H200's usable part (139.8 GiB seen by torch, less 10 %), not its 141 GB
-        assert B.fits(alt, hw) or alt.total <= 0.9 * 139.8 * GiB
+        assert alt.fits(hw.mem_gib) or alt.total <= 0.9 * 139.8 * GiB
+
+
+def _llama70b():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                                num_attention_heads=64, num_key_value_heads=8)
 
 
 def test_reduce_dtype_bf16_halves_the_gradient_bytes():

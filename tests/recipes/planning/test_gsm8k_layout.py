@@ -17,7 +17,7 @@ import pytest
 
 from recipes.config import load_recipe
 from recipes.planning import step_model as sm
-from recipes.planning import validate as V
+from recipes.validation import validate as V
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 MEG70 = CONFIGS / "scale" / "llama3-70b-megatron-tp8pp4.yaml"

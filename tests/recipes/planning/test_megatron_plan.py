@@ -1,4 +1,5 @@
-"""recipes.planning.megatron_budget and megatron_layout: the Megatron engine's layout checks, memory,
+"""recipes.planning.megatron_costs and placement, recipes.engines.megatron.plan: the Megatron engine's layout
+checks, memory,
 bubble, traffic and step time in `python -m recipes.validate`, checked against numbers worked out by hand here for Llama-3-70B
 (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256 padded to 129024 at TP 8) and a tiny
 shape (the step model's terms against a coarser hand model: test_step_model.py). What no CPU test reaches: whether the estimates match a GPU's peak memory and a cluster's step time.
@@ -11,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from recipes.planning import gemm_rates as gr
-from recipes.planning import megatron_budget as M
-from recipes.planning import megatron_layout as ML
+from recipes.planning import megatron_costs as M
+from recipes.planning import placement as ML
 from recipes.planning import step_model as sm
-from recipes.planning import validate as V
-from recipes.planning.budget import GiB, Shape
+from recipes.planning.shape import Shape
+from recipes.planning.step_model import GiB
+from recipes.validation import validate as V
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 MEG70 = CONFIGS / "scale" / "llama3-70b-megatron-tp8pp4.yaml"
@@ -46,13 +48,13 @@ def test_model_states_against_the_formula(meg70):
     assert meg70.numbers["gpu_mem_bytes"] == stage0 * 18
     # TP 8 x PP 2 x DP 2, last stage: 40 layers + output layer + final norm, 6 + 12/2 bytes; 18 without the
     # distributed optimizer
-    lay = ML.Layout(tp=8, pp=2, dp=2, gpus_per_node=8)
+    lay = ML.Placement.of(tp=8, pp=2, dp=2, gpus_per_node=8)
     last = 40 * (LAYER70 // 8 + 2 * 8192) + 129024 * 8192 // 8 + 8192
     assert M.stage_params(S70, lay, 1, tied=False) == last
     assert M.model_state_bytes(last, 2, True) == last * 12
     assert M.model_state_bytes(last, 2, False) == last * 18
     # the stages add up to the model: TP shards x 8, minus the replicated norms' copies and the padding
-    lay4 = ML.Layout(tp=8, pp=4, dp=1)
+    lay4 = ML.Placement.of(tp=8, pp=4, dp=1)
     held = sum(M.stage_params(S70, lay4, r, tied=False) for r in range(4)) * 8
     assert held - 7 * (80 * 2 * 8192 + 8192) - 2 * (129024 - 128256) * 8192 == 70_553_706_496
 
@@ -72,10 +74,10 @@ def test_bubble_1f1b_and_interleaved():
 
 
 def test_in_flight_micro_batches():
-    lay = ML.Layout(tp=8, pp=4, dp=1)
+    lay = ML.Placement.of(tp=8, pp=4, dp=1)
     assert [M.layers_in_flight(lay, 80, 64, r) for r in range(4)] == [80, 60, 40, 20]  # min(p - r, m) x L/p
     assert M.layers_in_flight(lay, 80, 2, 0) == 40  # fewer micro-batches than stages
-    inter = ML.Layout(tp=8, pp=4, dp=1, vpp=2)
+    inter = ML.Placement.of(tp=8, pp=4, dp=1, vpp=2)
     assert M.layers_in_flight(inter, 80, 8, 0) == pytest.approx(80 * (1 + 3 / 8))  # L (1 + (p - 1)/(p v))
 
 
@@ -83,8 +85,8 @@ def test_tp_bytes_per_layer_small_shape():
     s = Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=4, head_dim=16, vocab=1000)
     u = 2 * 16 * 64 * 2  # [T, h] in bf16: 2 rows x 16 tokens
     for sp, per_layer, embedding, head in ((False, 8, 2, 2), (True, 10, 1, 3)):
-        lay = ML.Layout(tp=4, pp=1, dp=1, sp=sp, gpus_per_node=4)
-        pl = M.plan(s, lay, micro_batch_size=2, seq=16, grad_accum=3, tied=True)
+        lay = ML.Placement.of(tp=4, pp=1, dp=1, sp=sp, gpus_per_node=4)
+        pl = M.estimate(s, lay, micro_batch_size=2, seq=16, grad_accum=3, tied=True)
         # (2 layers x 8 [SP: 10] + embedding 2 [SP: a reduce-scatter, 1] + output layer 2 [SP: 3]) x U x 3/4,
         # x 3 micro-batches
         assert pl.stages[0].tp_bytes == pytest.approx(3 * (2 * per_layer + embedding + head) * u * 3 / 4)
@@ -96,28 +98,19 @@ def test_rank_order_is_megatrons():
     for tp, dp, pp in ((8, 1, 4), (2, 4, 2), (4, 2, 4), (1, 8, 1)):
         gen = core.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
         for kind in ("tp", "dp", "pp"):
-            assert ML.groups(ML.Layout(tp, pp, dp), kind) == sorted(gen.get_ranks(kind)), (tp, dp, pp, kind)
-
-
-def test_the_layout_names_are_still_importable_from_megatron_budget():
-    """megatron_layout was split out of megatron_budget; recipes.checks.model_checks and the engine's tests
-    import Layout and layout_problems from megatron_budget: the same objects."""
-    from recipes.planning.megatron_budget import ORDERS, Layout, groups, layout_problems, rank_of, span, split_ring
-
-    assert (Layout, groups, layout_problems, rank_of, span, split_ring, ORDERS) == (
-        ML.Layout, ML.groups, ML.layout_problems, ML.rank_of, ML.span, ML.split_ring, ML.ORDERS)
+            assert ML.groups(ML.Placement.of(tp, pp, dp), kind) == sorted(gen.get_ranks(kind)), (tp, dp, pp, kind)
 
 
 def test_where_rings_go():
-    lay = ML.Layout(tp=2, pp=1, dp=8, gpus_per_node=8)  # 2 nodes: DP ranks 2 apart, 4 on each node
+    lay = ML.Placement.of(tp=2, pp=1, dp=8, gpus_per_node=8)  # 2 nodes: DP ranks 2 apart, 4 on each node
     group = ML.groups(lay, "dp")[0]
     assert group == [0, 2, 4, 6, 8, 10, 12, 14]
     assert ML.split_ring(lay, group, 800.0) == (200.0, 600.0)  # a quarter over each GPU's NIC
-    one = ML.Layout(tp=2, pp=2, dp=2, gpus_per_node=8)
+    one = ML.Placement.of(tp=2, pp=2, dp=2, gpus_per_node=8)
     assert ML.split_ring(one, ML.groups(one, "dp")[0], 800.0) == (0.0, 800.0)
     # TP 8 x PP 4 on 4 nodes: each stage a node, p2p over the network; stage 1 sends 64 activations
     # [1024, 8192] / 8 (SP) forward and 64 gradients back
-    pl = M.plan(S70, ML.Layout(tp=8, pp=4, dp=1, sp=True), micro_batch_size=1, seq=1024, grad_accum=64, tied=False)
+    pl = M.estimate(S70, ML.Placement.of(tp=8, pp=4, dp=1, sp=True), micro_batch_size=1, seq=1024, grad_accum=64, tied=False)
     assert pl.stages[1].pp_inter == 2 * 64 * 1024 * 8192 * 2 / 8 and pl.stages[1].pp_intra == 0
     assert pl.stages[3].pp_inter == 64 * 1024 * 8192 * 2 / 8  # the last stage sends gradients only
 
@@ -142,7 +135,7 @@ def test_step_time_by_hand(meg70):
     assert meg70.numbers["step_time_s"] == pytest.approx(step)
     flops = (6 * (80 * LAYER70 + 128256 * 8192) + 6 * 1024 * 64 * 128 * 80) * 64 * 1024
     assert meg70.numbers["mfu"] == pytest.approx(flops / (step * 32 * 989e12))
-    # DeepSpeed's column: max(compute, communication) (recipes.planning.budget)
+    # DeepSpeed's column: max(compute, communication) (recipes.planning.deepspeed_costs)
     ds = V.validate_recipe(CONFIGS / "scale" / "llama3-70b-4x8.yaml", offline=True, seq_len=1024)
     n = ds.numbers
     assert n["step_time_s"] == pytest.approx(max(n["t_compute_s"], n["t_comm_s"]))
@@ -185,8 +178,8 @@ def test_shipped_8b_layout_is_the_fastest_that_fits():
     times = {}
     for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (8, 1), (4, 2)):
         dp = 8 // (tp * pp)
-        lay = ML.Layout(tp, pp, dp, sp=tp > 1)
-        pl = M.plan(S8, lay, micro_batch_size=2, seq=1024, grad_accum=64 // (2 * dp), tied=False)
+        lay = ML.Placement.of(tp, pp, dp, sp=tp > 1)
+        pl = M.estimate(S8, lay, micro_batch_size=2, seq=1024, grad_accum=64 // (2 * dp), tied=False)
         if pl.peak.total < 80 * GiB:
             times[(tp, pp)] = pl.step_s
     assert min(times, key=times.get) == (1, 1)

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from recipes.planning import megatron_budget as M
-from recipes.planning import megatron_layout as ML
+from recipes.planning import megatron_costs as M
+from recipes.planning import placement as ML
 from recipes.planning import moe as moe_math
-from recipes.planning.budget import Shape
+from recipes.planning.shape import Shape
 from recipes.planning.moe import MoEShape
 
 H, I, LAYERS, E, K = 256, 512, 4, 8, 2  # a tiny Mixtral
@@ -32,8 +32,8 @@ def _plan(imbalance=None, ep=4, recompute=None, timed=True):
     shape, moe = _model()
     if imbalance is not None:
         moe = replace(moe, imbalance=imbalance)
-    lay = ML.Layout(1, 1, 8, gpus_per_node=4, ep=ep)  # EP 4 inside a node of 4 GPUs
-    return M.plan(shape, lay, micro_batch_size=MBS, grad_accum=ACCUM, tied=False, seq=SEQ, moe=moe, recompute=recompute,
+    lay = ML.Placement.of(1, 1, 8, gpus_per_node=4, ep=ep)  # EP 4 inside a node of 4 GPUs
+    return M.estimate(shape, lay, micro_batch_size=MBS, grad_accum=ACCUM, tied=False, seq=SEQ, moe=moe, recompute=recompute,
                   timed=timed)
 
 
@@ -132,7 +132,7 @@ def _recipe(tmp_path, kind="mixtral"):
 
 
 def test_validate_plans_and_shows_the_imbalance(tmp_path, capsys):
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _recipe(tmp_path)
     one = V.validate_recipe(path, offline=True, seq_len=256)
@@ -150,7 +150,7 @@ def test_validate_plans_and_shows_the_imbalance(tmp_path, capsys):
 
 
 def test_validate_refuses_an_imbalance_below_1_with_exit_2(tmp_path, capsys):
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _recipe(tmp_path)
     rep = V.validate_recipe(path, offline=True, moe_imbalance=0.5)
@@ -164,7 +164,7 @@ def test_validate_refuses_an_imbalance_below_1_with_exit_2(tmp_path, capsys):
 
 
 def test_a_dense_model_ignores_the_imbalance_with_a_warning(tmp_path):
-    from recipes.planning import validate as V
+    from recipes.validation import validate as V
 
     path = _recipe(tmp_path, "llama")
     rep = V.validate_recipe(path, ["megatron.ep_size=1"], offline=True, seq_len=256, moe_imbalance=2.0)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.planning import validate as V
+from recipes.validation import validate as V
 from recipes.planning.backbones import count_parameters
 from recipes.config import load_recipe
 

@@ -22,7 +22,7 @@ import pytest
 from recipes.planning import gemm_rates as gr
 from recipes.planning import padding as P
 from recipes.planning import step_model as sm
-from recipes.planning import validate as V
+from recipes.validation import validate as V
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 MEASURED = {200: 161e12, 1024: 317e12, 4096: 367e12}  # FLOP/s in kernels, H200, TP-8 70B slice (2026-12)
@@ -216,19 +216,20 @@ def test_expected_padding_by_hand():
 def test_mfu_is_derived_from_the_predicted_time():
     """MFU = model FLOPs of the real tokens / (predicted step x GPUs x peak), padding not counted; with a
     faster GEMM table it passes the 40.4 % the old fixed rate capped it at."""
-    from recipes.planning import budget as B
+    from recipes.planning import deepspeed_costs as costs
+    from recipes.planning.shape import Shape
 
-    s = B.Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)
-    lay = B.DSLayout(zero_stage=3, nodes=4, ranks_per_node=8, hpz=8, micro_batch_size=4, grad_accum=1,
-                     chunked=True, prefetch_bucket=H70 * I70, reduce_bucket=H70 * H70)
+    s = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)
+    zero = costs.ZeroSettings(zero_stage=3, hpz=8, micro_batch_size=4, grad_accum=1, chunked=True,
+                              prefetch_bucket=H70 * I70, reduce_bucket=H70 * H70)
     rows = sm.Rows(200, 300, "", np.array([100, 300]), bucketing=False, pad_multiple=1)
-    pl = B.deepspeed_plan(s, P70, H70 * VOCAB, lay, rows, sm.Hardware(gpu="H200"))
+    pl = costs.estimate(s, P70, H70 * VOCAB, costs.placement(4, 8), zero, rows, sm.Hardware(gpu="H200"))
     # 128 rows: 6 N per real token, causal attention 6 a d L per token per row length (E[L^2] = 50,000)
     real = 128 * (6 * (L70 * LAYER70 + VOCAB * H70) * 200 + 6 * 64 * D * L70 * (100 ** 2 + 300 ** 2) / 2)
     assert pl.mfu == pytest.approx(real / (pl.step_s * 32 * 989e12))
     assert pl.padding_ratio == pytest.approx(4 * 300 * (15 / 16) / 800 + 4 * 100 / 16 / 800)  # longest of 4 rows
     # one node, 4096-token rows, GEMMs at 900 TFLOP/s at the largest shapes: compute-bound, MFU past 40.4 %
-    one = replace(lay, nodes=1, hpz=1, micro_batch_size=2)
-    fast = B.deepspeed_plan(s, P70, H70 * VOCAB, one, sm.Rows(4096, 4096, "", np.array([4096])),
-                            sm.Hardware(gpu="H200", gpu_tflops=900))
+    one = replace(zero, hpz=1, micro_batch_size=2)
+    fast = costs.estimate(s, P70, H70 * VOCAB, costs.placement(1, 8), one, sm.Rows(4096, 4096, "", np.array([4096])),
+                          sm.Hardware(gpu="H200", gpu_tflops=900))
     assert fast.limit == "compute" and 0.6 < fast.mfu < 900 / 989

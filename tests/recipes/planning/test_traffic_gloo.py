@@ -1,4 +1,4 @@
-"""The DeepSpeed plan's traffic (recipes.planning.budget.zero_collectives) against the bytes a real ZeRO-3
+"""The DeepSpeed plan's traffic (recipes.planning.deepspeed_costs.zero_collectives) against the bytes a real ZeRO-3
 run moves: DeepSpeed 0.19.8 on gloo ranks, a tiny Llama, the torch.distributed collectives wrapped to
 count each call's payload by collective and group size over the second optimizer step.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.planning import budget as B
+from recipes.planning import deepspeed_costs as costs
 from tests.distributed import run_ranks
 
 OPS = {"all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
@@ -101,7 +101,7 @@ def test_hpz_gathers_once_per_step_across_nodes_and_reduce_scatters_every_micro_
     """4 ranks as 2 "nodes" of 2, hpZ 2, 2 micro-batches per step, fp32: the plan says one gather over all 4
     ranks per step, 2G - 1 = 3 inside the node, and G = 2 reduce-scatters over all 4."""
     params, counts = _counted(tmp_path, world=4, hpz=2, accum=2)
-    plan = {c.name: c for c in B.zero_collectives(params, zero_stage=3, tp=1, dp=4, ranks_per_node=2, hpz=2,
+    plan = {c.name: c for c in costs.zero_collectives(params, zero_stage=3, tp=1, dp=4, ranks_per_node=2, hpz=2,
                                                    grad_accum=2, e=4, reduce_bytes=4)}
     assert plan["parameter all-gather (the step's first forward)"].ring == pytest.approx(
         _ring(counts["all_gather/4"], 4), rel=0.01)
@@ -117,7 +117,7 @@ def test_hpz_gathers_once_per_step_across_nodes_and_reduce_scatters_every_micro_
 def test_without_hpz_every_micro_batch_gathers_twice_and_bf16_reduction_halves_the_gradient(tmp_path):
     """2 ranks, no hpZ, 2 micro-batches, bf16 weights and communication_data_type bf16."""
     params, counts = _counted(tmp_path, world=2, hpz=1, accum=2, bf16=True)
-    plan = {c.name: c for c in B.zero_collectives(params, zero_stage=3, tp=1, dp=2, ranks_per_node=2, hpz=1,
+    plan = {c.name: c for c in costs.zero_collectives(params, zero_stage=3, tp=1, dp=2, ranks_per_node=2, hpz=1,
                                                    grad_accum=2, e=2, reduce_bytes=2)}
     assert plan["parameter all-gathers (forward and backward)"].calls == 4
     assert plan["parameter all-gathers (forward and backward)"].ring == pytest.approx(

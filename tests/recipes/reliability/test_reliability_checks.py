@@ -20,7 +20,7 @@ import pytest
 
 from recipes.config import load_recipe
 from recipes.checks import preflight as checks
-from recipes.planning import validate as V
+from recipes.validation import validate as V
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO = REPO / "recipes" / "configs" / "demo.yaml"

@@ -126,7 +126,7 @@ def test_ntil_on_packed_data_is_accepted(packed_and_unpacked):
     refused."""
     from pathlib import Path
 
-    from recipes.planning.validate import validate_recipe
+    from recipes.validation.validate import validate_recipe
 
     packed_dir = packed_and_unpacked[3]
     demo = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "demo.yaml"

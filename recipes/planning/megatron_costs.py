@@ -1,21 +1,24 @@
 """What a Megatron-core layout (`train.engine: megatron`, tensor x pipeline x data parallel) costs per GPU:
 memory by pipeline stage, the pipeline bubble, the bytes each GPU moves per step inside and across nodes,
-and a step time and MFU. Called by `recipes.planning.validate` for Megatron recipes; every number is an
-estimate from the model's shape, with its formula here (nothing here has been measured on a GPU).
+and a step time and MFU. `estimate` returns the `recipes.planning.Plan` (its `stages`, one per pipeline
+stage); the Megatron engine's plan (recipes.engines.megatron.plan) reads a recipe's settings into it. Every
+number is an estimate from the model's shape, with its formula here (nothing here has been measured on a
+GPU).
 
-Notation (as recipes.planning.budget): L layers, h hidden, I intermediate, a heads of size d, k KV heads,
+Notation (as recipes.planning.shape): L layers, h hidden, I intermediate, a heads of size d, k KV heads,
 V vocabulary (Megatron pads it to a multiple of 128 t), t = megatron.tp_size, p = pp_size, v =
 virtual_pp_size (1 without interleaving), D = world / (t p) data-parallel ranks, m = train.grad_accum
 micro-batches per step per DP rank, T = micro_batch_size x s tokens per micro-batch (s: sequence length),
 e = 2 bytes (bf16) per activation and weight, P_r the parameters one GPU of stage r holds.
 
-Mixture-of-experts models (`moe`, `Layout.ep`): the experts' parameters, states over the expert-data-
+Mixture-of-experts models (`moe`, `Placement.ep`): the experts' parameters, states over the expert-data-
 parallel group D / ep, activations, all-to-alls and GEMMs are recipes.planning.moe's (its docstring),
 on the busiest GPU of the EP group under a routing imbalance (`MoEShape.imbalance`): its experts'
 activations (Stage.expert_activations, in the activations and the buffers' one layer), all-to-alls and
 expert GEMMs.
 
-Layout, rank order, groups and the layouts refused: recipes.planning.megatron_layout (re-exported here).
+Rank order, groups and where they sit: recipes.planning.placement; the layouts Megatron refuses or this
+estimate does not cover: recipes.engines.megatron.plan.layout_problems.
 
 Memory per GPU, stage r:
 - Model states: P_r = L/p layers' TP shards + the word embedding (V h / t) on the first stage + the output
@@ -23,19 +26,17 @@ Memory per GPU, stage r:
   the distributed optimizer: 2 (bf16 weights) + 4 (fp32 main grads: the engine builds its DDP with
   grad_reduce_in_fp32=True) + 12 / D (fp32 master weights and Adam's two moments, sharded over DP)
   = 6 + 12/D; without it 18. Averaged over stages P_r = P / (t p).
-- Activations one layer keeps per micro-batch, per token (Transformer Engine spec on GPUs: RMSNorm fused
-  into the QKV and fc1 linears; fused attention, O(s) memory; no dropout): e x 4h for the two norms'
-  inputs and outputs (/t with sequence parallelism, which keeps them sequence-sharded and gathers again in
-  backward), e x (2ad + 2kd)/t for q, k, v after RoPE and the attention output, e x 4I/t for SwiGLU as the
-  engine builds it (bias_activation_fusion off: fc1's gate and up, silu(gate), their product; a fused
-  SwiGLU keeps 3I), 4a/t bytes of fp32 softmax statistics. recompute selective (Megatron's default
-  recompute_modules ["core_attn"]): the statistics are not kept (under fused attention that is all it
-  saves, for a second attention forward). recompute full (the engine: uniform, one layer per checkpoint):
-  a layer keeps its input only, e h per token (/t under SP), and one layer is rebuilt at a time.
+- Activations one layer keeps per micro-batch (Transformer Engine spec on GPUs: RMSNorm fused into the
+  QKV and fc1 linears, their inputs and outputs sequence-sharded under SP and gathered again in backward;
+  fused attention, O(s) memory; no dropout): recipes.planning.memory.layer_activation_bytes. recompute
+  selective (Megatron's default recompute_modules ["core_attn"]): the softmax statistics are not kept
+  (under fused attention that is all it saves, for a second attention forward). recompute full (the
+  engine: uniform, one layer per checkpoint): a layer keeps its input only, and one layer is rebuilt at a
+  time.
 - In flight on stage r under 1F1B: min(p - r, m) micro-batches of its L/p layers; interleaved (v chunks of
   L/(p v) layers): min(2 (p - r - 1) + (v - 1) p + 1, m v) chunk micro-batches (Megatron's warm-up count
   + 1; microbatch_group_size_per_vp_stage = p), L (1 + (p - 1)/(p v)) layers' worth on the first stage.
-- The last stage adds the final norm (2 e h per token, /t under SP) and the head (budget.head_bytes with
+- The last stage adds the final norm (2 e h per token, /t under SP) and the head (memory.head_bytes with
   V/t: the output layer all-gathers the sequence under SP, so its logits are [T, V/t]).
 - Buffers: one layer's activations for the gradients in flight in a layer's backward, two p2p tensors
   [T, h] (/t under SP), the SP all-gather buffer [T, h] and FIXED_BUFFER_GIB (CUDA context, NCCL, cuBLAS
@@ -90,14 +91,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from recipes.planning import gemm_rates
 from recipes.planning import moe as moe_math
-from recipes.planning import step_model as sm
-from recipes.planning.budget import GiB, Shape, head_bytes
-from recipes.planning.megatron_layout import Layout, groups, rank_of, span
-# the layout's other names, still importable from here (recipes.checks.model_checks imports layout_problems)
-from recipes.planning.megatron_layout import ORDERS, layout_problems, split_ring  # noqa: F401
+from recipes.planning import step_model
+from recipes.planning.memory import head_bytes, layer_activation_bytes
 from recipes.planning.moe import MoEShape
-from recipes.planning.step_model import FIXED_BUFFER_GIB, Collective, Hardware, layer_matmul_params
+from recipes.planning.placement import Placement, groups, rank_of, span, where
+from recipes.planning.plan import Plan, Stage
+from recipes.planning.shape import Shape
+from recipes.planning.step_model import FIXED_BUFFER_GIB, GiB, Collective, Hardware, layer_matmul_params
+
+ENGINE = "megatron"
 
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by (the engine's padding)
 GRAD_BYTES = 4  # fp32 main grads, reduced in fp32 (the engine's grad_reduce_in_fp32=True)
@@ -111,17 +115,7 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // (VOCAB_DIVISOR * tp)) * VOCAB_DIVISOR * tp
 
 
-def model_flags(config) -> tuple[bool, bool, bool]:
-    """(tied, qkv_bias, qk_norm) of stage_params and plan, from the model's config: tied embeddings,
-    biases on q / k / v (recipes.planning.moe.qkv_bias: qwen2, qwen2_moe), Qwen3's per-head q / k norms
-    (as the engine's conversion reads them)."""
-    from recipes.engines.megatron.convert import qk_norm
-
-    c = getattr(config, "text_config", None) or config
-    return bool(getattr(c, "tie_word_embeddings", False)), moe_math.qkv_bias(c), qk_norm(c)
-
-
-def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False,
+def stage_params(s: Shape, lay: Placement, stage: int, tied: bool, qkv_bias: bool = False, qk_norm: bool = False,
                  moe: MoEShape | None = None) -> float:
     """Parameters one GPU of pipeline stage `stage` holds (its TP shard; norms are replicated over TP,
     Qwen3's per-head q / k norms too: `qk_norm`); with `moe`, its E / ep experts' 1/tp slices and the
@@ -144,7 +138,7 @@ def stage_params(s: Shape, lay: Layout, stage: int, tied: bool, qkv_bias: bool =
     return n
 
 
-def stage_expert_params(s: Shape, lay: Layout, moe: MoEShape | None) -> float:
+def stage_expert_params(s: Shape, lay: Placement, moe: MoEShape | None) -> float:
     """The routed experts' parameters one GPU of a stage holds: its MoE layers' E / ep experts, 1/tp each."""
     if moe is None:
         return 0.0
@@ -156,19 +150,7 @@ def model_state_bytes(params: float, dp: int, distributed_optimizer: bool) -> fl
     return params * (2 + GRAD_BYTES + (12 / dp if distributed_optimizer else 12))
 
 
-def layer_activation_bytes(s: Shape, tokens: int, tp: int, sp: bool, recompute: str | None, e: int = 2) -> float:
-    """Bytes one layer keeps for its backward per micro-batch of `tokens` (module docstring)."""
-    seq_split = tp if sp else 1
-    if recompute == "full":
-        return e * s.hidden * tokens / seq_split
-    kept = e * 4 * s.hidden * tokens / seq_split
-    kept += e * (2 * s.heads * s.head_dim + 2 * s.kv_heads * s.head_dim + 4 * s.intermediate) * tokens / tp
-    if recompute != "selective":
-        kept += 4 * s.heads * tokens / tp  # fp32 softmax statistics of the fused attention
-    return kept
-
-
-def layers_in_flight(lay: Layout, layers: int, micro_batches: int, stage: int) -> float:
+def layers_in_flight(lay: Placement, layers: int, micro_batches: int, stage: int) -> float:
     """Layer x micro-batch activations stage `stage` holds at its peak under (interleaved) 1F1B."""
     if lay.pp == 1:
         return layers
@@ -187,65 +169,7 @@ def bubble(pp: int, micro_batches: int, vpp: int = 1) -> float:
 # ---- the plan -------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Stage:
-    index: int
-    params: float
-    memory: dict = field(default_factory=dict)  # part -> bytes
-    tp_bytes: float = 0.0  # per step, NVLink
-    pp_inter: float = 0.0  # per step
-    pp_intra: float = 0.0
-    dp_inter: float = 0.0
-    dp_intra: float = 0.0
-    flops_mb: float = 0.0  # per micro-batch, recompute included
-    t_compute: float = 0.0  # seconds per micro-batch
-    t_tp: float = 0.0
-    t_p2p: float = 0.0
-    t_dp_exposed: float = 0.0
-    expert_params: float = 0.0  # of `params`: the routed experts' (model states sharded over edp)
-    ep_inter: float = 0.0  # per step, EP all-to-alls: the busiest EP rank's heavier side (recipes.planning.moe)
-    ep_intra: float = 0.0
-    t_ep: float = 0.0  # seconds per micro-batch
-    expert_activations: float = 0.0  # of `memory`: on the tokens the busiest EP rank's experts receive
-
-    @property
-    def total(self) -> float:
-        return sum(self.memory.values())
-
-    @property
-    def t_mb(self) -> float:
-        return self.t_compute + self.t_tp + self.t_p2p + self.t_ep
-
-
-@dataclass
-class Plan:
-    layout: Layout
-    stages: list[Stage]
-    bubble: float
-    step_s: float
-    model_flops: float  # per step, all GPUs
-    mfu: float
-    tokens: float  # real tokens per step, all GPUs
-    dp_ring: str  # where the DP group sits
-    pp_ring: str
-    parts: dict = field(default_factory=dict)  # seconds per step by term: what the step time is made of
-    padding_ratio: float = 1.0  # tokens run / real tokens
-    rate: float = 0.0  # TFLOP/s of the typical micro-batch's GEMMs
-
-    @property
-    def peak(self) -> Stage:
-        return max(self.stages, key=lambda st: st.total)
-
-
-def _where(lay: Layout, kind: str) -> str:
-    size = {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp}[kind]
-    if size == 1:
-        return "of size 1"
-    nodes, g = span(lay, groups(lay, kind)[0])
-    return "inside a node" if nodes == 1 else f"across {nodes} nodes, {g} rank(s) per node"
-
-
-def tp_collectives(s: Shape, lay: Layout, stage: int, tokens: float, e: int, recompute: str | None
+def tp_collectives(s: Shape, lay: Placement, stage: int, tokens: float, e: int, recompute: str | None
                    ) -> list[Collective]:
     """One micro-batch's TP collectives on a GPU of `stage`, inside its node (module docstring): 4
     all-reduces per layer, or with SP 10 all-gathers / reduce-scatters of the [T, h] activations; the
@@ -260,14 +184,14 @@ def tp_collectives(s: Shape, lay: Layout, stage: int, tokens: float, e: int, rec
     first, last = stage == 0, stage == p - 1
     if lay.sp:
         n = s.layers // p * (10 + again) + first + 3 * last
-        return [Collective("TP all-gathers / reduce-scatters (SP)", n * sm.ring_bytes("all_gather", u, t), 1, t, n,
+        return [Collective("TP all-gathers / reduce-scatters (SP)", n * step_model.ring_bytes("all_gather", u, t), 1, t, n,
                            "all_gather", t)]
     n = s.layers // p * (4 + again) + first + last
-    return [Collective("TP all-reduces", n * sm.ring_bytes("all_reduce", u, t), 1, t, n, "all_reduce", t)]
+    return [Collective("TP all-reduces", n * step_model.ring_bytes("all_reduce", u, t), 1, t, n, "all_reduce", t)]
 
 
-def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied: bool, seq: int | None = None,
-         rows: sm.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
+def estimate(s: Shape, lay: Placement, *, micro_batch_size: int, grad_accum: int, tied: bool, seq: int | None = None,
+         rows: step_model.Rows | None = None, recompute: str | None = None, distributed_optimizer: bool = True,
          overlap_grad_reduce: bool = True, overlap_param_gather: bool = True, chunked_head: bool = False,
          chunk_size: int = 1024, qkv_bias: bool = False, qk_norm: bool = False, hw: Hardware | None = None, e: int = 2,
          timed: bool = True, thd: bool = True, moe: MoEShape | None = None) -> Plan:
@@ -279,7 +203,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     `lay.ep` (recipes.planning.moe: their model states over the expert-data-parallel group, the MoE
     layers' activations, the all-to-alls, the experts' GEMMs)."""
     t, p, v, m = lay.tp, lay.pp, lay.vpp, grad_accum
-    rows = rows or sm.Rows(seq, seq, f"{seq} tokens per row", np.array([seq]))
+    rows = rows or step_model.Rows(seq, seq, f"{seq} tokens per row", np.array([seq]))
     hw = hw or Hardware(gpus_per_node=lay.gpus_per_node, nics_per_node=lay.gpus_per_node)
     seq, b = rows.peak, micro_batch_size
     T = b * seq
@@ -293,7 +217,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     U, U_run = T * s.hidden * e, T_run * s.hidden * e
     vp = padded_vocab(s.vocab, t) * s.hidden / t
     head_shape = Shape(s.layers, s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, padded_vocab(s.vocab, t))
-    full_layer = layer_activation_bytes(s, T, t, lay.sp, None, e)
+    full_layer = layer_activation_bytes(s, T, t, e, sp=lay.sp)
     stages = []
     dp_colls: list[list[Collective]] = []
     moe_extra = routed = 0.0  # routed: a layer's activations on the tokens the experts receive (busiest EP rank)
@@ -311,9 +235,9 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
             mem["expert states"] = model_state_bytes(st.expert_params, lay.edp, distributed_optimizer)
         held = layers_in_flight(lay, s.layers, m, r)
         if recompute == "full":
-            mem["activations"] = held * layer_activation_bytes(s, T, t, lay.sp, "full", e) + full_layer
+            mem["activations"] = held * layer_activation_bytes(s, T, t, e, sp=lay.sp, recompute="full") + full_layer
         else:
-            mem["activations"] = held * (layer_activation_bytes(s, T, t, lay.sp, recompute, e) + moe_extra)
+            mem["activations"] = held * (layer_activation_bytes(s, T, t, e, sp=lay.sp, recompute=recompute) + moe_extra)
         st.expert_activations = ((1 if recompute == "full" else held) + 1) * routed  # + the buffers' one layer
         if r == p - 1:
             mem["head"] = 2 * e * s.hidden * T / seq_split + head_bytes(head_shape, T, t, e, chunked_head, chunk_size)
@@ -333,10 +257,10 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
                 continue
             buckets = max(1, -(-int(n_params) // DDP_BUCKET))
             kind = "reduce_scatter" if distributed_optimizer else "all_reduce"
-            colls.append(Collective(f"{what} gradient {kind.replace('_', '-')}", sm.ring_bytes(kind, n_params * GRAD_BYTES, n),
+            colls.append(Collective(f"{what} gradient {kind.replace('_', '-')}", step_model.ring_bytes(kind, n_params * GRAD_BYTES, n),
                                     nodes, per_node, 1, kind, n, buckets))
             if distributed_optimizer:
-                colls.append(Collective(f"{what} parameter all-gather", sm.ring_bytes("all_gather", n_params * e, n), nodes,
+                colls.append(Collective(f"{what} parameter all-gather", step_model.ring_bytes("all_gather", n_params * e, n), nodes,
                                         per_node, 1, "all_gather", n, buckets))
         if tied and p > 1 and r in (0, p - 1):
             other = rank_of(lay, 0, 0, p - 1 - r) // lay.gpus_per_node != rank_of(lay, 0, 0, r) // lay.gpus_per_node
@@ -345,18 +269,23 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
         dp_colls.append(colls)
         stages.append(st)
 
+    pl = Plan(ENGINE, lay, stages=stages, bubble=bubble(p, m, v), tokens=dealt.real_tokens,
+              padding_ratio=dealt.padding_ratio, dp_ring=where(lay, "dp"), pp_ring=where(lay, "pp"))
+    pl.memory = pl.peak.memory
+    busiest = max(stages, key=lambda st: st.pp_inter + st.dp_inter)  # the network's: EP is its own line
+    pl.net_bytes = busiest.pp_inter + busiest.dp_inter
+    pl.nvlink_bytes = busiest.tp_bytes + busiest.pp_intra + busiest.dp_intra
     if not timed:
-        return Plan(lay, stages, bubble(p, m, v), float("inf"), 0.0, 0.0, dealt.real_tokens, _where(lay, "dp"),
-                    _where(lay, "pp"), {}, dealt.padding_ratio)
+        return pl
 
     def stage_cost(r: int, tokens: int) -> tuple[dict, float, float]:
-        c = sm.micro_batch_compute(head_shape, rows=b, length=tokens / b, tp=t, layers=s.layers / p, hw=hw,
+        c = step_model.micro_batch_compute(head_shape, rows=b, length=tokens / b, tp=t, layers=s.layers / p, hw=hw,
                                    engine="megatron", dtype=dtype, recompute=recompute, head=r == p - 1,
                                    head_gemms=4 if chunked_head else 3, mlp=moe is None)
         experts_s = experts_f = a2a = 0.0
         if moe is not None:  # the MLPs' GEMMs, the MoE layers' launches and all-to-alls (recipes.planning.moe)
             experts_s, experts_f = moe_math.expert_compute(hw.rates(dtype), moe, s.hidden, tokens, t, lay.ep, recompute)
-            experts_s = (experts_s + moe.sparse_fraction * moe_math.MOE_KERNELS_PER_LAYER * sm.gr.KERNEL_OVERHEAD_S
+            experts_s = (experts_s + moe.sparse_fraction * moe_math.MOE_KERNELS_PER_LAYER * gemm_rates.KERNEL_OVERHEAD_S
                          ) * s.layers / p
             a2a = sum(x.time(hw) for x in _a2a_collectives(s, lay, moe, tokens, e, recompute))
         msg = tokens * s.hidden * e / seq_split
@@ -379,7 +308,7 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
     def slowest_stage(tokens: int):
         return max((stage_cost(r, tokens) for r in roles), key=lambda x: sum(x[0].values()))
 
-    work = sm.price(dealt, slowest_stage)  # the replicas meet at the step's DP reduction
+    work = step_model.price(dealt, slowest_stage)  # the replicas meet at the step's DP reduction
     typical = dealt.typical.median
     for st in stages:
         parts, st.flops_mb, _ = stage_cost(st.index, typical)
@@ -403,12 +332,14 @@ def plan(s: Shape, lay: Layout, *, micro_batch_size: int, grad_accum: int, tied:
         parts["pipeline bubble"] = idle
     if exposed:
         parts["DP exposed"] = exposed
-    flops = sm.model_flops(s, dealt.real_tokens, dealt.real_square_tokens)
-    return Plan(lay, stages, bubble(p, m, v), step, flops, sm.mfu(flops, step, lay.world, hw), dealt.real_tokens,
-                _where(lay, "dp"), _where(lay, "pp"), parts, dealt.padding_ratio, work.rate)
+    pl.model_flops = step_model.model_flops(s, dealt.real_tokens, dealt.real_square_tokens)
+    pl.step_s, pl.mfu, pl.parts, pl.rate = step, step_model.mfu(pl.model_flops, step, lay.world, hw), parts, work.rate
+    pl.flops = stages[0].flops_mb * m
+    pl.limit = max(parts, key=parts.get)  # the largest term of the step
+    return pl
 
 
-def _p2p_bytes(lay: Layout, r: int, msg: float) -> tuple[float, float]:
+def _p2p_bytes(lay: Placement, r: int, msg: float) -> tuple[float, float]:
     """(network, NVLink) bytes stage r's busiest GPU sends per micro-batch, `msg` bytes a send."""
     p = lay.pp
     if p == 1:
@@ -423,7 +354,7 @@ def _p2p_bytes(lay: Layout, r: int, msg: float) -> tuple[float, float]:
     return worst
 
 
-def _a2a_collectives(s: Shape, lay: Layout, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
+def _a2a_collectives(s: Shape, lay: Placement, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
                      ) -> list[Collective]:
     """One micro-batch's EP all-to-alls on a GPU of a stage (recipes.planning.moe), where its EP group sits."""
     if moe is None or lay.ep == 1:
@@ -433,7 +364,7 @@ def _a2a_collectives(s: Shape, lay: Layout, moe: MoEShape | None, tokens: float,
                                            lay.ep, nodes, per_node, recompute)]
 
 
-def _a2a_bytes(s: Shape, lay: Layout, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
+def _a2a_bytes(s: Shape, lay: Placement, moe: MoEShape | None, tokens: float, e: int, recompute: str | None
                ) -> tuple[float, float]:
     colls = _a2a_collectives(s, lay, moe, tokens, e, recompute)
     return sum(c.net for c in colls), sum(c.nvl for c in colls)

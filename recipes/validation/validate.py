@@ -14,29 +14,27 @@ What is checked, in order:
 1. Loading: `recipes.config.load_recipe` (strict types, choices, the objective's terms and options).
 2. The model config: `model.config` (random init) is built with AutoConfig.for_model; a local directory
    is read; a hub name is looked up in the local HF cache, then on the hub (unless --offline), then in
-   `KNOWN_BACKBONES` in `recipes.planning.backbones`, shipped offline fallback metadata for the papers' backbones.
+   `KNOWN_BACKBONES` in `recipes.planning.backbones`, shipped offline fallback metadata for the papers'
+   backbones.
 3. Parameter count and the largest single module's parameters, from an empty-weight model
    (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
-4. DeepSpeed's estimate of model-state memory per GPU (params, grads, optimizer states; activations
-   are extra; with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states) for the recipe's cluster: `estimate_zero3_model_states_mem_needs` (ZeRO-3) or
-   `estimate_zero2_model_states_mem_needs` (ZeRO 0-2; an upper bound for 0-1), with the recipe's
-   offload settings. With deepspeed.tp_size T > 1 each TP rank's 1/T slice is the model that ZeRO
-   shards over the data-parallel group (nodes * gpus_per_node / T ranks). Then the plan
-   (recipes.planning.budget, printed by recipes.planning.deepspeed_report; shared arithmetic in
-   recipes.planning.step_model): memory by part (model states, hpZ copy, buffers, activations, head; a
-   total above what a GPU may fill is an error naming the part: `--gpu-mem-gb` / cluster.gpu_mem_gb (80: an
-   80 GB GPU, which torch sees as 79.1 GiB) less 10 % (recipes.planning.device_memory), host RAM per node at
-   load and at export (an error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the
-   bytes each GPU moves per step by collective over the network and NVLink, step time with the terms
-   that make it, MFU, the limiting part and the changes that shorten it. Rows: --seq-len, else the data's
-   row lengths read from its shards (padded to data.seq_len when set, else as the engine pads each
-   micro-batch), else data.seq_len, else 1024 assumed (stated). `train.engine: megatron` recipes get
-   recipes.planning.megatron_budget's instead (recipes.planning.megatron_report): memory by pipeline
-   stage, bubble, TP/PP/DP traffic inside and across nodes, step time and MFU (an MoE model's at
-   --moe-imbalance, the busiest EP rank's share of the tokens: recipes.planning.moe). Then, for a
-   recipe without errors, the fastest layout that fits on either engine at these rows, with the recipe
-   keys that select it (recipes.planning.recommend; a warning when the recipe's own is 1.5x slower or
-   more).
+4. The plan of the recipe's engine (its contract's `plan`: recipes.engines.<engine>.plan over
+   recipes.planning's cost models), printed by that engine's report (recipes.validation.deepspeed_report,
+   megatron_report; `ENGINE_REPORTS`). DeepSpeed: its own estimate of model-state memory per GPU
+   (`estimate_zero3_model_states_mem_needs` / `estimate_zero2_...`, with the recipe's offload settings;
+   with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states), then memory by
+   part (model states, hpZ copy, buffers, activations, head), host RAM per node at load and at export (an
+   error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the bytes each GPU moves per
+   step by collective over the network and NVLink, step time with the terms that make it, MFU, the
+   limiting part and the changes that shorten it. Megatron: memory by pipeline stage, bubble, TP/PP/DP
+   traffic inside and across nodes, step time and MFU (an MoE model's at --moe-imbalance, the busiest EP
+   rank's share of the tokens: recipes.planning.moe). A total above what a GPU may fill is an error
+   naming the part: `--gpu-mem-gb` / cluster.gpu_mem_gb (80: an 80 GB GPU, which torch sees as 79.1 GiB)
+   less 10 % (recipes.planning.device_memory). Rows: --seq-len, else the data's row lengths read from its
+   shards (padded to data.seq_len when set, else as the engine pads each micro-batch), else data.seq_len,
+   else 1024 assumed (stated). Then, for a recipe without errors, the fastest layout that fits on any
+   engine at these rows, with the recipe keys that select it (recipes.validation.recommend; a warning
+   when the recipe's own is 1.5x slower or more).
 5. Parallel layout and batch arithmetic: T divides gpus_per_node; train.global_batch_size (when given)
    == micro_batch_size * grad_accum * nodes * gpus_per_node / T. A CPU recipe (gpus_per_node 0) does
    not fix its number of ranks (the launcher does): its global batch must be a multiple of
@@ -59,52 +57,25 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from recipes.planning.backbones import KNOWN_BACKBONES, count_parameters, resolve_model_config, zero_memory_estimate
+from recipes.checks import preflight as checks
+from recipes.checks.engine_settings import engine_setting_problems
+from recipes.checks.model_checks import parallel_layout_problems
+from recipes.config import load_recipe, recipe_chain
+from recipes.engines import engine_contract
+from recipes.planning.backbones import KNOWN_BACKBONES, count_parameters, resolve_model_config
+from recipes.planning.device_memory import device_memory
+from recipes.planning.lora import adapter_parameters
+from recipes.planning.moe import imbalance_problem
+from recipes.planning.step_model import hardware as recipe_hardware, row_tokens
+from recipes.validation import deepspeed_report, megatron_report
+from recipes.validation.recommend import recommend as recommend_layout
+from recipes.validation.report import Report, params_text
 
-# ---- report -------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Report:
-    recipe: str
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    info: list[tuple[str, str]] = field(default_factory=list)
-    numbers: dict[str, Any] = field(default_factory=dict)
-    layout_errors: list[str] = field(default_factory=list)  # of `errors`: layouts that cannot run (exit 2)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def refuse_layout(self, errors: list[str]) -> None:
-        self.errors.extend(errors)
-        self.layout_errors.extend(errors)
-
-    def add(self, key: str, value: Any) -> None:
-        self.info.append((key, str(value)))
-
-    def render(self) -> str:
-        lines = [f"recipe {self.recipe}"]
-        width = max((len(k) for k, _ in self.info), default=0)
-        lines += [f"  {k:<{width}}  {v}" for k, v in self.info]
-        lines += [f"WARNING  {w}" for w in self.warnings]
-        lines += [f"ERROR    {e}" for e in self.errors]
-        verdict = "OK" if self.ok else f"FAILED ({len(self.errors)} error{'s' * (len(self.errors) != 1)})"
-        lines.append(f"{verdict}, {len(self.warnings)} warning{'s' * (len(self.warnings) != 1)}")
-        return "\n".join(lines)
-
-
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / 2**30:.1f} GiB"
-
-
-def _params(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+# each engine's report lines, by the name of its contract (recipes.engines.ENGINES)
+ENGINE_REPORTS = {"deepspeed": deepspeed_report, "megatron": megatron_report}
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -115,8 +86,6 @@ _HINT_RE = re.compile(r"^\s*#\s*data_prep\s+(train|eval)\s*:\s*(.+?)\s*$")
 def build_hints(recipe_path: str | Path) -> dict[str, str]:
     """`# data_prep train: <command>` / `# data_prep eval: <command>` comments of a recipe file, then of
     its `base` chain (the file's own come first)."""
-    from recipes.config import recipe_chain
-
     hints: dict[str, str] = {}
     for path, _ in recipe_chain(recipe_path):
         for line in path.read_text().splitlines():
@@ -168,11 +137,8 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     """All checks of the module docstring; never raises for a bad recipe (see `Report.errors`). `hardware`:
     gpu, gpu_tflops, gpu_peak_tflops, net_gbps (one NIC), nics_per_node, nvlink_gbps (None: the recipe's
     cluster.* values, else recipes.planning.step_model.Hardware's defaults). `recommend`: weigh the other
-    layouts too (recipes.planning.recommend) when the recipe has no error so far. `moe_imbalance`: the
+    layouts too (recipes.validation.recommend) when the recipe has no error so far. `moe_imbalance`: the
     tokens the busiest EP rank receives over the mean, >= 1 (recipes.planning.moe; Megatron plans)."""
-    from recipes.config import load_recipe
-    from recipes.planning.moe import imbalance_problem
-
     rep = Report(str(path))
     if imbalance_problem(moe_imbalance):
         rep.numbers["load_error"] = True
@@ -185,20 +151,18 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         rep.errors.append(str(err))
         return rep
     rep.add("name", recipe.name)
-    m, ds, tr, cl = recipe.model, recipe.deepspeed, recipe.train, recipe.cluster
+    m, tr, cl = recipe.model, recipe.train, recipe.cluster
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
-    from recipes.checks import preflight as checks
-    from recipes.checks.engine_settings import engine_setting_problems
-
+    contract = engine_contract(recipe)
+    report = ENGINE_REPORTS[contract.name]
     errors, mapped = engine_setting_problems(recipe)  # first: it may set megatron.recompute, which the plan reads
     rep.errors.extend(errors)
-    if recipe.train.engine == "megatron":  # the conversion it starts from; TE is the job's machine's to have
-        rep.errors.extend(checks.megatron_start_problems(recipe, here=False))
+    rep.errors.extend(checks.start_problems(recipe, cuda=None))  # the job's machine has its own kernels
     for note in mapped:
         rep.add("engine settings", note)
 
     # 2-4: model config, size, memory
-    hidden_size = cfg = None
+    hidden_size = cfg = total = None
     if size:
         try:
             cfg, source, notes = resolve_model_config(recipe, offline=offline)
@@ -208,7 +172,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
             text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             hidden_size = getattr(text_cfg, "hidden_size", None)
             rep.numbers.update(params=total, largest_layer_params=largest)
-            rep.add("parameters", f"{_params(total)} ({total:,}); largest module {_params(largest)}")
+            rep.add("parameters", f"{params_text(total)} ({total:,}); largest module {params_text(largest)}")
             if "fallback" in source and m.vision and "vision_config" not in KNOWN_BACKBONES.get(m.name_or_path, {}):
                 rep.warnings.append("model.vision: the offline table has no vision tower for this model; "
                                     "the count is the text part only")
@@ -218,16 +182,10 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         except Exception as err:  # noqa: BLE001  (a config transformers cannot build)
             rep.errors.append(f"model: cannot build the model from its config: {type(err).__name__}: {err}")
             total = None
-        from recipes.planning.step_model import hardware as _hardware, row_tokens
-
-        hw = _hardware(recipe, gpu=hardware.get("gpu"), gpu_tflops=hardware.get("gpu_tflops"),
-                       peak_tflops=hardware.get("gpu_peak_tflops"),
-                       nic_gbps=hardware.get("net_gbps"), nics_per_node=hardware.get("nics_per_node"),
-                       nvlink_gbps=hardware.get("nvlink_gbps"), mem_gib=gpu_mem_gb)
-        from dataclasses import replace
-
-        from recipes.planning.device_memory import device_memory
-
+        hw = recipe_hardware(recipe, gpu=hardware.get("gpu"), gpu_tflops=hardware.get("gpu_tflops"),
+                             peak_tflops=hardware.get("gpu_peak_tflops"), nic_gbps=hardware.get("net_gbps"),
+                             nics_per_node=hardware.get("nics_per_node"), nvlink_gbps=hardware.get("nvlink_gbps"),
+                             mem_gib=gpu_mem_gb)
         memory = device_memory(hw.mem_gib)
         if cl.gpus_per_node > 0:
             rep.add("GPU memory", memory.line())
@@ -236,54 +194,19 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         rows = row_tokens(recipe, seq_len, mean_row_tokens)
         adapter = None
         if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
-            from recipes.planning.lora import report_lora
-
-            adapter = report_lora(rep, cfg, m, total)
-        if total is not None and cl.gpus_per_node > 0 and tr.engine == "megatron":
-            from recipes.planning.megatron_report import report_megatron
-
-            report_megatron(rep, recipe, cfg, total, hw=hw, rows=rows, moe_imbalance=moe_imbalance)
-        elif total is not None and cl.gpus_per_node > 0:
-            from recipes.planning.lora import lora_memory_estimate
-
-            est = zero_memory_estimate(total, largest, ds.zero_stage, cl.nodes, cl.gpus_per_node, ds.tp_size,
-                                       ds.offload_optimizer, ds.offload_params) if adapter is None else \
-                lora_memory_estimate(total, largest, adapter, zero_stage=ds.zero_stage,
-                                     dp=cl.nodes * cl.gpus_per_node // ds.tp_size, ranks_per_node=cl.gpus_per_node,
-                                     weight_bytes=2 if m.dtype == "bfloat16" else 4,
-                                     offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params)
-            rep.numbers.update(gpu_mem_bytes=est["gpu_bytes"], cpu_mem_bytes=est["cpu_bytes"])
-            rep.add("memory / GPU", f"{_gib(est['gpu_bytes'])} model states (params + grads + optimizer; "
-                                    f"activations extra), {_gib(est['cpu_bytes'])} CPU per node "
-                                    f"[{'deepspeed ' * (adapter is None)}{est['function']}, ZeRO-{ds.zero_stage}, offload "
-                                    f"optimizer={ds.offload_optimizer} params={ds.offload_params}]")
-            from recipes.planning.deepspeed_report import report_budget
-
-            report_budget(rep, recipe, cfg, total, largest, est, trainable=adapter, hw=hw, rows=rows)
+            adapter = _report_lora(rep, cfg, m, total)
+        if total is not None and cl.gpus_per_node > 0:
+            report.add_plan(rep, recipe, cfg, total, largest, hw=hw, rows=rows, adapter=adapter,
+                            moe_imbalance=moe_imbalance)
         if total is not None and cl.gpus_per_node > 0 and adapter is None and recommend and not rep.errors:
-            from recipes.planning.recommend import recommend as _recommend
-
-            per_replica = (ds.tp_size if tr.engine == "deepspeed" else recipe.megatron.tp_size * recipe.megatron.pp_size)
-            batch = tr.global_batch_size or tr.micro_batch_size * tr.grad_accum * max(
-                1, cl.nodes * cl.gpus_per_node // per_replica)
-            _recommend(rep, recipe, cfg, total, largest, hw, rows, batch, moe_imbalance)
+            dp = contract.parallel_dims(recipe, cl.nodes * cl.gpus_per_node).dp
+            batch = tr.global_batch_size or tr.micro_batch_size * tr.grad_accum * dp
+            recommend_layout(rep, recipe, cfg, total, largest, hw, rows, batch, moe_imbalance)
 
     # 5: layout and batch arithmetic
     if cl.gpus_per_node < 0:
         rep.errors.append(f"cluster.gpus_per_node: must be >= 0, got {cl.gpus_per_node}")
-    per_node = cl.ranks_per_node()
-    unit = "GPU(s)" if cl.gpus_per_node else "CPU rank(s)"
-    if tr.engine == "megatron":  # TP x PP x DP (recipes.planning.megatron_budget)
-        from recipes.planning.megatron_report import megatron_layout
-
-        dp, layout = megatron_layout(rep, recipe)
-    else:
-        if per_node > 0 and per_node % ds.tp_size:
-            key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
-            rep.refuse_layout([f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
-                              "(a TP group must stay inside a node)"])
-        dp = max(1, cl.nodes * per_node // ds.tp_size)
-        layout = f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}, ZeRO-{ds.zero_stage}"
+    dp, layout = report.layout_line(rep, recipe, cfg if size and total is not None else None)
     per_step = tr.micro_batch_size * tr.grad_accum
     effective = per_step * dp
     if tr.global_batch_size is not None and tr.global_batch_size != effective:
@@ -294,23 +217,6 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.numbers["effective_batch"] = effective
     rep.add("batch", f"{tr.micro_batch_size} per rank x {tr.grad_accum} accumulation x {dp} ranks "
                      f"= {effective} sequences per step, {tr.steps} steps")
-    if ds.tp_size > 1 and tr.engine == "deepspeed":
-        if size and total is not None:
-            from recipes.engines.deepspeed.model import autotp_problem
-
-            problem = autotp_problem(cfg, ds.tp_size, ds.zero_stage)
-            kv = getattr(getattr(cfg, "text_config", None) or cfg, "num_key_value_heads", None)
-            if problem:
-                rep.errors.append(problem)
-            elif kv is not None and kv < ds.tp_size:
-                rep.warnings.append(f"deepspeed.tp_size: {kv} KV heads < tp_size {ds.tp_size}: attention runs on "
-                                    f"{kv} of the {ds.tp_size} TP ranks only")
-        if ds.zero_stage == 3:
-            rep.warnings.append("deepspeed: AutoTP + ZeRO-3 is tested here on CPU (docs/cluster.md), not "
-                                "documented by DeepSpeed, which documents AutoTP training with ZeRO 0-2")
-        if m.vision:
-            rep.warnings.append("deepspeed.tp_size > 1 with a vision model: AutoTP would also shard the vision "
-                                "tower; vision training is tested with ZeRO-3 and tp_size 1 only")
 
     # 6: the static checks recipes.train runs before its model (recipes.checks.preflight): objective,
     # model config, data and its statistics, run directory; the layout's world is section 5's
@@ -319,13 +225,11 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
                                  missing_data_is_error=False, check_model=not (size and cfg is None))
     rep.errors.extend(found.errors)
     if cfg is not None:  # which of them are layouts the model cannot take (exit 2)
-        from recipes.checks.model_checks import parallel_layout_problems
-
         rep.layout_errors.extend(e for e in parallel_layout_problems(recipe, cfg) if e in found.errors)
     rep.warnings.extend(found.warnings)
     for key, note in found.notes:
         rep.add(key, note)
-    terms = set((recipe.loss.objective or {}).get("terms") or {})
+    terms = set(recipe.loss.objective.terms)
     rep.add("objective", "CE" + "".join(f" + {t}" for t in sorted(terms)) +
             f" over the {recipe.loss.numeric_policy} numeric vocabulary")
     chunked_head_note(rep, recipe, hidden_size)
@@ -360,10 +264,21 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     return rep
 
 
+def _report_lora(rep, cfg, model, total: int) -> int:
+    """The LoRA lines: the adapter's parameter count (returned) and the layers it adapts; an error when
+    `model.lora.target_modules` matches no linear layer."""
+    lora = model.lora
+    adapter, adapted = adapter_parameters(cfg, lora.target_modules, lora.r, model.vision)
+    rep.numbers["lora_params"] = adapter
+    rep.add("LoRA", f"r {lora.r}: {params_text(adapter)} adapter parameters in {adapted} layers "
+                    f"({100 * adapter / total:.2f}% of the base, frozen in {model.dtype})")
+    if not adapted:
+        rep.errors.append(f"model.lora.target_modules: {lora.target_modules!r} matches no linear layer")
+    return adapter
+
+
 def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
     """The model tokenizer's fingerprint and size, when it can be loaded here (else a warning)."""
-    from recipes.checks import preflight as checks
-
     try:
         return checks.tokenizer_identity(checks.model_tokenizer(recipe, offline=offline))
     except Exception as err:  # noqa: BLE001  (not cached offline, no fast version, ...)
@@ -374,8 +289,6 @@ def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
 
 def _imbalance(text: str) -> float:
     """--moe-imbalance's value, refused (exit 2) below 1 (recipes.planning.moe.imbalance_problem)."""
-    from recipes.planning.moe import imbalance_problem
-
     try:
         value = float(text)
     except ValueError:
