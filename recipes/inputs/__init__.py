@@ -1,2 +1,3 @@
 """What a model reads: the recipe's tokenizer or processor, a reader batch made into model inputs (packed
-rows, images in the prompt). Shared by the engines, the loop and evaluation; may import data_prep and recipes.config."""
+rows, images in the prompt). Shared by the engines, the loop and evaluation. Floor 6, below
+recipes.training: may import numloss, data_prep and recipes.config."""

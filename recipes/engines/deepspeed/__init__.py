@@ -1,2 +1,7 @@
-"""The DeepSpeed engine: Hugging Face models under ZeRO 0-3 and AutoTP, their DeepSpeed config,
-checkpoints and sharded export. May import numloss, data_prep, recipes.config and recipes.training."""
+"""The DeepSpeed engine: Hugging Face models under ZeRO 0-3 and AutoTP.
+
+Pure (floor 4: no torch or deepspeed at module level; may import numloss, data_prep, recipes.planning,
+recipes.parallel_dims and recipes.engines.contract): `contract` (its section, refusals, adopted settings,
+layout rules and checkpoint rules), `plan` (its memory and time plan), `config` (the DeepSpeed config
+dict). Runtime (floor 7: torch and deepspeed; may import up to recipes.reliability): `engine`, `model`,
+`moe`, `lora`, `optimizer`, `checkpoints`, `export`."""

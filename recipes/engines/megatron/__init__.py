@@ -1,4 +1,10 @@
-"""The Megatron-core engine: GPTModel built from HF configs/weights (`model`), its layer spec and fused kernels
-(`kernels`), micro-batches as the schedule takes them (`batches`), the step (`step`), HF <-> Megatron conversion
-(`convert`), the one-time conversion (`converted`), checkpoints, export, the CPU shim.
-May import numloss, data_prep, recipes.config, recipes.training and megatron.core; never recipes.train or planning/evaluation."""
+"""The Megatron-core engine: GPTModel built from HF configs/weights, TP, PP, SP, EP, the distributed
+optimizer.
+
+Pure (floor 4: no torch or megatron at module level; may import numloss, data_prep, recipes.planning,
+recipes.parallel_dims and recipes.engines.contract): `contract` (its section, refusals, adopted settings,
+checkpoint rules), `layout` (its ParallelDims and the layouts a model's shape cannot take), `plan` (its
+memory and time plan), `support` (which HF families convert; a converted directory's checks), `kernels`
+(the layer spec and fused kernels a machine runs). Runtime (floor 7: torch and megatron.core; may import
+up to recipes.reliability): `model`, `convert` (HF <-> Megatron state dicts), `converted` (the one-time
+conversion), `rope`, `moe`, `batches`, `step`, `checkpoints`, `export`, `cpu_shim`, `engine`."""
