@@ -21,7 +21,7 @@ from recipes.planning.shape import Shape
 
 from . import plan as engine_plan
 from .kernels import TRANSFORMER_IMPLS, plan_kernels
-from .layout import parallel_dims, shape_problems
+from .layout import DIMS_KEYS, parallel_dims, shape_problems
 from .support import check_supported, converted_problems
 
 RECOMPUTE = (None, "full", "selective")
@@ -53,9 +53,6 @@ class MegatronSection:
     load_converted: str | None = None
 
 
-_DIMS_KEYS = {"tp": "megatron.tp_size", "pp": "megatron.pp_size", "ep": "megatron.ep_size"}
-
-
 def checkpoint_layout(megatron: MegatronSection, data_parallel: int) -> dict:
     """What a Megatron checkpoint records of the layout that saved it (layout.json)."""
     return {"tensor_parallel": megatron.tp_size, "pipeline_parallel": megatron.pp_size, "data_parallel": data_parallel,
@@ -84,6 +81,27 @@ ADOPTIONS = {
         "{key}: {stated!r} is a Hugging Face attention kernel; the Megatron engine runs Megatron-core's own "
         "attention: remove the setting")),
 }
+
+
+def split_for_logits(recipe) -> list[str]:
+    """The chunked head's intent on Megatron: its logits exist for one micro-batch at a time, so a micro-batch
+    holds at most `loss.chunk_size` tokens' rows (chunk_size // data.seq_len rows; 1 when data.seq_len is
+    unset) and grad_accum grows by the same factor: the step trains on the same rows, its loss normalised
+    over the same global batch (recipes.training.parallel), equal up to float summation order. Writes the
+    split into the recipe; returns its note (none when the micro-batch already fits)."""
+    t, seq = recipe.train, recipe.data.seq_len
+    rows = max(1, recipe.loss.chunk_size // seq) if seq else 1
+    micro = max(d for d in range(1, t.micro_batch_size + 1) if t.micro_batch_size % d == 0 and d <= rows)
+    if micro == t.micro_batch_size:
+        return []
+    factor = t.micro_batch_size // micro
+    note = (f"loss.head: 'chunked' kept at most loss.chunk_size {recipe.loss.chunk_size} tokens' logits at once; on "
+            f"megatron it sets train.micro_batch_size: {micro} (was {t.micro_batch_size}) and train.grad_accum: "
+            f"{t.grad_accum * factor} (was {t.grad_accum}): rows of "
+            f"{f'data.seq_len {seq} tokens' if seq else 'unknown length (no data.seq_len): one a micro-batch'}, "
+            f"the same rows per step")
+    t.micro_batch_size, t.grad_accum = micro, t.grad_accum * factor
+    return [note]
 
 
 class MegatronContract:
@@ -141,6 +159,8 @@ class MegatronContract:
         defaults = {f"megatron.{f.name}": getattr(MegatronSection(), f.name) for f in dataclasses.fields(MegatronSection)}
         defaults["loss.head"] = "logits"
         errors, notes = c.adopt(self.name, ADOPTIONS, defaults, intents, recipe)
+        if not errors and any(i.what == c.LOGITS_HEAD for i in intents):
+            notes += split_for_logits(recipe)
         return errors + (self.recipe_problems(recipe) if not errors else []), notes
 
     # ---- the layout ----
@@ -154,7 +174,7 @@ class MegatronContract:
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         mg, errors = recipe.megatron, []
         if world_size is not None:
-            errors += parallel_dims(mg, world_size).problems({"tp": _DIMS_KEYS["tp"], "pp": _DIMS_KEYS["pp"]})
+            errors += parallel_dims(mg, world_size).problems({k: DIMS_KEYS[k] for k in ("tp", "pp")})
             if mg.virtual_pp_size is not None and (mg.pp_size < 2 or mg.virtual_pp_size < 2):
                 errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size}: interleaving needs megatron.pp_size "
                               f">= 2 and a value >= 2 (pp_size is {mg.pp_size}); leave it null otherwise")

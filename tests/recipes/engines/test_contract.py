@@ -26,10 +26,14 @@ CONFIGS = REPO / "recipes" / "configs"
 # checks then refuse (none unless given)
 OUTCOMES = {
     "demo.yaml": ("adopted", {"megatron.distributed_optimizer": True, "megatron.recompute": None}, 0),
+    # the chunked head's logits bound (1024 tokens, rows of unknown length): one row a micro-batch, the
+    # same 64 rows a step (8 x 1 x DP 8 -> 1 x 8 x DP 8)
     "llama3-8b-gsm8k/ce.yaml": ("adopted", {"megatron.recompute": "full", "model.gradient_checkpointing": False,
-                                            "loss.head": "logits", "megatron.tp_size": 1}, 2),
+                                            "loss.head": "logits", "megatron.tp_size": 1, "train.micro_batch_size": 1,
+                                            "train.grad_accum": 8}, 3),
     "llama3-8b-gsm8k/smmd.yaml": ("adopted", {"megatron.recompute": "full", "model.gradient_checkpointing": False,
-                                              "loss.head": "logits"}, 2),
+                                              "loss.head": "logits", "train.micro_batch_size": 1,
+                                              "train.grad_accum": 8}, 3),
     "llama3-8b-gsm8k/megatron.yaml": ("adopted", {"deepspeed.zero_stage": 3, "deepspeed.tp_size": 1,
                                                   "model.gradient_checkpointing": False}, 0),
     "ministral3-3b-clock.yaml": ("load", "model.vision"),
@@ -41,8 +45,10 @@ OUTCOMES = {
     "qwen2.5-1.5b-gsm8k/smmd.yaml": ("adopted", {"megatron.recompute": None}, 0),
     "qwen2.5-vl-7b-chartqa.yaml": ("load", "model.vision"),
     "qwen2.5-vl-7b-clock.yaml": ("load", "model.vision"),
-    "scale/llama3-70b-4x8.yaml": ("adopted", {"megatron.recompute": "full", "loss.head": "logits"}, 2),
-    "scale/llama3-70b-8x8.yaml": ("adopted", {"megatron.recompute": "full", "loss.head": "logits"}, 2),
+    "scale/llama3-70b-4x8.yaml": ("adopted", {"megatron.recompute": "full", "loss.head": "logits",
+                                              "train.micro_batch_size": 1, "train.grad_accum": 2}, 3),
+    "scale/llama3-70b-8x8.yaml": ("adopted", {"megatron.recompute": "full", "loss.head": "logits",
+                                              "train.micro_batch_size": 1, "train.grad_accum": 1}, 2),
     "scale/llama3-70b-8x8-tp8.yaml": ("adopted", {"megatron.tp_size": 8, "deepspeed.tp_size": 1,
                                                   "megatron.recompute": "full", "loss.head": "logits"}, 2),
     "scale/llama3-70b-megatron-tp8pp4.yaml": ("refused", ["megatron.pp_size", "megatron.sequence_parallel"]),
@@ -54,7 +60,8 @@ OUTCOMES = {
     "smollm2-lora.yaml": ("load", "model.lora"),
     "smollm2-study.yaml": ("adopted", {"megatron.recompute": None}, 0),
     # adopted, then refused by the model checks: Megatron converts no SmolLM3
-    "smollm3-3b-dm-math.yaml": ("adopted", {"loss.head": "logits"}, 1, ["model"]),
+    "smollm3-3b-dm-math.yaml": ("adopted", {"loss.head": "logits", "train.micro_batch_size": 1,
+                                            "train.grad_accum": 16}, 2, ["model"]),
     "study.yaml": ("adopted", {"megatron.recompute": None}, 0),
 }
 
@@ -100,6 +107,22 @@ def test_switching_a_shipped_recipe_to_the_other_engine(name):
     cfg, _, _ = model_checks.model_config(recipe, offline=True)
     world = engine_contract(recipe).cluster_world(recipe)
     assert [e.split(":")[0] for e in model_checks.layout_problems(recipe, cfg, world)] == refused_after
+
+
+def test_the_logits_bound_splits_micro_batches_by_the_rows_that_fit_a_chunk():
+    recipe = load_recipe(CONFIGS / "llama3-8b-gsm8k/smmd.yaml", ["train.engine=megatron", "data.seq_len=256"])
+    errors, notes = engine_setting_problems(recipe)
+    assert errors == [] and (recipe.train.micro_batch_size, recipe.train.grad_accum) == (4, 2)  # 1024 // 256 rows
+    assert recipe.train.micro_batch_size * recipe.train.grad_accum == 8  # the same rows per rank and step
+    assert any("train.micro_batch_size: 4 (was 8)" in note for note in notes), notes
+
+
+def test_validate_passes_a_shipped_deepspeed_recipe_switched_to_megatron(capsys):
+    from recipes.validation import validate
+
+    assert validate.main([str(CONFIGS / "llama3-8b-gsm8k/smmd.yaml"), "train.engine=megatron", "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "it sets megatron.recompute: full" in out and "Megatron TP 1 x PP 1 x DP 8" in out
 
 
 def test_an_adopted_setting_the_recipe_also_sets_for_the_engine_is_used_as_set():
