@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from numloss.normalization import LossCounts, reduce_counts
+from recipes.parallel_dims import ParallelDims
 
 
 @dataclass
@@ -37,7 +38,7 @@ class DataParallel:
         if tp == 1:
             return cls(world_rank, world_size, None)
         groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
-        return cls(world_rank // tp, world_size // tp, groups[world_rank % tp])
+        return cls(world_rank // tp, ParallelDims.of(world_size, tp=tp).dp, groups[world_rank % tp])
 
 
 def step_counts(count: Callable[..., LossCounts], window: list[dict], dp: DataParallel) -> LossCounts:

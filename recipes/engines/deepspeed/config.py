@@ -44,7 +44,7 @@ def deepspeed_config(recipe, world_size: int, pin_memory: bool = False) -> dict:
     if recipe.model.dtype == "bfloat16":
         # gradients accumulated in fp32 (ZeRO 1-3) and reduced in deepspeed.reduce_dtype: fp32 by default,
         # as bf16 sums of many ranks' gradients lose the small ones (an 8-bit mantissa); bf16 halves the
-        # reduce-scatter's bytes (recipes.planning.budget counts both)
+        # reduce-scatter's bytes (recipes.planning.deepspeed_costs counts both)
         config["communication_data_type"] = ds.reduce_dtype
         if ds.zero_stage >= 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}
@@ -78,7 +78,7 @@ def zero_comm_settings(recipe, world_size: int) -> dict:
             out["stage3_param_persistence_threshold"] = 10 * hidden
     c = recipe.cluster
     per_node = c.ranks_per_node() // recipe.deepspeed.tp_size
-    dp = world_size // recipe.deepspeed.tp_size
+    dp = ParallelDims.of(world_size, tp=recipe.deepspeed.tp_size).dp
     if recipe.deepspeed.zero_stage == 3 and c.nodes > 1 and c.gpus_per_node and 1 < per_node < dp \
             and dp % per_node == 0:
         out["zero_hpz_partition_size"] = per_node

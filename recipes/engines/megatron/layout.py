@@ -14,6 +14,9 @@ from recipes.parallel_dims import ParallelDims
 from recipes.planning.moe import MoEShape
 from recipes.planning.shape import Shape
 
+# the recipe key of each degree, for ParallelDims' messages
+DIMS_KEYS = {"tp": "megatron.tp_size", "pp": "megatron.pp_size", "ep": "megatron.ep_size"}
+
 
 def parallel_dims(megatron, world_size: int) -> ParallelDims:
     """The layout of `world_size` ranks at a `MegatronSection`'s degrees."""

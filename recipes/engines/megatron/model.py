@@ -30,6 +30,7 @@ from .convert import (
     transformer_config_from_hf,
 )
 from .kernels import LOCAL_SPEC, KernelPlan, plan_kernels
+from .layout import DIMS_KEYS, parallel_dims
 from .support import hf_config_for
 
 
@@ -48,14 +49,7 @@ def initialize_model_parallel(recipe: Recipe) -> None:
     if not dist.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialised")
     m = recipe.megatron
-    world = dist.get_world_size()
-    if world % (m.tp_size * m.pp_size):
-        raise ValueError(f"world size {world} is not a multiple of megatron.tp_size {m.tp_size} x megatron.pp_size "
-                         f"{m.pp_size} = {m.tp_size * m.pp_size}: data-parallel size = world / (tp x pp)")
-    dp = world // (m.tp_size * m.pp_size)
-    if dp % m.ep_size:
-        raise ValueError(f"megatron.ep_size {m.ep_size} does not divide the data-parallel size {dp} (world {world} / "
-                         f"(tp {m.tp_size} x pp {m.pp_size})): expert parallelism splits data-parallel ranks")
+    parallel_dims(m, dist.get_world_size()).check(DIMS_KEYS)  # tp x pp divides the world, ep the data parallel
     if m.virtual_pp_size is not None and (m.pp_size < 2 or m.virtual_pp_size < 2):
         raise ValueError(f"megatron.virtual_pp_size {m.virtual_pp_size}: interleaving needs pp_size >= 2 and "
                          f"virtual_pp_size >= 2 (pp_size is {m.pp_size}); leave it null otherwise")
