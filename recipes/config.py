@@ -164,7 +164,7 @@ class EvalSection:
 
 @dataclass
 class ClusterSection:
-    """Where the recipe is meant to run: used by `recipes.planning.validate` and the launchers."""
+    """Where the recipe is meant to run: used by `recipes.validate` and the launchers."""
 
     nodes: int = 1
     gpus_per_node: int = 0  # 0: CPU
@@ -176,7 +176,7 @@ class ClusterSection:
     # seconds before the time limit at which SLURM signals the batch script (`--signal=B:USR1@N`): the run
     # saves and stops (exit 75) and the job requeues itself; 0: no signal, no requeue
     preempt_notice_s: int = 300
-    host_mem_gb: float = 0.0  # host RAM per node for recipes.planning.validate's check (0: unknown, not checked)
+    host_mem_gb: float = 0.0  # host RAM per node for recipes.validate's check (0: unknown, not checked)
     mem: str = "0"  # sbatch --mem per node (SLURM syntax, e.g. 480G); "0": all of each node's memory
     hf_home: str | None = None  # HF_HOME on shared storage for the job (models, tokenizers); mounted
     hf_offline: bool = True  # HF_HUB_OFFLINE=1: compute nodes read HF_HOME only, never the hub

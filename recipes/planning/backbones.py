@@ -66,7 +66,7 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
                      num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
                      max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=True),
     },
-    # The two MoE classes of recipes/configs/scale/ (issue 39). Values of the public config.json files as
+    # The two MoE classes of recipes/configs/scale/. Values of the public config.json files as
     # recalled (not fetched here: no hub); the counts they give (recipes.planning.moe.parameter_counts)
     # reproduce the published totals: Qwen3-30B-A3B 30.53B total / 3.35B active (Qwen: 30.5B / 3.3B),
     # Mixtral-8x22B 140.6B / 39.2B (Mistral: 141B / 39B). Prefer the hub's config when reachable.

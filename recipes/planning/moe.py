@@ -1,8 +1,8 @@
 """The arithmetic of a mixture-of-experts model that the planners need: its expert shape from the HF
 config, total and active parameters, and, per GPU of a Megatron layout with expert parallelism, the
 expert weights it holds, the activations its MoE layers keep, the all-to-all bytes its token dispatcher
-moves and the GEMM time of its experts. recipes.planning.megatron_budget builds its plan on these;
-recipes.planning.budget.Shape.of gives an MoE model the MLP width a token runs through (top-k experts +
+moves and the GEMM time of its experts. recipes.planning.megatron_costs builds its plan on these;
+recipes.planning.shape.Shape.of gives an MoE model the MLP width a token runs through (top-k experts +
 the shared expert), so the dense arithmetic (FLOPs, SwiGLU activations) counts the active experts.
 
 Families (HF config keys; transformers 5 stores each layer's experts as fused 3-D parameters
@@ -21,7 +21,7 @@ Parameters (tied embeddings counted once, as transformers' `parameters()` does):
            + per dense layer 3 h I_dense
   active = total - per MoE layer (E - k) x 3 h I: what one token runs through (its top-k experts, the
            shared expert, the router, attention, both embeddings).
-Published totals reproduced from the public configs (tests/recipes/test_moe_planning.py):
+Published totals reproduced from the public configs (tests/recipes/planning/test_moe.py):
 Qwen3-30B-A3B 30.53B total / 3.35B active (Qwen: 30.5B / 3.3B), Mixtral-8x22B 140.6B / 39.2B
 (Mistral: 141B / 39B).
 
@@ -72,7 +72,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recipes.planning import gemm_rates as gr
+from recipes.planning import gemm_rates
 from recipes.planning.step_model import Collective
 
 MOE_KERNELS_PER_LAYER = 30  # router, top-k, permute / unpermute, all-to-alls, forward + backward (a guess)
@@ -263,7 +263,7 @@ def all_to_all_collective(moe: MoEShape, hidden: int, layers: float, tokens: flo
     return Collective("EP all-to-all", calls * each, nodes, per_node, calls, "all_to_all", ep)
 
 
-def expert_compute(table: gr.RateTable, moe: MoEShape, hidden: int, tokens: float, tp: int, ep: int,
+def expert_compute(table: gemm_rates.RateTable, moe: MoEShape, hidden: int, tokens: float, tp: int, ep: int,
                    recompute: str | None = None) -> tuple[float, float]:
     """(seconds, FLOPs) of one layer's MLP GEMMs on one GPU, averaged over the layers (an MoE layer's
     experts, shared expert and router; a dense layer's SwiGLU MLP), for a micro-batch of `tokens` tokens
@@ -285,6 +285,6 @@ def expert_compute(table: gr.RateTable, moe: MoEShape, hidden: int, tokens: floa
     seconds = flops = 0.0
     for m, k, n, count in gemms:
         f = passes * 2.0 * m * n * k * count
-        seconds += f / (table.tflops(gr.intensity(m, n, k)) * 1e12)
+        seconds += f / (table.tflops(gemm_rates.intensity(m, n, k)) * 1e12)
         flops += f
     return seconds, flops

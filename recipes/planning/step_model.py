@@ -1,7 +1,7 @@
 """The step-time arithmetic both engines share: the hardware a recipe assumes, where a collective's bytes
 go (NVLink inside the node, NICs across nodes) and how long a collective takes, a micro-batch's compute
-time on one GPU, MFU, the GPU peak table, and the rows a plan counts. recipes.planning.budget
-(DeepSpeed), recipes.planning.megatron_budget and the run log (recipes.training.throughput) build on it.
+time on one GPU, MFU, the GPU peak table, and the rows a plan counts. recipes.planning.deepspeed_costs
+(DeepSpeed), recipes.planning.megatron_costs and the run log (recipes.training.throughput) build on it.
 Its terms, their sources and what it cannot know: docs/benchmarks.md ("The step model").
 
 Where a ring collective's bytes go. A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recipes.planning import gemm_rates as gr
+from recipes.planning import gemm_rates
 from recipes.planning.padding import Deal, deal, shard_row_lengths
 
 GiB = 2**30
@@ -85,10 +85,10 @@ class Hardware:
     def nvlink_Bps(self) -> float:
         return self.nvlink_gbps / 8 * 1e9
 
-    def rates(self, dtype: str = "bfloat16") -> gr.RateTable:
+    def rates(self, dtype: str = "bfloat16") -> gemm_rates.RateTable:
         """The GEMM rates this GPU runs at (recipes.planning.gemm_rates)."""
-        name = gr.gpu_name(self.gpu or None, self.peak_tflops, self.mem_gib)
-        return gr.rate_table(name, self.peak_tflops, dtype, self.gpu_tflops)
+        name = gemm_rates.gpu_name(self.gpu or None, self.peak_tflops, self.mem_gib)
+        return gemm_rates.rate_table(name, self.peak_tflops, dtype, self.gpu_tflops)
 
 
 def hardware(recipe, **flags) -> Hardware:
@@ -98,11 +98,11 @@ def hardware(recipe, **flags) -> Hardware:
     c = recipe.cluster
     gpus = c.gpus_per_node or 8
     named = flags.get("gpu") or c.gpu
-    gpu = gr.gpu_name(named)
+    gpu = gemm_rates.gpu_name(named)
     values = {"gpu": named, "gpu_tflops": c.gpu_tflops,
-              "peak_tflops": c.gpu_peak_tflops or gr.PEAK_BF16.get(gpu), "nic_gbps": c.nic_gbps,
+              "peak_tflops": c.gpu_peak_tflops or gemm_rates.PEAK_BF16.get(gpu), "nic_gbps": c.nic_gbps,
               "nics_per_node": c.nics_per_node or gpus, "nvlink_gbps": c.nvlink_gbps,
-              "mem_gib": c.gpu_mem_gb or gr.MEM_GIB.get(gpu)}
+              "mem_gib": c.gpu_mem_gb or gemm_rates.MEM_GIB.get(gpu)}
     values.update({k: v for k, v in flags.items() if v is not None})
     return Hardware(gpus_per_node=gpus, **{k: v for k, v in values.items() if v is not None})
 
@@ -296,14 +296,14 @@ def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw
     left out (an MoE model's experts are priced by recipes.planning.moe)."""
     table = hw.rates(dtype)
     tokens = rows * length
-    shapes = gr.gemm_shapes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, tp)[:None if mlp else 2]
-    gemm_s, gemm_f = gr.layer_gemm_seconds(table, tokens, shapes)
+    shapes = gemm_rates.gemm_shapes(s.hidden, s.intermediate, s.heads, s.kv_heads, s.head_dim, tp)[:None if mlp else 2]
+    gemm_s, gemm_f = gemm_rates.layer_gemm_seconds(table, tokens, shapes)
     forward_s, forward_f = gemm_s / 3, gemm_f / 3  # one of the three GEMMs per shape, at the same rate
     if not weight_grads:
         gemm_s, gemm_f = 2 * forward_s, 2 * forward_f
     attn_f = 6.0 * length * s.heads * s.head_dim * tokens / tp
     attn_s = attn_f * gemm_s / gemm_f  # at the layer's GEMM rate
-    kernels_s = gr.KERNELS_PER_LAYER[engine] * gr.KERNEL_OVERHEAD_S
+    kernels_s = gemm_rates.KERNELS_PER_LAYER[engine] * gemm_rates.KERNEL_OVERHEAD_S
     if recompute == "full":
         gemm_s, gemm_f = gemm_s + forward_s, gemm_f + forward_f
         attn_s, attn_f, kernels_s = attn_s * 4 / 3, attn_f * 4 / 3, kernels_s * 4 / 3
@@ -313,7 +313,7 @@ def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw
     if head:
         n = s.vocab / tp
         head_f = 2.0 * tokens * n * s.hidden * head_gemms
-        head_s = head_f / (table.tflops(gr.intensity(tokens, n, s.hidden)) * 1e12)
+        head_s = head_f / (table.tflops(gemm_rates.intensity(tokens, n, s.hidden)) * 1e12)
     return Compute(layers * gemm_s, layers * attn_s, layers * kernels_s, head_s,
                    layers * (gemm_f + attn_f) + head_f)
 
@@ -364,7 +364,7 @@ def assumptions(hw: Hardware, dtype: str) -> str:
     """The hardware figures a plan used, each with the flag or key that changes it."""
     table = hw.rates(dtype)
     return (f"GEMM rates {table.note} ({', '.join(f'{r:.0f}' for _, r in table.anchors)} TFLOP/s at the measured "
-            f"shapes; --gpu, --gpu-tflops), {gr.KERNEL_OVERHEAD_S * 1e6:g} us per kernel launch, {hw.peak_tflops:g} "
+            f"shapes; --gpu, --gpu-tflops), {gemm_rates.KERNEL_OVERHEAD_S * 1e6:g} us per kernel launch, {hw.peak_tflops:g} "
             f"TFLOP/s peak for MFU (--gpu-peak-tflops), {hw.nics_per_node} x {hw.nic_gbps:g} Gb/s NICs per node "
             f"(--nics-per-node, --net-gbps), NVLink {hw.nvlink_gbps:g} Gb/s per GPU (--nvlink-gbps), NCCL 2.30's "
             f"latencies; docs/gemm-rates.md")

@@ -61,7 +61,6 @@ from dataclasses import replace
 from pathlib import Path
 
 from recipes.checks import preflight as checks
-from recipes.checks.engine_settings import engine_setting_problems
 from recipes.checks.model_checks import parallel_layout_problems
 from recipes.config import load_recipe, recipe_chain
 from recipes.engines import engine_contract
@@ -155,7 +154,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
     contract = engine_contract(recipe)
     report = ENGINE_REPORTS[contract.name]
-    errors, mapped = engine_setting_problems(recipe)  # first: it may set megatron.recompute, which the plan reads
+    errors, mapped = contract.adopt_settings(recipe)  # first: it may set megatron.recompute, which the plan reads
     rep.errors.extend(errors)
     rep.errors.extend(checks.start_problems(recipe, cuda=None))  # the job's machine has its own kernels
     for note in mapped:

@@ -349,7 +349,7 @@ def test_tp_without_sequence_parallelism_on_an_moe_model_is_refused(tmp_path, ki
 ])
 def test_preflight_refuses_an_ep_the_experts_or_data_parallel_size_cannot_take(tmp_path, ep, world, refusal):
     """recipes.train's preflight (what runs before any model is built on every rank), at the world the
-    job has; recipes.validate's exit 2 for these is tests/recipes/test_moe_planning.py's."""
+    job has; recipes.validate's exit 2 for these is tests/recipes/planning/test_moe.py's."""
     from recipes.checks.preflight import RecipeCheckError, preflight
     from recipes.config import load_recipe
 

@@ -60,7 +60,7 @@ def load_placement(recipe: Recipe, device: torch.device) -> dict:
     instead of the whole model in host RAM on every rank of the node. ZeRO-3 builds partitioned under
     the live HfDeepSpeedConfig; AutoTP (DeepSpeed 0.19.8) slices a model that is already whole, so
     below ZeRO-3 with tp_size > 1 every rank still holds the whole model in host RAM at load
-    (recipes.planning.validate reports it). On the CPU nothing changes."""
+    (recipes.validate reports it). On the CPU nothing changes."""
     ds = recipe.deepspeed
     if device.type == "cuda" and ds.zero_stage < 3 and ds.tp_size == 1 and not ds.offload_params:
         return {"device_map": {"": device}}

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from recipes.engines.megatron.layout import shape_problems
+from recipes.engines.megatron.layout import parallel_dims, shape_problems
 from recipes.engines.megatron.support import qk_norm
-from recipes.parallel_dims import ParallelDims
 from recipes.planning import megatron_costs as costs
 from recipes.planning import moe as moe_math
 from recipes.planning.moe import MoEShape
@@ -34,12 +33,9 @@ def placement(recipe) -> Placement:
     `cluster_problems` names it)."""
     mg, cl = recipe.megatron, recipe.cluster
     per_node = cl.ranks_per_node()
-    vpp = mg.virtual_pp_size or 1
-    if mg.virtual_pp_size is not None and (mg.pp_size < 2 or vpp < 2):
-        vpp = 1
-    dims = ParallelDims.of(cl.nodes * per_node, tp=mg.tp_size, pp=mg.pp_size, vpp=vpp,
-                           sp=mg.sequence_parallel, ep=getattr(mg, "ep_size", 1))
-    return Placement(dims, max(1, per_node))
+    if mg.virtual_pp_size is not None and (mg.pp_size < 2 or mg.virtual_pp_size < 2):
+        mg = replace(mg, virtual_pp_size=None)
+    return Placement(parallel_dims(mg, cl.nodes * per_node), max(1, per_node))
 
 
 def cluster_problems(recipe) -> list[str]:
@@ -62,7 +58,7 @@ def cluster_problems(recipe) -> list[str]:
         errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size} needs megatron.pp_size >= 2 and a value >= 2 "
                       "(null: no interleaving)")
     dp = max(1, world // (mg.tp_size * mg.pp_size))
-    ep = getattr(mg, "ep_size", 1)
+    ep = mg.ep_size
     if ep > 1 and per_node > 0 and world % (mg.tp_size * mg.pp_size) == 0 and dp % ep:
         errors.append(f"megatron.ep_size: {ep} does not divide the data-parallel size {dp} = world / (tp x pp) "
                       f"(megatron-core lays the experts out as tp x ep x pp x world / (tp ep pp))")

@@ -1,6 +1,7 @@
 """Routing imbalance in the Megatron plan of an MoE model (recipes/planning/moe.py's docstring,
-`MoEShape.imbalance`, validate's --moe-imbalance): at 1.0 the plan is the balanced one (numbers computed
-before the factor existed, at commit 0d47a8c); at f the busiest EP rank's expert activations and
+`MoEShape.imbalance`, validate's --moe-imbalance): at 1.0 the plan is the balanced one (the stage's numbers
+pinned below are the balanced plan's, so a factor of 1 changes none of them); at f the busiest EP rank's
+expert activations and
 all-to-all bytes are f times the balanced ones, worked out by hand here, and its memory grows by exactly
 the difference; below 1 the factor is refused."""
 
@@ -9,8 +10,8 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from recipes.planning import megatron_costs as M
-from recipes.planning import placement as ML
+from recipes.planning import megatron_costs
+from recipes.planning import placement
 from recipes.planning import moe as moe_math
 from recipes.planning.shape import Shape
 from recipes.planning.moe import MoEShape
@@ -32,12 +33,12 @@ def _plan(imbalance=None, ep=4, recompute=None, timed=True):
     shape, moe = _model()
     if imbalance is not None:
         moe = replace(moe, imbalance=imbalance)
-    lay = ML.Placement.of(1, 1, 8, gpus_per_node=4, ep=ep)  # EP 4 inside a node of 4 GPUs
-    return M.estimate(shape, lay, micro_batch_size=MBS, grad_accum=ACCUM, tied=False, seq=SEQ, moe=moe, recompute=recompute,
+    lay = placement.Placement.of(1, 1, 8, gpus_per_node=4, ep=ep)  # EP 4 inside a node of 4 GPUs
+    return megatron_costs.estimate(shape, lay, micro_batch_size=MBS, grad_accum=ACCUM, tied=False, seq=SEQ, moe=moe, recompute=recompute,
                   timed=timed)
 
 
-# the plan's stage at TP 1 x PP 1 x DP 8, EP 4, before the factor existed (commit 0d47a8c)
+# the balanced plan's stage at TP 1 x PP 1 x DP 8, EP 4 (routing without an imbalance factor)
 BEFORE = {
     None: dict(memory={"model states": 9909120.0, "expert states": 37748736.0, "activations": 14254080.0,
                        "head": 3407872.0, "buffers": 2151309312.0}, ep_intra=6291456.0, t_ep=0.00015187626666666662,
@@ -50,7 +51,7 @@ BEFORE = {
 
 @pytest.mark.parametrize("recompute", [None, "full"])
 @pytest.mark.parametrize("imbalance", [None, 1.0, 1])
-def test_an_imbalance_of_1_is_the_balanced_plan_as_before(recompute, imbalance):
+def test_an_imbalance_of_1_is_the_balanced_plan(recompute, imbalance):
     pl = _plan(imbalance, recompute=recompute)
     st, want = pl.stages[0], BEFORE[recompute]
     assert st.memory == want["memory"]
@@ -132,11 +133,11 @@ def _recipe(tmp_path, kind="mixtral"):
 
 
 def test_validate_plans_and_shows_the_imbalance(tmp_path, capsys):
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _recipe(tmp_path)
-    one = V.validate_recipe(path, offline=True, seq_len=256)
-    two = V.validate_recipe(path, offline=True, seq_len=256, moe_imbalance=2.0)
+    one = validate.validate_recipe(path, offline=True, seq_len=256)
+    two = validate.validate_recipe(path, offline=True, seq_len=256, moe_imbalance=2.0)
     assert one.ok and two.ok, (one.errors, two.errors)
     n1, n2 = one.numbers, two.numbers
     assert n1["moe_imbalance"] == 1 and n2["moe_imbalance"] == 2 and n2["moe_busiest_share"] == 2
@@ -145,30 +146,30 @@ def test_validate_plans_and_shows_the_imbalance(tmp_path, capsys):
     assert n2["ep_intra_node_bytes"] == 2 * n1["ep_intra_node_bytes"]
     assert "balanced routing assumed" in dict(one.info)["expert parallel"]
     assert "routing imbalance x2 (--moe-imbalance)" in dict(two.info)["expert parallel"]
-    assert V.main([str(path), "--offline", "--moe-imbalance", "1.5"]) == 0
+    assert validate.main([str(path), "--offline", "--moe-imbalance", "1.5"]) == 0
     assert "routing imbalance x1.5" in capsys.readouterr().out
 
 
 def test_validate_refuses_an_imbalance_below_1_with_exit_2(tmp_path, capsys):
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _recipe(tmp_path)
-    rep = V.validate_recipe(path, offline=True, moe_imbalance=0.5)
+    rep = validate.validate_recipe(path, offline=True, moe_imbalance=0.5)
     assert rep.errors == ["--moe-imbalance: moe imbalance: 0.5 is not a number >= 1.0: it is the tokens the busiest EP "
                           "rank receives over the mean (1.0: balanced routing; the busiest rank never receives less "
                           "than the mean)"]
     with pytest.raises(SystemExit) as exit_:
-        V.main([str(path), "--offline", "--moe-imbalance", "0.5"])
+        validate.main([str(path), "--offline", "--moe-imbalance", "0.5"])
     assert exit_.value.code == 2
     assert "argument --moe-imbalance: moe imbalance: 0.5 is not a number >= 1.0" in capsys.readouterr().err
 
 
 def test_a_dense_model_ignores_the_imbalance_with_a_warning(tmp_path):
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _recipe(tmp_path, "llama")
-    rep = V.validate_recipe(path, ["megatron.ep_size=1"], offline=True, seq_len=256, moe_imbalance=2.0)
+    rep = validate.validate_recipe(path, ["megatron.ep_size=1"], offline=True, seq_len=256, moe_imbalance=2.0)
     assert rep.ok, rep.errors
     assert "--moe-imbalance 2: the model has no experts; ignored" in rep.warnings
-    assert rep.numbers["gpu_total_bytes"] == V.validate_recipe(path, ["megatron.ep_size=1"], offline=True,
+    assert rep.numbers["gpu_total_bytes"] == validate.validate_recipe(path, ["megatron.ep_size=1"], offline=True,
                                                                seq_len=256).numbers["gpu_total_bytes"]

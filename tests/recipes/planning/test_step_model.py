@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.planning import gemm_rates as gr
-from recipes.planning import padding as P
-from recipes.planning import step_model as sm
-from recipes.validation import validate as V
+from recipes.planning import gemm_rates
+from recipes.planning import padding
+from recipes.planning import step_model
+from recipes.validation import validate
 
 CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
 MEASURED = {200: 161e12, 1024: 317e12, 4096: 367e12}  # FLOP/s in kernels, H200, TP-8 70B slice (2026-12)
@@ -134,11 +134,11 @@ def test_step_model_against_the_hand_model():
     worst = 0.0
     for name, (recipe, overrides, hand) in CASES.items():
         for row in (200, 1024, 4096):
-            rep = V.validate_recipe(CONFIGS / recipe, overrides, offline=True, seq_len=row, gpu="H200",
+            rep = validate.validate_recipe(CONFIGS / recipe, overrides, offline=True, seq_len=row, gpu="H200",
                                     gpu_mem_gb=141, recommend=False)
             model, by_hand = rep.numbers["step_time_s"], hand(row)
             worst = max(worst, abs(model / by_hand - 1))
-            terms = sm.dominant_terms(rep.numbers["step_parts"], model, 3)
+            terms = step_model.dominant_terms(rep.numbers["step_parts"], model, 3)
             table.append(f"| {name} | {row} | {by_hand:.3f} | {model:.3f} | {model / by_hand:.2f} | "
                          f"{rep.numbers['mfu']:.1%} | {terms} |")
             assert model == pytest.approx(by_hand, rel=0.2), (name, row, model, by_hand)
@@ -149,7 +149,7 @@ def test_step_model_against_the_hand_model():
 
 
 def test_gemm_rates_interpolate_the_measured_table():
-    table = gr.rate_table("H200", 989.0)
+    table = gemm_rates.rate_table("H200", 989.0)
     (x0, r0), (x1, r1), (x2, r2) = table.anchors
     assert (r0, r1, r2) == (161.0, 317.0, 367.0)
     # the anchors sit at the TP-8 70B slice's FLOP-weighted mean intensity, e.g. at 200 tokens:
@@ -160,56 +160,56 @@ def test_gemm_rates_interpolate_the_measured_table():
     assert table.tflops(x0 / 2) == pytest.approx(r0 / 2)  # below the table: in proportion to the intensity
     assert table.tflops(10 * x2) == r2  # above: the largest measured rate
     # a whole reference slice, each GEMM at its own rate, lands within 3 % of the measured slice rates
-    shapes = gr.gemm_shapes(8192, 28672, 64, 8, 128, 8)
-    for tokens, measured in gr.MEASURED_H200:
-        seconds, flops = gr.layer_gemm_seconds(table, tokens, shapes)
+    shapes = gemm_rates.gemm_shapes(8192, 28672, 64, 8, 128, 8)
+    for tokens, measured in gemm_rates.MEASURED_H200:
+        seconds, flops = gemm_rates.layer_gemm_seconds(table, tokens, shapes)
         assert flops / seconds / 1e12 == pytest.approx(measured, rel=0.03)
-    a100 = gr.rate_table("A100", 312.0)
+    a100 = gemm_rates.rate_table("A100", 312.0)
     assert a100.plateau == pytest.approx(367 * 271.2 / 794.5)  # the MAMF ratio
-    assert gr.rate_table("H200", 989.0, "float32").plateau == pytest.approx(367 / 2)  # TF32
-    assert gr.rate_table("H100", 989.0, plateau=600).tflops(10 * x2) == pytest.approx(600)  # --gpu-tflops
-    assert gr.gpu_name("NVIDIA H200") == "H200" and gr.gpu_name(None, 989.0, 80) == "H100"
+    assert gemm_rates.rate_table("H200", 989.0, "float32").plateau == pytest.approx(367 / 2)  # TF32
+    assert gemm_rates.rate_table("H100", 989.0, plateau=600).tflops(10 * x2) == pytest.approx(600)  # --gpu-tflops
+    assert gemm_rates.gpu_name("NVIDIA H200") == "H200" and gemm_rates.gpu_name(None, 989.0, 80) == "H100"
 
 
 def test_collectives_pay_nccls_latency_per_call():
-    hw = sm.Hardware()
+    hw = step_model.Hardware()
     # a 1 MB all-gather over the 8 GPUs of a node: LL wins, 6.6 + 7 x 0.6 us + 7/8 MB at half of 360 GB/s
-    small = sm.Collective("x", 1e6 * 7 / 8, nodes=1, per_node=8, calls=1, kind="all_gather", ranks=8)
+    small = step_model.Collective("x", 1e6 * 7 / 8, nodes=1, per_node=8, calls=1, kind="all_gather", ranks=8)
     assert small.time(hw) == pytest.approx(10.8e-6 + 0.875e6 / 180e9)
     # 100 of them: 100 latencies; without a group size (ranks 0): bandwidth only
-    many = sm.Collective("x", 100 * 1e6 * 7 / 8, 1, 8, 100, "all_gather", 8)
+    many = step_model.Collective("x", 100 * 1e6 * 7 / 8, 1, 8, 100, "all_gather", 8)
     assert many.time(hw) == pytest.approx(100 * small.time(hw)) and many.latency_s(hw) == pytest.approx(100 * 10.8e-6)
-    assert sm.Collective("x", 1e6, 1, 8, 1).time(hw) == pytest.approx(1e6 / 360e9)
+    assert step_model.Collective("x", 1e6, 1, 8, 1).time(hw) == pytest.approx(1e6 / 360e9)
     # 1 GB over 32 ranks on 4 nodes: Simple, 8.4 + 28 x 3.4 + 3 x 14 us + the longer of network and NVLink
-    big = sm.Collective("y", 1e9, nodes=4, per_node=8, calls=1, kind="reduce_scatter", ranks=32)
+    big = step_model.Collective("y", 1e9, nodes=4, per_node=8, calls=1, kind="reduce_scatter", ranks=32)
     assert big.time(hw) == pytest.approx(145.6e-6 + max(1e9 / 8 / 50e9, 1e9 * 7 / 8 / 360e9))
-    assert sm.latency_s("all_reduce", 8, 1, "Simple") == pytest.approx(8.4e-6 + 14 * 3.4e-6)
+    assert step_model.latency_s("all_reduce", 8, 1, "Simple") == pytest.approx(8.4e-6 + 14 * 3.4e-6)
 
 
 def test_expected_padding_by_hand():
     """Rows of 100 or 300 tokens, half each (mean 200)."""
     lengths = np.array([100, 300])
     # micro-batches of 2 random rows pad to the longer: 300 unless both are 100 (1/4): 250 on average
-    plain = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=False)
+    plain = padding.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=False)
     assert plain.padded_tokens == pytest.approx(2 * 2 * 250) and plain.padding_ratio == pytest.approx(1.25)
     # sorted, the step's 4 rows give block 0 the longest (300 unless all four are 100: 287.5) and block 1 the
     # 3rd longest (300 when at least three are: 5/16: 162.5)
-    bucketed = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True)
+    bucketed = padding.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True)
     assert bucketed.padded_tokens == pytest.approx(2 * (287.5 + 162.5)) and bucketed.padding_ratio == pytest.approx(1.125)
     # ranks meeting at every micro-batch wait for the longest of their 4 rows either way: 2 rows of 287.5
     for bucketing in (False, True):
-        step = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=bucketing, lockstep=True)
+        step = padding.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=bucketing, lockstep=True)
         assert sum(s.mean() for s in step.critical) == pytest.approx(2 * 287.5)
     # real tokens back to back (Megatron's THD): no padding; sorted, block 0 holds the longest and the 2nd
     # longest (300 when at least two of four are: 11/16, so 237.5): 525 tokens, block 1 the rest, 275
-    thd = P.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True, concat=True)
+    thd = padding.deal(lengths, micro_batch=2, micro_batches=1, dp=2, bucketing=True, concat=True)
     assert thd.padding_ratio == pytest.approx(1.0) and thd.critical[0].mean() == pytest.approx(525)
     assert sorted(thd.typical.values.tolist()) == [275, 525]
-    assert P.deal(lengths, micro_batch=2, micro_batches=3, dp=1, bucketing=False, concat=True).typical.mean() == 400
+    assert padding.deal(lengths, micro_batch=2, micro_batches=3, dp=1, bucketing=False, concat=True).typical.mean() == 400
     # rounded up to multiples of 128: 100 -> 128, 300 -> 384; data.seq_len pads every row
-    assert P.deal(lengths, micro_batch=1, micro_batches=1, dp=1, bucketing=False, pad_multiple=128).padded_tokens \
+    assert padding.deal(lengths, micro_batch=1, micro_batches=1, dp=1, bucketing=False, pad_multiple=128).padded_tokens \
         == pytest.approx(256)
-    assert P.deal(lengths, micro_batch=2, micro_batches=3, dp=1, bucketing=True, fixed=512).padding_ratio \
+    assert padding.deal(lengths, micro_batch=2, micro_batches=3, dp=1, bucketing=True, fixed=512).padding_ratio \
         == pytest.approx(512 / 200)
 
 
@@ -222,14 +222,14 @@ def test_mfu_is_derived_from_the_predicted_time():
     s = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)
     zero = costs.ZeroSettings(zero_stage=3, hpz=8, micro_batch_size=4, grad_accum=1, chunked=True,
                               prefetch_bucket=H70 * I70, reduce_bucket=H70 * H70)
-    rows = sm.Rows(200, 300, "", np.array([100, 300]), bucketing=False, pad_multiple=1)
-    pl = costs.estimate(s, P70, H70 * VOCAB, costs.placement(4, 8), zero, rows, sm.Hardware(gpu="H200"))
+    rows = step_model.Rows(200, 300, "", np.array([100, 300]), bucketing=False, pad_multiple=1)
+    pl = costs.estimate(s, P70, H70 * VOCAB, costs.placement(4, 8), zero, rows, step_model.Hardware(gpu="H200"))
     # 128 rows: 6 N per real token, causal attention 6 a d L per token per row length (E[L^2] = 50,000)
     real = 128 * (6 * (L70 * LAYER70 + VOCAB * H70) * 200 + 6 * 64 * D * L70 * (100 ** 2 + 300 ** 2) / 2)
     assert pl.mfu == pytest.approx(real / (pl.step_s * 32 * 989e12))
     assert pl.padding_ratio == pytest.approx(4 * 300 * (15 / 16) / 800 + 4 * 100 / 16 / 800)  # longest of 4 rows
     # one node, 4096-token rows, GEMMs at 900 TFLOP/s at the largest shapes: compute-bound, MFU past 40.4 %
     one = replace(zero, hpz=1, micro_batch_size=2)
-    fast = costs.estimate(s, P70, H70 * VOCAB, costs.placement(1, 8), one, sm.Rows(4096, 4096, "", np.array([4096])),
-                          sm.Hardware(gpu="H200", gpu_tflops=900))
+    fast = costs.estimate(s, P70, H70 * VOCAB, costs.placement(1, 8), one, step_model.Rows(4096, 4096, "", np.array([4096])),
+                          step_model.Hardware(gpu="H200", gpu_tflops=900))
     assert fast.limit == "compute" and 0.6 < fast.mfu < 900 / 989

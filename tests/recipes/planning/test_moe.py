@@ -10,13 +10,13 @@ import yaml
 
 from recipes.engines.megatron import plan as megatron_plan
 from recipes.engines.megatron.layout import shape_problems
-from recipes.planning import megatron_costs as M
-from recipes.planning import placement as ML
+from recipes.planning import megatron_costs
+from recipes.planning import placement
 from recipes.planning import moe as moe_math
 from recipes.planning.shape import Shape
 from recipes.planning.moe import MoEShape, parameter_counts
 
-SCALE = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "scale"
+SCALE = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "scale"
 
 TINY = {
     "qwen3_moe": dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=3,
@@ -88,7 +88,7 @@ def test_the_megatron_planners_parameters_equal_the_hf_model(kind, extra):
     assert parameter_counts(cfg).total == total
     if "attention_bias" not in extra:
         shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-        assert M.stage_params(shape, ML.Placement.of(1, 1, 1), 0, tied, qkv_bias, qk_norm, moe) == total
+        assert megatron_costs.stage_params(shape, placement.Placement.of(1, 1, 1), 0, tied, qkv_bias, qk_norm, moe) == total
 
 
 def test_qkv_bias_of_configs_without_the_key():
@@ -127,8 +127,8 @@ def _tiny_plan(ep, dp=8, recompute=None):
                                   num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
                                   num_experts_per_tok=2))
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    lay = ML.Placement.of(1, 1, dp, gpus_per_node=8, ep=ep)
-    return shape, moe, M.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
+    lay = placement.Placement.of(1, 1, dp, gpus_per_node=8, ep=ep)
+    return shape, moe, megatron_costs.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe,
                               recompute=recompute, timed=False)
 
 
@@ -164,8 +164,8 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
     st = pl.stages[0]
     assert st.ep_inter == 0 and st.ep_intra == pytest.approx(4 * 4 * T * k * h * e * 3 / 4)  # 4 layers x 4
     # EP 8 over 2 nodes of 4 GPUs: 4 of the 7 peers are on the other node
-    lay = ML.Placement.of(1, 1, 8, gpus_per_node=4, ep=8)
-    plan = M.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
+    lay = placement.Placement.of(1, 1, 8, gpus_per_node=4, ep=8)
+    plan = megatron_costs.estimate(shape, lay, micro_batch_size=2, grad_accum=1, tied=False, seq=128, moe=moe, timed=False)
     sent = 4 * 4 * T * k * h * e * 7 / 8
     assert plan.stages[0].ep_inter == pytest.approx(sent * 4 / 7)
     assert plan.stages[0].ep_intra == pytest.approx(sent * 3 / 7)
@@ -176,24 +176,24 @@ def test_all_to_all_bytes_by_hand_inside_and_across_nodes():
 def test_layout_problems_name_ep_and_tp():
     cfg = _config("qwen3_moe", TINY["qwen3_moe"])
     shape, moe = Shape.of(cfg), MoEShape.of(cfg)
-    problems = shape_problems(shape, ML.Placement.of(1, 1, 8, ep=4).dims, 1, moe)
+    problems = shape_problems(shape, placement.Placement.of(1, 1, 8, ep=4).dims, 1, moe)
     assert problems == ["megatron.ep_size: 4 does not divide the model's 6 experts"]
-    problems = shape_problems(shape, ML.Placement.of(1, 1, 4, ep=3).dims, 1, moe)
+    problems = shape_problems(shape, placement.Placement.of(1, 1, 4, ep=3).dims, 1, moe)
     assert problems and problems[0].startswith("megatron.ep_size: 3 does not divide the data-parallel size 4")
     assert any("megatron.tp_size: 16" in p and "experts' intermediate size" in p
-               for p in shape_problems(shape, ML.Placement.of(16, 1, 1, gpus_per_node=16).dims, 1, moe))
+               for p in shape_problems(shape, placement.Placement.of(16, 1, 1, gpus_per_node=16).dims, 1, moe))
     dense = _config("qwen3", dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16))
-    assert shape_problems(Shape.of(dense), ML.Placement.of(1, 1, 2, ep=2).dims, 1, None) == [
+    assert shape_problems(Shape.of(dense), placement.Placement.of(1, 1, 2, ep=2).dims, 1, None) == [
         "megatron.ep_size: 2 > 1, but the model has no experts (a dense MLP)"]
 
 
 @pytest.mark.parametrize("name, gpus", [("qwen3-30b-a3b-4x8", 32), ("qwen3-30b-a3b-8x8", 64),
                                         ("mixtral-8x22b-8x8", 64), ("mixtral-8x22b-4x8", 32)])
 def test_scale_recipes_take_the_recommended_layout_with_ep_inside_a_node(name, gpus):
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
-    rep = V.validate_recipe(SCALE / f"{name}.yaml", offline=True, seq_len=1024)
+    rep = validate.validate_recipe(SCALE / f"{name}.yaml", offline=True, seq_len=1024)
     assert rep.ok, rep.render()
     rec = rep.numbers["recommendation"]
     assert rec["engine"] == "megatron"
@@ -209,9 +209,9 @@ def test_scale_recipes_take_the_recommended_layout_with_ep_inside_a_node(name, g
 
 def test_mixtral_8x22b_does_not_fit_4x8_h100():
     """141B parameters x 18 bytes (bf16 weights, fp32 main grads, fp32 Adam) / 32 GPUs = 79 GB > 71.2 GiB."""
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
-    rep = V.validate_recipe(SCALE / "mixtral-8x22b-4x8.yaml", ["cluster.gpu=H100", "cluster.gpu_mem_gb=80"],
+    rep = validate.validate_recipe(SCALE / "mixtral-8x22b-4x8.yaml", ["cluster.gpu=H100", "cluster.gpu_mem_gb=80"],
                             offline=True, seq_len=1024)
     assert any(e.startswith("memory: stage") for e in rep.errors), rep.errors
     assert 141e9 * 18 / 32 > rep.numbers["gpu_usable_bytes"]
@@ -235,47 +235,47 @@ def _tiny_recipe(tmp_path, kind, ep=2, tp=1):
 def test_validate_refuses_layouts_the_model_cannot_take_with_exit_2(tmp_path, kind, bad, refusal, capsys):
     from recipes.checks import preflight
     from recipes.config import load_recipe
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _tiny_recipe(tmp_path, kind)
-    assert V.validate_recipe(path, [], offline=True).ok
-    assert V.main([str(path), "--offline"]) == 0
-    rep = V.validate_recipe(path, bad, offline=True)
+    assert validate.validate_recipe(path, [], offline=True).ok
+    assert validate.main([str(path), "--offline"]) == 0
+    rep = validate.validate_recipe(path, bad, offline=True)
     assert any(e.startswith(refusal) for e in rep.errors), rep.errors
-    assert V.main([str(path), *bad, "--offline"]) == 2
+    assert validate.main([str(path), *bad, "--offline"]) == 2
     assert refusal in capsys.readouterr().out
     with pytest.raises(preflight.RecipeCheckError, match="megatron.(ep|tp)_size"):
         preflight.preflight(load_recipe(path, bad), world_size=8)
 
 
 def test_ep_not_dividing_the_data_parallel_size_is_refused(tmp_path):
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _tiny_recipe(tmp_path, "mixtral")  # 8 GPUs, TP 2 -> DP 4: EP 4 divides, EP 8 does not (nor 8 > 4 experts)
-    assert V.validate_recipe(path, ["megatron.tp_size=2", "megatron.sequence_parallel=true", "megatron.ep_size=4"],
+    assert validate.validate_recipe(path, ["megatron.tp_size=2", "megatron.sequence_parallel=true", "megatron.ep_size=4"],
                              offline=True).ok
-    rep = V.validate_recipe(path, ["megatron.tp_size=4", "megatron.sequence_parallel=true"], offline=True)
+    rep = validate.validate_recipe(path, ["megatron.tp_size=4", "megatron.sequence_parallel=true"], offline=True)
     assert any(e.startswith("megatron.tp_size: 4") for e in rep.errors)
-    rep = V.validate_recipe(path, ["cluster.gpus_per_node=6"], offline=True)  # DP 6, EP 2 divides; EP 4 does not
+    rep = validate.validate_recipe(path, ["cluster.gpus_per_node=6"], offline=True)  # DP 6, EP 2 divides; EP 4 does not
     assert rep.ok, rep.errors
-    rep = V.validate_recipe(path, ["cluster.gpus_per_node=6", "megatron.ep_size=4"], offline=True)
+    rep = validate.validate_recipe(path, ["cluster.gpus_per_node=6", "megatron.ep_size=4"], offline=True)
     assert any(e.startswith("megatron.ep_size: 4 does not divide the data-parallel size 6") for e in rep.errors)
-    assert V.main([str(path), "cluster.gpus_per_node=6", "megatron.ep_size=4", "--offline"]) == 2
+    assert validate.main([str(path), "cluster.gpus_per_node=6", "megatron.ep_size=4", "--offline"]) == 2
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_autotp_on_an_moe_model_is_refused_before_any_model_is_built(tmp_path, kind, capsys):
     from recipes.checks import preflight
     from recipes.config import load_recipe
-    from recipes.validation import validate as V
+    from recipes.validation import validate
 
     path = _tiny_recipe(tmp_path, kind, ep=1)
     on_deepspeed = ["train.engine=deepspeed", "deepspeed.zero_stage=2"]
-    assert V.validate_recipe(path, on_deepspeed, offline=True).ok  # ZeRO alone shards the experts: fine
+    assert validate.validate_recipe(path, on_deepspeed, offline=True).ok  # ZeRO alone shards the experts: fine
     bad = [*on_deepspeed, "deepspeed.tp_size=2"]
     refusal = "deepspeed.tp_size: 2 on a mixture-of-experts model"
-    assert any(e.startswith(refusal) for e in V.validate_recipe(path, bad, offline=True).errors)
-    assert V.main([str(path), *bad, "--offline"]) == 2
+    assert any(e.startswith(refusal) for e in validate.validate_recipe(path, bad, offline=True).errors)
+    assert validate.main([str(path), *bad, "--offline"]) == 2
     assert refusal in capsys.readouterr().out
     with pytest.raises(preflight.RecipeCheckError, match="deepspeed.tp_size: 2 on a mixture-of-experts"):
         preflight.preflight(load_recipe(path, bad), world_size=8)
@@ -285,9 +285,9 @@ def test_autotp_on_an_moe_model_is_refused_before_any_model_is_built(tmp_path, k
 def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
     """What a run's log sets beside its measurements (recipes.training.throughput.predict) is the plan
     `recipes.validate` reports for the same recipe: the experts' weights and states per EP rank, not a
-    dense model of the active width (which it was before: Mixtral-8x22B's 8 experts counted as one)."""
+    dense model of the active width (Mixtral-8x22B's 8 experts counted as one)."""
     from recipes.config import load_recipe
-    from recipes.validation import validate as V
+    from recipes.validation import validate
     from recipes.planning.backbones import resolve_model_config
     from recipes.planning.step_model import GiB
     from recipes.training.throughput import predict
@@ -297,14 +297,14 @@ def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
     recipe = load_recipe(SCALE / f"{name}.yaml", overrides)
     cfg, _, _ = resolve_model_config(recipe, offline=True)
     got = predict(recipe, cfg, recipe.cluster.nodes * recipe.cluster.gpus_per_node)
-    rep = V.validate_recipe(SCALE / f"{name}.yaml", overrides, offline=True)
+    rep = validate.validate_recipe(SCALE / f"{name}.yaml", overrides, offline=True)
     assert rep.ok, rep.render()
     assert got["memory_gib"] == pytest.approx(rep.numbers["gpu_total_bytes"] / GiB, rel=1e-12)
     assert got["step_s"] == pytest.approx(rep.numbers["step_time_s"], rel=1e-12)
     assert got["mfu"] == pytest.approx(rep.numbers["mfu"], rel=1e-12)
     # and the experts are in it: the same plan without them holds less
-    from recipes.planning import step_model as sm
+    from recipes.planning import step_model
 
-    dense = megatron_plan.plan(recipe, cfg, rows=sm.row_tokens(recipe), hardware=sm.hardware(recipe), moe=None,
+    dense = megatron_plan.plan(recipe, cfg, rows=step_model.row_tokens(recipe), hardware=step_model.hardware(recipe), moe=None,
                                gpus=False)
     assert dense.peak.total / GiB < 0.9 * got["memory_gib"]

@@ -1,10 +1,10 @@
-"""recipes.planning.validate and the shipped recipes: every recipe loads and validates; bad ones name the key."""
+"""recipes.validate and the shipped recipes: every recipe loads and validates; bad ones name the key."""
 
 from pathlib import Path
 
 import pytest
 
-from recipes.validation import validate as V
+from recipes.validation import validate
 from recipes.planning.backbones import count_parameters
 from recipes.config import load_recipe
 
@@ -26,7 +26,7 @@ def test_the_papers_recipes_are_shipped():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_every_shipped_recipe_validates_offline(path):
-    rep = V.validate_recipe(path, offline=True)
+    rep = validate.validate_recipe(path, offline=True)
     assert rep.ok, rep.render()
     assert rep.numbers["params"] > 0
     missing = [w for w in rep.warnings if "data missing" in w]
@@ -39,24 +39,24 @@ def test_every_shipped_recipe_validates_offline(path):
 
 
 def test_strict_turns_missing_data_into_an_error(capsys):
-    rep = V.validate_recipe(QWEN, offline=True, strict=True, size=False)
+    rep = validate.validate_recipe(QWEN, offline=True, strict=True, size=False)
     assert not rep.ok and any(e.startswith("data.train: data missing") for e in rep.errors)
-    assert V.main([str(QWEN), "--offline", "--strict"]) == 1
+    assert validate.main([str(QWEN), "--offline", "--strict"]) == 1
     assert "ERROR    data.train: data missing" in capsys.readouterr().out
-    assert V.main([str(QWEN), "--offline"]) == 0
+    assert validate.main([str(QWEN), "--offline"]) == 0
 
 
 def test_known_sizes_and_deepspeed_estimate():
     """Parameter counts of the offline table equal the published totals; the memory line is DeepSpeed's."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    rep = V.validate_recipe(CONFIGS / "scale" / "llama3-70b-4x8.yaml", offline=True)
+    rep = validate.validate_recipe(CONFIGS / "scale" / "llama3-70b-4x8.yaml", offline=True)
     assert rep.numbers["params"] == 70_553_706_496
     _, gpu, _ = estimate_zero3_model_states_mem_needs(
         total_params=rep.numbers["params"], largest_layer_params=rep.numbers["largest_layer_params"],
         num_gpus_per_node=8, num_nodes=4, cpu_offload=False, cpu_offload_params=False, zero_init=True)
     assert rep.numbers["gpu_mem_bytes"] == gpu
-    assert V.validate_recipe(QWEN, offline=True).numbers["params"] == 1_543_714_304
+    assert validate.validate_recipe(QWEN, offline=True).numbers["params"] == 1_543_714_304
 
 
 def test_parameter_count_equals_a_real_model(tmp_path):
@@ -79,9 +79,9 @@ def test_parameter_count_equals_a_real_model(tmp_path):
     ("loss.objective={terms: {smmd: {sigmaz: [1.0]}}}", "loss.objective"),  # unknown term option
 ])
 def test_bad_recipes_do_not_load_and_name_the_key(override, key, capsys):
-    rep = V.validate_recipe(DEMO, [override], offline=True)
+    rep = validate.validate_recipe(DEMO, [override], offline=True)
     assert not rep.ok and key in rep.errors[0], rep.errors
-    assert V.main([str(DEMO), override, "--offline"]) == 2
+    assert validate.main([str(DEMO), override, "--offline"]) == 2
     assert key in capsys.readouterr().out
 
 
@@ -91,18 +91,18 @@ def test_bad_recipes_do_not_load_and_name_the_key(override, key, capsys):
     (["loss.numeric_policy=integers", "loss.objective={terms: {ntil: 0.3}}"], "loss.objective.terms.ntil"),
 ])
 def test_inconsistent_recipes_are_errors_naming_the_key(overrides, key, capsys):
-    rep = V.validate_recipe(QWEN, overrides, offline=True, size=False)
+    rep = validate.validate_recipe(QWEN, overrides, offline=True, size=False)
     assert not rep.ok and any(e.startswith(key) for e in rep.errors), rep.errors
     # a layout the cluster cannot take (TP spanning nodes) exits 2, other errors 1
-    assert V.main([str(QWEN), *overrides, "--offline"]) == (2 if key == "deepspeed.tp_size" else 1)
+    assert validate.main([str(QWEN), *overrides, "--offline"]) == (2 if key == "deepspeed.tp_size" else 1)
 
 
 def test_batch_arithmetic_counts_data_parallel_ranks_after_tp():
     tp8 = CONFIGS / "scale" / "llama3-70b-8x8-tp8.yaml"
-    rep = V.validate_recipe(tp8, offline=True, size=False)
+    rep = validate.validate_recipe(tp8, offline=True, size=False)
     assert rep.ok and rep.numbers["effective_batch"] == 64
     assert any("AutoTP + ZeRO-3" in w for w in rep.warnings)
-    rep = V.validate_recipe(tp8, ["deepspeed.tp_size=1"], offline=True, size=False)  # now 64 DP ranks: 512
+    rep = validate.validate_recipe(tp8, ["deepspeed.tp_size=1"], offline=True, size=False)  # now 64 DP ranks: 512
     assert any("train.global_batch_size: 64 != " in e and "(= 512)" in e for e in rep.errors)
 
 
@@ -110,24 +110,24 @@ def test_built_data_is_checked_against_the_recipe(rec_data_dir, rec_tokenizer_di
     base = [f"data.train={rec_data_dir}", f"data.eval={rec_data_dir}", f"model.tokenizer={rec_tokenizer_dir}",
             "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=3",  # 24 rows: 3 steps of 8
             "model.config.vocab_size=512"]  # the test tokenizer's 388 tokens fit
-    rep = V.validate_recipe(DEMO, base, offline=True, strict=True, size=False)
+    rep = validate.validate_recipe(DEMO, base, offline=True, strict=True, size=False)
     assert rep.ok and not rep.warnings, rep.render()
-    rep = V.validate_recipe(DEMO, base + ["loss.numeric_policy=integers"], offline=True, size=False)
+    rep = validate.validate_recipe(DEMO, base + ["loss.numeric_policy=integers"], offline=True, size=False)
     assert any(e.startswith("loss.numeric_policy") for e in rep.errors)
 
 
 def test_cpu_recipes_count_their_ranks_from_cpu_ranks_per_node():
-    rep = V.validate_recipe(DEMO, offline=True, size=False)  # 1 node x 2 CPU ranks x 32 rows
+    rep = validate.validate_recipe(DEMO, offline=True, size=False)  # 1 node x 2 CPU ranks x 32 rows
     assert rep.numbers["effective_batch"] == 64 and not rep.errors
-    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4", "train.global_batch_size=128"], offline=True,
+    rep = validate.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4", "train.global_batch_size=128"], offline=True,
                             size=False)
     assert rep.numbers["effective_batch"] == 128 and not rep.errors
-    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4"], offline=True, size=False)
+    rep = validate.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=4"], offline=True, size=False)
     assert any(e.startswith("train.global_batch_size: 64 != micro_batch_size 32 x grad_accum 1 x data-parallel 4")
                for e in rep.errors), rep.errors
-    rep = V.validate_recipe(DEMO, ["deepspeed.tp_size=2", "cluster.cpu_ranks_per_node=3"], offline=True, size=False)
+    rep = validate.validate_recipe(DEMO, ["deepspeed.tp_size=2", "cluster.cpu_ranks_per_node=3"], offline=True, size=False)
     assert any(e.startswith("deepspeed.tp_size: 2 does not divide cluster.cpu_ranks_per_node 3") for e in rep.errors)
-    rep = V.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=0"], offline=True, size=False)
+    rep = validate.validate_recipe(DEMO, ["cluster.cpu_ranks_per_node=0"], offline=True, size=False)
     assert not rep.ok and "cluster.cpu_ranks_per_node" in rep.errors[0]
 
 
@@ -138,14 +138,14 @@ def test_chunked_head_note_names_the_head_to_use():
         return SimpleNamespace(loss=SimpleNamespace(head=head), train=SimpleNamespace(micro_batch_size=micro),
                                data=SimpleNamespace(seq_len=seq))
 
-    rep = V.Report("r")
+    rep = validate.Report("r")
     for hidden in (8192, 4096):  # H = 8 T, 4 T: d W dominates
-        rep = V.Report("r")
-        V.chunked_head_note(rep, recipe("chunked", 1, 1024), hidden_size=hidden)
+        rep = validate.Report("r")
+        validate.chunked_head_note(rep, recipe("chunked", 1, 1024), hidden_size=hidden)
         assert len(rep.warnings) == 1 and "loss.head: logits" in rep.warnings[0]
     for head, micro, seq in (("chunked", 4, 1024), ("chunked", 1, 4096), ("logits", 1, 1024), ("chunked", 1, None)):
-        rep = V.Report("r")
-        V.chunked_head_note(rep, recipe(head, micro, seq), hidden_size=8192)
+        rep = validate.Report("r")
+        validate.chunked_head_note(rep, recipe(head, micro, seq), hidden_size=8192)
         assert rep.warnings == [], (head, micro, seq)
 
 
@@ -161,7 +161,7 @@ def test_memory_is_planned_against_the_usable_part_of_the_device():
     meg8 = CONFIGS / "llama3-8b-gsm8k" / "megatron.yaml"
     two_rows = ["train.micro_batch_size=2", "train.grad_accum=4"]
     for seq in range(1024, 2049, 64):  # the plan's memory grows with the rows: find one between the two
-        rep = V.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=80)
+        rep = validate.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=80)
         if 71.19 * 2**30 < rep.numbers["gpu_total_bytes"] < 79.1 * 2**30:
             break
     else:
@@ -170,4 +170,13 @@ def test_memory_is_planned_against_the_usable_part_of_the_device():
     assert dict(rep.info)["GPU memory"].startswith("a GPU sold as 80 GB: torch sees 79.1 GiB; the plan may fill "
                                                    "71.2 GiB (10% kept for allocator fragmentation")
     assert rep.numbers["gpu_usable_bytes"] == int(79.1 * 0.9 * 2**30)
-    assert V.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=141).ok
+    assert validate.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=141).ok
+
+
+def test_every_engine_has_a_report():
+    """validate prints each engine's plan through that engine's report module: one per contract."""
+    from recipes.engines import ENGINES
+
+    assert set(validate.ENGINE_REPORTS) == set(ENGINES)
+    for report in validate.ENGINE_REPORTS.values():
+        assert callable(report.add_plan) and callable(report.layout_line)
