@@ -166,12 +166,23 @@ def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
         return None
     try:
         from recipes.evaluation.evaluate import evaluate
+        from recipes.evaluation.placement import local_gpus, plan_placement
     except ImportError:  # recipes.evaluation.evaluate not there: the table keeps the training metrics
         return None
+    final = job.out_dir / "final"
+    # the export's placement on this node's GPUs (a 70B export spans several: vLLM tensor parallelism or
+    # device_map auto), refused before loading where this node cannot hold it
+    gpus, gpu_bytes = local_gpus()
+    if recipe.cluster.gpus_per_node and not gpus:
+        print(f"[launch.sweep] {job.name}: not evaluated: the recipe trains on GPUs and this node has none; "
+              "rerun the sweep on a GPU node to evaluate", flush=True)
+        return None
+    placement = plan_placement(final, gpus, gpu_bytes)
     limit = sweep.eval_limit if sweep.eval_limit is not None else recipe.eval.limit
-    return evaluate(str(job.out_dir / "final"), data, out=str(job.out_dir / "eval_results.json"),
+    return evaluate(str(final), data, out=str(job.out_dir / "eval_results.json"),
                     batch_size=recipe.eval.batch_size, max_new_tokens=recipe.eval.max_new_tokens,
-                    answer_format=recipe.eval.answer_format, limit=limit, name=job.name)
+                    answer_format=recipe.eval.answer_format, limit=limit, name=job.name,
+                    backend=recipe.eval.backend, eval_section=recipe.eval, placement=placement)
 
 
 EVALUATE = evaluate_job  # the hook: f(sweep, job) -> results dict with "metrics", or None

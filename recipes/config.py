@@ -153,13 +153,48 @@ class TrainSection:
     progress: bool = True
 
 
+# Stop strings of numloss's own evaluation by task (the data_prep source kind of the eval rows); a kind the
+# recipe's eval.stop does not list uses these. The generated text is cut at the first one (the model's EOS
+# and end-of-turn ids stop it too); one that occurs inside a row's gold target is refused before generating.
+# GSM8K-style solutions: lm-eval's gsm8k stops ("Question:" opens the next few-shot turn); one-line answers: "\n".
+EVAL_STOP = {
+    "gsm8k": ["Question:", "</s>", "<|im_end|>"],
+    "svamp": ["Question:", "</s>", "<|im_end|>"],
+    "arithmetic": ["\n"],
+    "deepmind_math": ["\n"],
+    "clock": ["\n"],
+    "clock_text": ["\n"],
+    "chartqa": ["\n"],
+}
+EVAL_BACKENDS = ("auto", "vllm", "hf")
+
+
 @dataclass
 class EvalSection:
     data: str | None = None  # data_prep dir; defaults to data.eval
     batch_size: int = 16
-    max_new_tokens: int = 16
+    # None: from the eval rows, their longest target in tokens plus half of it, at least 16, so a chain of
+    # thought as long as the data's fits (GSM8K solutions run to ~300 tokens)
+    max_new_tokens: int | None = None
     answer_format: str = "number"  # number | time (H:MM, scored with the circular time gap)
     limit: int | None = None
+    stop: dict[str, list[str]] = field(default_factory=lambda: copy.deepcopy(EVAL_STOP))  # by task, as EVAL_STOP
+    backend: str = "auto"  # generation: auto (vLLM where it imports, else Hugging Face generate) | vllm | hf
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"eval.max_new_tokens: must be >= 1 (null: from the eval data), got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"eval.batch_size: must be >= 1, got {self.batch_size}")
+        if self.backend not in EVAL_BACKENDS:
+            raise ValueError(f"eval.backend: {self.backend!r} is not one of {list(EVAL_BACKENDS)}")
+        for task, stops in self.stop.items():
+            if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+                raise ValueError(f"eval.stop.{task}: expected a list of non-empty strings, got {stops!r}")
+
+    def stop_for(self, task: str) -> list[str]:
+        """The stop strings of a task: the recipe's, else EVAL_STOP's, else none (EOS only)."""
+        return list(self.stop.get(task, EVAL_STOP.get(task, [])))
 
 
 @dataclass

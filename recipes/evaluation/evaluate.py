@@ -1,38 +1,42 @@
-"""Evaluate a trained model on data_prep shards: greedy answers, parsed and scored with recipes.evaluation.metrics.
+"""Evaluate a trained model on data_prep shards: greedy answers, read with data_prep.answers and scored with
+recipes.evaluation.metrics.
 
     python -m recipes.evaluate --model runs/demo/final --data runs/demo/data/test --out results.json
     python -m recipes.evaluate --model DIR --data DIR --answer-format time --limit 500 --name ce
+    torchrun --nproc_per_node 8 -m recipes.evaluate --model DIR --data DIR --backend hf   # data-parallel
+    python -m recipes.evaluate harness --model DIR --tasks gsm8k    # lm-evaluation-harness (recipes.evaluation.harness)
     python -m recipes.evaluate table a.json b.json ... > table.md      # one Markdown row per run
 
     from recipes.evaluation.evaluate import evaluate
     results = evaluate("runs/demo/final", "runs/demo/data/test", out="results.json")
 
-What it does, and the decisions behind it:
+What it does, and the decisions behind it (docs/evaluation.md):
 - Rows are read straight from the shards of a data_prep directory (manifest order, one example per
   row; packed shards are refused: the answer of a packed row is ambiguous). The prompt of a row is its
   tokens before the first label != -100: exactly the ids the model saw before its answer in training,
   chat template and generation prompt included, so nothing is re-tokenized.
-- Generation: batched greedy decoding with left padding (rows sorted by prompt length to waste little
-  padding, results put back in row order), up to `max_new_tokens`, stopping at EOS. The stop ids are
-  the tokenizer's and generation config's EOS plus every special token that ends a row's labels in the
-  shards (a chat template's end-of-turn, e.g. "<|im_end|>"), so a chat model stops where it was trained
-  to stop.
-- Scoring: the generated text (special tokens dropped) is parsed with `recipes.evaluation.metrics`: the last
-  number (answer_format "number") or the last "H:MM" (answer_format "time"), against the row's numeric
-  `answer` (for clock data: minutes past 12 on a 12-hour dial). Metrics: n, parse_rate, exact_match,
-  mae, r2; for time: exact_match, parse_rate and time_gap (mean circular gap in minutes; mae is the
-  same circular gap, r2 is not reported). Rows whose answer is not one number (a DeepMind-Math surd
-  "-14 + 4*sqrt(7)" or base-16 numeral "-191b", a ChartQA text answer) are scored by exact match of
-  the generated text against `answer_text` (whitespace around it aside) and count in exact_match,
-  not in parse_rate, MAE or R². The metrics say how many rows each used: n_numeric (parse_rate),
-  n_text, n_exact_match, n_mae_r2 (time: n_time_gap). `relaxed_accuracy` (ChartQA's metric: a number
-  within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
+- Generation (`recipes.evaluation.generation`): greedy, up to `max_new_tokens` (None: from the rows'
+  longest target), stopping at EOS, at the special token that ends the rows' labels, and at the task's stop
+  strings (the manifest's source kinds, `eval.stop`). Backend: vLLM where it imports (`recipes.evaluation.
+  vllm_generation`, tensor-parallel over the GPUs `recipes.evaluation.placement` gives the export), else
+  Hugging Face generate (layers spread with device_map "auto" when the export needs several GPUs), data-
+  parallel over torchrun's ranks (`recipes.evaluation.data_parallel`). Images: Hugging Face only.
+- Scoring: the generated text (special tokens dropped) is read with `data_prep.answers.parse_answer` (the
+  reader the gold answers were read with; answer_format "number") or its last "H:MM" (answer_format "time"),
+  against the row's numeric `answer` (for clock data: minutes past 12 on a 12-hour dial). Metrics: n,
+  parse_rate, exact_match, mae, r2; for time: exact_match, parse_rate and time_gap (mean circular gap in
+  minutes; mae is the same circular gap, r2 is not reported). Rows whose answer is not one number (a
+  DeepMind-Math surd "-14 + 4*sqrt(7)" or base-16 numeral "-191b", a ChartQA text answer) are scored by
+  exact match of the generated text against `answer_text` (whitespace around it aside) and count in
+  exact_match, not in parse_rate, MAE or R². The metrics say how many rows each used: n_numeric
+  (parse_rate), n_text, n_exact_match, n_mae_r2 (time: n_time_gap). `relaxed_accuracy` (ChartQA's metric: a
+  number within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
   AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
   `recipes.inputs.vision.vision_inputs`, the same function training uses (so the prompt is token for token
   the trained one): the image placeholder goes in front of the user turn and the processor expands it.
-- The results file holds the metrics, the settings, and one record per example (id, prompt length,
-  generated text, parsed value, target, whether it matched).
+- The results file holds the metrics, the settings (backend, placement, stop strings, length), and one
+  record per example (id, prompt length, generated text, parsed value, target, whether it matched).
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from data_prep.shards import read_manifest
-
 from data_prep.answers import parse_answer
+from data_prep.shards import read_manifest
+from recipes.config import EVAL_BACKENDS
 
 from . import metrics as M
-from recipes.inputs.vision import load_processor, vision_inputs
+from . import vllm_generation
+from .data_parallel import ProcessGroup, Ranks, device_of, ranks_from_env, share
+from .generation import IGNORE_INDEX, GenerationSettings, generate_texts, load_model, settings_for, task_kinds
+from .placement import Placement, place_here
 
-IGNORE_INDEX = -100
 ANSWER_FORMATS = ("number", "time")
 
 
@@ -83,119 +89,6 @@ def load_rows(data_dir: str | os.PathLike, limit: int | None = None) -> list[dic
             if limit is not None and len(rows) >= limit:
                 return rows
     return rows
-
-
-# ---- model --------------------------------------------------------------------------------------------
-
-
-def pick_device(device: str | None = None):
-    import torch
-
-    if device:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_model(model_dir: str, vision: bool = False, device=None, dtype: str | None = None,
-               device_map: str | None = None, trust_remote_code: bool = False):
-    """(model, tokenizer, processor or None) in eval mode. dtype None: bf16 on a GPU, fp32 on the CPU."""
-    import torch
-    from transformers import AutoTokenizer
-
-    device = pick_device(device)
-    if dtype is None:
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    else:
-        torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
-    if device_map:
-        kwargs["device_map"] = device_map
-    processor = None
-    if vision:
-        from transformers import AutoModelForImageTextToText
-
-        processor = load_processor(model_dir, trust_remote_code=trust_remote_code)
-        tokenizer = processor.tokenizer
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    if not device_map:
-        model.to(device)
-    model.eval()
-    return model, tokenizer, processor
-
-
-def stop_token_ids(model, tokenizer, rows: Sequence[dict]) -> list[int]:
-    """EOS ids of the tokenizer and generation config, plus each special token that ends a row's labels."""
-    ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(x) for x in source)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    for r in rows:
-        last = [lab for lab in r["labels"] if lab != IGNORE_INDEX]
-        if last and last[-1] in special:
-            ids.add(int(last[-1]))
-    return sorted(ids)
-
-
-def _pad_id(tokenizer, stops: Sequence[int]) -> int:
-    if getattr(tokenizer, "pad_token_id", None) is not None:
-        return int(tokenizer.pad_token_id)
-    return int(stops[0]) if stops else 0
-
-
-def generate_texts(model, tokenizer, rows: Sequence[dict], batch_size: int = 16, max_new_tokens: int = 16,
-                   processor=None, progress: bool = False) -> list[str]:
-    """Greedy continuations of each row's prompt (left-padded batches), decoded without special tokens."""
-    import torch
-
-    stops = stop_token_ids(model, tokenizer, rows)
-    pad = _pad_id(tokenizer, stops)
-    device = next(model.parameters()).device
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["prompt_ids"]))
-    out: list[str | None] = [None] * len(rows)
-    t0 = time.time()
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        batch_rows = [rows[i] for i in idx]
-        if processor is not None and any(r.get("image") for r in batch_rows):
-            inputs = vision_inputs(processor, [r["prompt_ids"] for r in batch_rows],
-                                   [r.get("image") for r in batch_rows],
-                                   where=[f"example {r['example_id']}" for r in batch_rows])
-            inputs = {k: v.to(device) if hasattr(v, "to") else v for k, v in inputs.items()}
-        else:
-            width = max(len(r["prompt_ids"]) for r in batch_rows)
-            ids = torch.full((len(idx), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for j, r in enumerate(batch_rows):
-                n = len(r["prompt_ids"])
-                if n:
-                    ids[j, width - n:] = torch.tensor(r["prompt_ids"], dtype=torch.long)
-                    mask[j, width - n:] = 1
-            inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-        with torch.no_grad():
-            gen = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                                 eos_token_id=stops or None, pad_token_id=pad, temperature=None,
-                                 top_p=None, top_k=None)
-        new = gen[:, inputs["input_ids"].shape[1]:].tolist()
-        for j, i in enumerate(idx):
-            toks = new[j]
-            for k, t in enumerate(toks):  # cut at the first stop token (the rest is padding)
-                if t in stops:
-                    toks = toks[:k]
-                    break
-            out[i] = tokenizer.decode(toks, skip_special_tokens=True)
-        if progress:
-            done = min(b + batch_size, len(order))
-            print(f"  {done}/{len(order)} rows, {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
-    return [o or "" for o in out]
 
 
 # ---- scoring ------------------------------------------------------------------------------------------
@@ -272,16 +165,40 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
 # ---- entry points -------------------------------------------------------------------------------------
 
 
+def choose_backend(backend: str, vision: bool, ranks: Ranks, own_generate: bool) -> str:
+    """"vllm" or "hf" for `backend` (auto: vLLM where it imports, one process, no images, no model passed in)."""
+    if backend not in EVAL_BACKENDS:
+        raise ValueError(f"backend: {backend!r} is not one of {list(EVAL_BACKENDS)}")
+    if backend == "hf" or own_generate:
+        return "hf"
+    if backend == "auto":
+        usable = not vision and ranks.world == 1 and vllm_generation.vllm_importable()
+        return "vllm" if usable else "hf"
+    if vision:
+        raise ValueError("backend vllm: these rows have images; vision-language evaluation runs on the hf backend")
+    if ranks.world > 1:
+        raise ValueError(f"backend vllm under {ranks.world} ranks: vLLM spreads one model over the GPUs itself "
+                         "(tensor_parallel_size); start it as one process, or use --backend hf for data parallelism")
+    if not vllm_generation.vllm_importable():
+        raise ValueError("backend vllm: `import vllm` fails here; install vllm or use backend auto/hf")
+    return "vllm"
+
+
 def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: int = 16,
-             max_new_tokens: int = 16, answer_format: str = "number", limit: int | None = None,
+             max_new_tokens: int | None = None, answer_format: str = "number", limit: int | None = None,
              name: str | None = None, vision: bool | None = None, device: str | None = None,
              dtype: str | None = None, device_map: str | None = None, trust_remote_code: bool = False,
              progress: bool = False, model_and_tokenizer=None,
-             generate: Callable[..., list[str]] | None = None) -> dict:
-    """Generate, score and (if `out`) write the results JSON. Returns the results dict:
+             generate: Callable[..., list[str]] | None = None, backend: str = "auto",
+             stop: Sequence[str] | None = None, eval_section=None, placement: Placement | None = None) -> dict:
+    """Generate, score and (if `out`, on rank 0) write the results JSON. Returns the results dict:
     {"name", "model", "data", "settings", "metrics", "examples", "seconds"}.
 
-    vision None: decided by the shards (any row with an image). `model_and_tokenizer` = (model,
+    vision None: decided by the shards (any row with an image). max_new_tokens None: from the rows' targets.
+    stop None: the tasks' stop strings (`eval_section`, a recipe's `eval`, else recipes.config.EVAL_STOP).
+    placement None: from the export's size and this node's GPUs (`recipes.evaluation.placement`); an export
+    that fits them in no way is refused before loading. Under torchrun (hf backend) every rank generates a
+    share of the rows and the results are those of one process. `model_and_tokenizer` = (model,
     tokenizer[, processor]) skips loading; `generate` replaces `generate_texts` (same signature)."""
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format: {answer_format!r} is not one of {list(ANSWER_FORMATS)}")
@@ -289,52 +206,106 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     rows = load_rows(data_dir, limit)
     if not rows:
         raise ValueError(f"{data_dir}: no rows to evaluate")
+    kinds = task_kinds(read_manifest(data_dir))
     if vision is None:
         vision = any(r["image"] for r in rows)
+    ranks = ranks_from_env()
+    chosen = choose_backend(backend, vision, ranks, model_and_tokenizer is not None or generate is not None)
+    if placement is None and model_and_tokenizer is None and generate is None:
+        placement = place_here(model_dir)
+    if placement is not None and placement.gpus > 1 and ranks.world > 1:
+        raise ValueError(f"{model_dir}: needs {placement.gpus} GPUs per copy; data-parallel ranks hold one GPU "
+                         "each: run it as one process (vLLM tensor parallelism or device_map auto)")
+
+    llm, processor, model = None, None, None
     if model_and_tokenizer is not None:
         model, tokenizer, *rest = model_and_tokenizer
         processor = rest[0] if rest else None
+    elif chosen == "vllm":
+        tokenizer, generation_config = _tokenizer_and_generation_config(model_dir, trust_remote_code)
+        llm = vllm_generation.load_llm(model_dir, placement.tensor_parallel_size, dtype, trust_remote_code)
     else:
-        model, tokenizer, processor = load_model(model_dir, vision=vision, device=device, dtype=dtype,
-                                                 device_map=device_map, trust_remote_code=trust_remote_code)
-    gen = generate or generate_texts
-    predictions = gen(model, tokenizer, rows, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                      processor=processor, progress=progress)
+        model, tokenizer, processor = load_model(
+            model_dir, vision=vision, device=device_of(ranks, device), dtype=dtype,
+            device_map=device_map or (placement.device_map if placement else None),
+            trust_remote_code=trust_remote_code)
+    if llm is None:
+        generation_config = getattr(model, "generation_config", None)
+    settings = settings_for(rows, generation_config, tokenizer, kinds, eval_section, max_new_tokens, batch_size,
+                            stop)
+
+    if chosen == "vllm":
+        predictions = vllm_generation.generate_vllm(llm, rows, settings)
+    else:
+        predictions = _generate_hf(generate or generate_texts, model, tokenizer, processor, rows, settings,
+                                   ranks, progress)
     scores, examples = score(predictions, rows, answer_format)
     results = {
         "name": name or Path(str(model_dir)).resolve().parent.name or str(model_dir),
         "model": str(model_dir),
         "data": str(data_dir),
-        "settings": {"batch_size": batch_size, "max_new_tokens": max_new_tokens,
-                     "answer_format": answer_format, "limit": limit, "vision": bool(vision),
-                     "decoding": "greedy"},
+        "settings": {**settings.to_dict(), "answer_format": answer_format, "limit": limit, "vision": bool(vision),
+                     "backend": chosen, "tasks": kinds, "data_parallel_ranks": ranks.world,
+                     "placement": placement.to_dict() if placement else None},
         "metrics": scores,
         "seconds": round(time.time() - t0, 3),
         "examples": examples,
     }
-    if out:
+    if out and ranks.is_main:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "w") as fh:
             json.dump(results, fh, indent=1)
     return results
 
 
+def _tokenizer_and_generation_config(model_dir: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # an export without generation_config.json: the tokenizer's EOS is the stop id
+        generation_config = None
+    return tokenizer, generation_config
+
+
+def _generate_hf(gen: Callable[..., list[str]], model, tokenizer, processor, rows: list[dict],
+                 settings: GenerationSettings, ranks: Ranks, progress: bool) -> list[str]:
+    """This rank's share of the rows generated, every rank's texts gathered in row order."""
+    mine = share(rows, ranks) if ranks.world > 1 else list(range(len(rows)))
+    group = ProcessGroup(ranks)
+    try:
+        texts = gen(model, tokenizer, [rows[i] for i in mine], batch_size=settings.batch_size,
+                    max_new_tokens=settings.max_new_tokens, processor=processor, progress=progress and ranks.is_main,
+                    stop=settings.stop, stop_ids=settings.stop_ids)
+        return group.gather(dict(zip(mine, texts)), len(rows))
+    finally:
+        group.close()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m recipes.evaluate", description=__doc__.split("\n")[0],
                                 epilog="`python -m recipes.evaluate table RESULTS.json ...` prints a "
-                                       "Markdown table of several runs (recipes.evaluation.report).")
+                                       "Markdown table of several runs (recipes.evaluation.report); "
+                                       "`python -m recipes.evaluate harness ...` runs lm-evaluation-harness tasks.")
     p.add_argument("--model", required=True, help="a model directory (e.g. <train.out_dir>/final)")
     p.add_argument("--data", required=True, help="a data_prep output directory")
     p.add_argument("--out", default=None, help="results JSON (default: <model>/eval_results.json)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the data's longest target in tokens plus half of it, at least 16")
+    p.add_argument("--stop", action="append", default=None,
+                   help="a stop string (repeat for several; default: the tasks' own, recipes.config.EVAL_STOP)")
+    p.add_argument("--backend", choices=EVAL_BACKENDS, default="auto",
+                   help="auto: vLLM where it imports, else Hugging Face generate")
     p.add_argument("--answer-format", choices=ANSWER_FORMATS, default="number")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--name", default=None, help="run name in tables (default: the model's parent dir)")
     p.add_argument("--vision", choices=("auto", "yes", "no"), default="auto")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default=None)
-    p.add_argument("--device-map", default=None, help="e.g. auto: shard a large model over the GPUs")
+    p.add_argument("--device-map", default=None,
+                   help="e.g. auto: shard a large model over the GPUs (default: from the export's size)")
     p.add_argument("--trust-remote-code", action="store_true")
     return p
 
@@ -347,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     res = evaluate(a.model, a.data, out=out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                    answer_format=a.answer_format, limit=a.limit, name=a.name, vision=vision,
                    device=a.device, dtype=a.dtype, device_map=a.device_map,
-                   trust_remote_code=a.trust_remote_code, progress=True)
-    m = res["metrics"]
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
-    print(f"wrote {out}")
+                   trust_remote_code=a.trust_remote_code, progress=True, backend=a.backend, stop=a.stop)
+    if ranks_from_env().is_main:
+        m = res["metrics"]
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in m.items()))
+        print(f"wrote {out}")
     return 0
 
 

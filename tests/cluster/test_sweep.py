@@ -92,3 +92,35 @@ def test_the_table_compares_each_loss_with_the_baseline_of_its_backbone(tmp_path
     assert "| b2 | smmd | 2 | +15.0, 2 seeds: no ranking | +10.0, +20.0 | – |" in table
     assert "| b3 | smmd | 3 | +20.0 (seed level only) | +10.0, +20.0, +30.0 | [-4.8, +44.8] |" in table
     assert not any(line.startswith("| b1 | ce | 3 | +") for line in table.splitlines())  # no row for the baseline
+
+
+def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch):
+    # A job whose export holds 141 GB of weights (a sparse file) on a node of 8 x 80 GiB: evaluate gets
+    # tensor parallel 4 / device_map auto (32.9 GiB a GPU), never one GPU; the recipe's eval backend and
+    # section ride along. On a node with no GPU the GPU recipe's job is left unevaluated, with a line.
+    import recipes.evaluation.evaluate as E
+    import recipes.evaluation.placement as P
+    from launch.sweep import evaluate_job, load_sweep
+
+    spec = {"name": "big", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0],
+            "backbones": {"l70": []}, "losses": {"ce": []}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    sweep = load_sweep(tmp_path / "sweep.yaml")
+    job = sweep.jobs[0]
+    final = job.out_dir / "final"
+    final.mkdir(parents=True)
+    (final / "config.json").write_text(json.dumps({"num_attention_heads": 64}))
+    with open(final / "model.safetensors", "wb") as fh:
+        fh.truncate(141_107_412_992)
+    recipe = {"model": {"name_or_path": "meta-llama/Llama-3.1-70B"}, "data": {"train": "d", "eval": "e"},
+              "eval": {"backend": "hf"}, "cluster": {"gpus_per_node": 8}}
+    (job.out_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    calls = []
+    monkeypatch.setattr(E, "evaluate", lambda *args, **kwargs: calls.append((args, kwargs)) or {"metrics": {}})
+    monkeypatch.setattr(P, "local_gpus", lambda: (8, 80 * 2**30))
+    evaluate_job(sweep, job)
+    (args, kwargs), = calls
+    assert args == (str(final), "e") and kwargs["backend"] == "hf" and kwargs["eval_section"].backend == "hf"
+    assert kwargs["placement"] == P.Placement(4, 4, "auto", 141_107_412_992)
+    monkeypatch.setattr(P, "local_gpus", lambda: (0, None))
+    assert evaluate_job(sweep, job) is None and len(calls) == 1
