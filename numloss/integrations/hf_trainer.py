@@ -23,20 +23,26 @@ TRL deprecates and removes in 2.0):
   (`numloss.normalization.reduce_counts`); they replace the Trainer's token count as the step's
   `num_items_in_batch`. At the first step the Trainer's layout is checked against the process group
   (`trainer_layout.check_first_step`).
-- `compute_loss`: one forward of the model without labels (the LM head from the batch's first labelled
-  position on, through the model's `logits_to_keep`), the objective on its logits with those
-  counts (each micro-batch's share of the global batch's loss) times the number of processes (which
-  undoes DDP's, or DeepSpeed's, mean over ranks); `loss_is_scaled_for_ga = True` tells the Trainer not
-  to divide it by the accumulation steps. The labels it sees are the batch's: TRL's completion-only /
-  assistant-only labels under SFTTrainer. Under SFTTrainer the same logits also give TRL's metrics
-  (entropy, mean_token_accuracy, num_tokens), so a micro-batch costs one forward, as in SFTTrainer.
+- `compute_loss`, training: one forward of the model without labels, in which only its backbone runs and
+  the objective is computed from the hidden states (`trainer_head`: the LM head's logits exist one
+  vocabulary chunk at a time, from the batch's first labelled position on, with the model's logit scale
+  and soft cap; no full-vocabulary logits, as under TRL's fused head), with those counts (each
+  micro-batch's share of the global batch's loss) times the number of processes (which undoes DDP's, or
+  DeepSpeed's, mean over ranks); `loss_is_scaled_for_ga = True` tells the Trainer not to divide it by the
+  accumulation steps. The labels it sees are the batch's: TRL's completion-only / assistant-only labels
+  under SFTTrainer. Under SFTTrainer the same hidden states also give TRL's metrics (entropy,
+  mean_token_accuracy, num_tokens), so a micro-batch costs one forward, as in SFTTrainer. A model whose
+  head is not a plain bias-free Linear (`trainer_head.head_problem`) is trained from its logits instead
+  (`logits_to_keep` from the first labelled position). Evaluation runs the model's own forward and its
+  logits (a `compute_metrics` needs them).
 - `evaluation_loop`: `eval_loss` (and `eval_ce`, `eval_term/<name>`, ...) is the objective of the
   whole evaluation set (`trainer_loss.EvalSums`), the same at any evaluation batch size.
 - `log`: adds `ce`, `term/<name>` and `numeric_positions` of the global batch, averaged over the steps
   since the last log as the Trainer averages its `loss` (and TRL's metrics under SFTTrainer).
 
 Parallel contract: every process is one data-parallel rank (DDP, or DeepSpeed ZeRO through the
-Trainer) holding full logits; the counts' all-reduce runs once per optimizer step on every rank, the
+Trainer) holding full logits or hidden states (under ZeRO-3 the LM head's weight is gathered for the
+model's forward and backward: `trainer_head.register_zero3_head`); the counts' all-reduce runs once per optimizer step on every rank, the
 logged sums' once per log, the layout check's all-gather once, at the first step, and evaluation adds
 one all-gather per evaluated batch. Tensor, context and sequence parallelism (ranks that share a
 batch) are refused, as is torch's single-process `DataParallel` (`n_gpu > 1`).
@@ -58,7 +64,8 @@ from ..normalization import LossCounts, reduce_counts
 from ..objective import Objective, ObjectiveConfig
 from ..vocab import NumericVocab
 from .trainer_layout import check_construction, check_first_step
-from .trainer_loss import EvalSums, StepLoss, input_tokens
+from .trainer_head import first_labelled, head_problem, install, objective_head, register_zero3_head
+from .trainer_loss import EvalSums, StepLoss, input_tokens, token_metric_sums
 
 # The versions the tests ran, and the oldest transformers whose Trainer reads `loss_is_scaled_for_ga`.
 TESTED = {"transformers": "5.25.0", "trl": "1.16.0"}
@@ -137,6 +144,10 @@ class NumericTrainerMixin:
         super().__init__(*args, **kwargs)
         check_construction(self, sft=self.numeric_sft)
         self._numeric_keeps_logits = takes_logits_to_keep(self.model)
+        # training runs the objective from hidden states inside the model's forward, where its head allows
+        self._numeric_head_problem = head_problem(self.model)
+        if self._numeric_head_problem is None:
+            install(self.model)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The Trainer's reading of one optimizer step's micro-batches, with the step's `LossCounts` (over
@@ -151,37 +162,59 @@ class NumericTrainerMixin:
         self._numeric_steps += 1
         return batches, step_counts(self.numeric_loss.objective, batches)
 
-    def _numeric_forward(self, model, inputs: dict, full_logits: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """One forward without labels (the objective is computed from the logits): (outputs, logits, the
-        labels shifted as HF shifts them and aligned with the logits). Unless `full_logits` (the caller
-        gets the outputs) and where the model takes `logits_to_keep`, the logits start at the first
-        position where a row has a label: the LM head skips the prompt before it. Kept whole to the end,
-        so no labelled position and no gap is left out (numeric runs and sequences are as in the batch)."""
+    def _numeric_inputs(self, inputs: dict) -> tuple[dict, torch.Tensor]:
+        """(the forward's inputs without labels, the labels shifted as HF shifts them)."""
         inputs = dict(inputs)
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError("numloss: the batch has no labels (the numeric objective needs them)")
         if "shift_labels" in inputs:
             raise ValueError("numloss: batches with `shift_labels` are not supported; give `labels` only")
-        ignore = self.numeric_loss.objective.config.ignore_index
-        shifted = shift_labels(labels, ignore)
         if self.numeric_sft:
             inputs["use_cache"] = False  # as SFTTrainer: no cache in a loss forward
             if getattr(self, "aux_loss_enabled", False):
                 inputs["output_router_logits"] = True  # as SFTTrainer: MoE models return their aux loss
+        return inputs, shift_labels(labels, self.numeric_loss.objective.config.ignore_index)
+
+    def _numeric_forward(self, model, inputs: dict, full_logits: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The logits path (evaluation; training where `head_problem` names a reason): one forward of the
+        model itself, without labels: (outputs, logits, the shifted labels aligned with the logits). Unless
+        `full_logits` (the caller gets the outputs) and where the model takes `logits_to_keep`, the logits
+        start at the first position where a row has a label: the LM head skips the prompt before it. Kept
+        whole to the end, so no labelled position and no gap is left out (numeric runs and sequences are as
+        in the batch)."""
+        inputs, shifted = self._numeric_inputs(inputs)
         if not full_logits and self._numeric_keeps_logits:
-            labelled = (shifted != ignore).any(0).nonzero()
-            inputs["logits_to_keep"] = shifted.shape[-1] - int(labelled[0]) if labelled.numel() else 1
+            start = first_labelled(shifted, self.numeric_loss.objective.config.ignore_index)
+            inputs["logits_to_keep"] = shifted.shape[-1] - start
         outputs = model(**inputs)
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         return outputs, logits, shifted[..., shifted.shape[-1] - logits.shape[-2]:]
+
+    def _numeric_training_loss(self, model, inputs: dict, counts: LossCounts) -> tuple[torch.Tensor, dict]:
+        """This micro-batch's share of the step's objective: from the model's hidden states inside its
+        forward (`trainer_head`: no full-vocabulary logits), or from its logits where the model's head
+        cannot run that way. (loss, outputs: `token_metrics` [3] sums under SFTTrainer, `aux_loss`)."""
+        if self._numeric_head_problem is None:
+            inputs, shifted = self._numeric_inputs(inputs)
+            pass  # register_zero3_head(self.accelerator.unwrap_model(model))
+            outputs = model(**inputs, numeric_head=objective_head(self.numeric_loss, shifted, counts))
+            return outputs["loss"], outputs
+        outputs, logits, shifted = self._numeric_forward(model, inputs, full_logits=False)
+        loss = self.numeric_loss.micro_batch(logits, shifted, counts).loss
+        metrics = token_metric_sums(logits, shifted, self.numeric_loss.objective.config.ignore_index).sum(0) \
+            if self.numeric_sft else None
+        aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+        return loss, {"token_metrics": metrics, "aux_loss": aux}
 
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """Training (`model.training`): this micro-batch's share of the step's objective, over the step's
         `LossCounts` from `get_batch_samples`, times the number of processes. Evaluation: the batch's
         own objective (inside `evaluation_loop`, its rows are also kept for the whole set's)."""
-        outputs, logits, shifted = self._numeric_forward(model, inputs, full_logits=return_outputs)
-        if not model.training:
+        if not model.training or return_outputs:
+            outputs, logits, shifted = self._numeric_forward(model, inputs, full_logits=return_outputs)
+            if model.training:  # a caller that wants the outputs of a training step
+                return self.numeric_loss.micro_batch(logits, shifted, num_items_in_batch).loss, outputs
             evaluated = EvalSums(self.numeric_loss.objective, token_metrics=self.numeric_sft) \
                 if self._numeric_eval is None else self._numeric_eval
             rows = evaluated.rows(logits, shifted)
@@ -193,15 +226,15 @@ class NumericTrainerMixin:
             raise RuntimeError("numloss: a training micro-batch came without the step's LossCounts: the trainer"
                                " did not read its batches through get_batch_samples (a trainer change not"
                                f" covered by this integration; tested with {TESTED})")
-        loss = self.numeric_loss.micro_batch(logits, shifted, num_items_in_batch).loss
+        loss, outputs = self._numeric_training_loss(model, inputs, num_items_in_batch)
         loss = loss * self.accelerator.num_processes  # undo the mean over data-parallel ranks
         if self.numeric_sft:
-            self.numeric_loss.add_token_metrics(logits, shifted, input_tokens(inputs))
-            aux = outputs.get("aux_loss") if isinstance(outputs, dict) else None
+            self.numeric_loss.add_token_metrics(outputs["token_metrics"], input_tokens(inputs))
+            aux = outputs.get("aux_loss")
             if aux is not None and getattr(self, "aux_loss_enabled", False):
                 # SFTTrainer's MoE load-balancing loss: a per-micro-batch mean, averaged over the step
                 loss = loss + self.router_aux_loss_coef * aux / self.current_gradient_accumulation_steps
-        return (loss, outputs) if return_outputs else loss
+        return loss
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):

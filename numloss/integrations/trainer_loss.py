@@ -1,10 +1,11 @@
-"""What the Trainer integration (`numloss.integrations.hf_trainer`) computes from a forward's logits: a
-training micro-batch's share of its optimizer step's objective and the sums logged for it, the
-objective of a whole evaluation set, and the token metrics TRL's SFTTrainer logs (entropy, top-1
-accuracy, tokens seen), taken from the same logits so that no second forward is needed.
+"""What the Trainer integration (`numloss.integrations.hf_trainer`) computes and logs: the sums logged
+for each training micro-batch's share of its optimizer step's objective, the objective of a whole
+evaluation set (from logits), and the token metrics TRL's SFTTrainer logs (entropy, top-1 accuracy,
+tokens seen), from the same forward's logits or hidden states, so that no second forward is needed.
+Passes over the vocabulary without gradient are cut into chunks sized in bytes (`METRIC_CHUNK_BYTES`).
 
-Parallel contract: every process is one data-parallel rank holding full logits. `StepLoss.take_logged`
-is one SUM all-reduce over the default process group (every rank calls it at the same log);
+Parallel contract: every process is one data-parallel rank holding full logits (or full hidden states and,
+inside the model's forward, the gathered LM head weight). `StepLoss.take_logged` is one SUM all-reduce over the default process group (every rank calls it at the same log);
 `EvalSums.add` hands its per-row sums to the Trainer's `gather_for_metrics` (one all-gather per
 evaluated batch on every rank, which also drops the rows accelerate repeats to even out the last
 batch); nothing else communicates.
@@ -14,21 +15,45 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..adapters.deepspeed_autotp import causal_lm_objective
 from ..logit_stats import compute_logit_stats
+from ..logit_transform import LogitTransform
 from ..normalization import TOKENS, LossCounts
 from ..objective import Objective, ObjectiveOutput
 
-TOKEN_METRIC_ROWS = 4096  # positions per chunk of the entropy pass: bounds its fp32 [rows, V] temporaries
+# Bytes of one chunk's fp32 temporaries in a no-gradient pass over the vocabulary (the entropy / top-1
+# metrics): a chunk's row count comes from the vocabulary size, so a 128k vocabulary gets as few bytes as a
+# 32k one (sized in rows, 4096 rows at V = 128,256 held four [2048, V] fp32 copies, 4 GiB, beside the step).
+METRIC_CHUNK_BYTES = 64 << 20
+METRIC_COPIES = 2  # fp32 [rows, V] tensors alive at once in `_entropy_top1` (the logits and their exp)
+
+
+def metric_chunk_rows(vocab: int, extra_bytes_per_entry: int = 0) -> int:
+    """Rows per chunk of a metrics pass over `vocab` columns: METRIC_CHUNK_BYTES over the bytes a row
+    holds (`METRIC_COPIES` fp32 copies, plus `extra_bytes_per_entry`: the low-precision product the
+    fp32 copy is made from)."""
+    return max(1, METRIC_CHUNK_BYTES // (max(vocab, 1) * (4 * METRIC_COPIES + extra_bytes_per_entry)))
+
+
+def _entropy_top1(x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(entropy [r], label is the top-1 token [r]) of fp32 logits `x` [r, V], which this overwrites. The
+    first maximal column counts as the top-1 (argmax's rule, and TRL's `is_top1`)."""
+    top1 = x.argmax(-1) == labels
+    x.sub_(x.amax(-1, keepdim=True))
+    p = x.exp()
+    total = p.sum(-1)
+    # -Σ p log p with p = e^x / Σ e^x: log Σ e^x - Σ e^x · x / Σ e^x
+    entropy = total.log() - p.mul_(x).sum(-1) / total
+    return entropy, top1
 
 
 def token_metric_sums(logits: torch.Tensor, shifted: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """[B, 3] float64 per row: the summed entropy of the model's next-token distribution, the number of
     positions whose top-1 token is the label, and the number of positions with a label (TRL's
     `entropy`, `mean_token_accuracy` and their denominator), over the positions whose (shifted) label
-    is not `ignore_index`. No gradient; the full-vocab pass runs on those positions only, in chunks."""
+    is not `ignore_index`. No gradient; the full-vocab pass runs on those positions only, in chunks of
+    `metric_chunk_rows` rows."""
     with torch.no_grad():
         rows, vocab = logits.shape[0], logits.shape[-1]
         valid = (shifted != ignore_index).reshape(-1)
@@ -37,13 +62,34 @@ def token_metric_sums(logits: torch.Tensor, shifted: torch.Tensor, ignore_index:
         labels = shifted.reshape(-1).to(logits.device)
         seq = logits.shape[1] if logits.dim() == 3 else 1
         out = torch.zeros(rows, 3, dtype=torch.float64, device=logits.device)
-        for chunk in where.split(TOKEN_METRIC_ROWS):
-            chosen = flat[chunk].float()
-            logp = F.log_softmax(chosen, dim=-1)
-            values = torch.stack([-(logp.exp() * logp).sum(-1), (chosen.argmax(-1) == labels[chunk]).float(),
-                                  torch.ones_like(chunk, dtype=torch.float32)], dim=1)
+        for chunk in where.split(metric_chunk_rows(vocab, logits.element_size())):
+            entropy, top1 = _entropy_top1(flat[chunk].float(), labels[chunk])
+            values = torch.stack([entropy, top1.float(), torch.ones_like(entropy)], dim=1)
             out.index_add_(0, chunk // seq, values.double())
         return out
+
+
+def hidden_token_metric_sums(hidden: torch.Tensor, weight: torch.Tensor, shifted: torch.Tensor, ignore_index: int,
+                             transform: LogitTransform | None = None) -> torch.Tensor:
+    """[3] float64: `token_metric_sums` summed over the rows, from hidden states [..., H] and the LM head's
+    weight [V, H] (its logits under `transform`, the model's scale / soft cap) instead of logits: the
+    labelled positions' logits are made `metric_chunk_rows` rows at a time and never for the batch.
+    No gradient."""
+    with torch.no_grad():
+        valid = shifted != ignore_index
+        h = hidden[valid.to(hidden.device)]
+        labels = shifted[valid].to(hidden.device)
+        sums = torch.zeros(3, dtype=torch.float64, device=hidden.device)
+        rows = metric_chunk_rows(weight.shape[0], weight.element_size() if weight.dtype != torch.float32 else 0)
+        for start in range(0, h.shape[0], rows):
+            x = (h[start:start + rows] @ weight.t()).float()
+            if transform is not None:
+                transform.apply_(x)
+            entropy, top1 = _entropy_top1(x, labels[start:start + rows])
+            sums[0] += entropy.double().sum()
+            sums[1] += top1.double().sum()
+        sums[2] = float(labels.numel())
+        return sums
 
 
 def input_tokens(inputs: dict) -> int:
@@ -57,10 +103,9 @@ def input_tokens(inputs: dict) -> int:
 
 
 class StepLoss:
-    """The training loss: `micro_batch(logits, labels, counts)` is this micro-batch's share of the step's
-    objective (`counts` the step's `LossCounts` over every micro-batch and process), and adds its values
-    to the sums `take_logged` returns. With `token_metrics` (SFTTrainer) `add_token_metrics` adds TRL's
-    entropy / accuracy / token sums of the same logits."""
+    """The training loss's logged sums: `record(out)` adds a micro-batch's `ObjectiveOutput` (its share
+    of the step's objective, computed over the step's `LossCounts`) to the sums `take_logged` returns.
+    With `token_metrics` (SFTTrainer) `add_token_metrics` adds TRL's entropy / accuracy / token sums."""
 
     def __init__(self, objective: Objective, token_metrics: bool = False):
         self.objective = objective
@@ -76,16 +121,19 @@ class StepLoss:
             self._sums = torch.zeros(len(self.keys), dtype=torch.float64, device=values.device)
         self._sums[index:index + values.numel()] += values.to(self._sums.device)
 
-    def micro_batch(self, logits: torch.Tensor, shifted: torch.Tensor, counts: LossCounts) -> ObjectiveOutput:
-        """`shifted`: the labels aligned with `logits` (`shift_labels` of the batch's, at the logits' positions)."""
-        out = causal_lm_objective(self.objective, logits, shifted_labels=shifted.to(logits.device), counts=counts)
+    def record(self, out: ObjectiveOutput) -> ObjectiveOutput:
         values = torch.stack([out.ce.detach(), *(v.detach() for v in out.terms.values())]).double()
         self._add(0, torch.cat([values, values.new_tensor([out.numeric_positions])]))
         return out
 
-    def add_token_metrics(self, logits: torch.Tensor, shifted: torch.Tensor, tokens: int) -> None:
-        sums = token_metric_sums(logits, shifted, self.objective.config.ignore_index).sum(0)
-        self._add(self.keys.index("entropy_sum"), torch.cat([sums, sums.new_tensor([tokens])]))
+    def micro_batch(self, logits: torch.Tensor, shifted: torch.Tensor, counts: LossCounts) -> ObjectiveOutput:
+        """The objective on a causal LM's logits; `shifted`: the labels aligned with `logits`."""
+        return self.record(causal_lm_objective(self.objective, logits, shifted_labels=shifted.to(logits.device),
+                                               counts=counts))
+
+    def add_token_metrics(self, sums: torch.Tensor, tokens: int) -> None:
+        """`sums`: [3] (entropy sum, top-1 count, labelled positions) of a micro-batch; `tokens`: its input tokens."""
+        self._add(self.keys.index("entropy_sum"), torch.cat([sums.double(), sums.new_tensor([tokens]).double()]))
 
     def take_logged(self, steps: int) -> dict[str, float]:
         """The global batch's `ce`, `term/*`, `numeric_positions` summed over the steps since the last

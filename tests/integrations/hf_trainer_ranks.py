@@ -120,3 +120,58 @@ def deepspeed_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
             result[name] = {"error": str(err)}
         trainer.accelerator.free_memory()
     (Path(out) / "deepspeed.json").write_text(json.dumps(result))
+
+
+def zero3_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
+    """One of 2 processes training the README's Trainer snippet under DeepSpeed ZeRO-3 through the Trainer
+    (every weight partitioned: the LM head's weight is a shard outside a gather), micro-batch 1 x
+    accumulation 2 per rank over 4 rows, one of them without any label (its rank's micro-batch runs the
+    head on no labelled position), for an untied and a tied (lm_head = embed_tokens) model. Rank 0 writes
+    each model's initial weights (gathered) and `zero3.json`: the log histories."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import deepspeed.comm.torch  # noqa: F401
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # inference-only op: skip its CPU build
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, TrainingArguments
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericTrainer
+    from recipes.experiments.tiny import tiny_llama_config
+
+    deepspeed.init_distributed()
+    torch.set_num_threads(1)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto",
+              # every weight partitioned and released after each use (no reuse window, no prefetch), so a
+              # weight read outside a gather is empty
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0,
+                                    "stage3_max_live_parameters": 0}}
+    result = {}
+    for tied in (False, True):
+        args = TrainingArguments(output_dir=f"{out}/tied{tied}", per_device_train_batch_size=1, max_steps=1,
+                                 gradient_accumulation_steps=2, logging_steps=1, learning_rate=1e-3, report_to=[],
+                                 save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, log_level="error",
+                                 deepspeed=config)
+        spec = dict(tiny_llama_config(len(tokenizer)), tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(spec.pop("model_type"), **spec),
+                                                 dtype=torch.float32)  # under zero.Init: partitioned
+        assert model.lm_head.weight.numel() == 0, "the model was not partitioned"
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            if rank == 0:
+                torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                           Path(out) / f"init_tied{tied}.pt")
+        rows = H.rows(tokenizer, 4)
+        rows[2]["labels"] = [-100] * len(rows[2]["labels"])
+        trainer = NumericTrainer(model=model, args=args, train_dataset=rows,
+                                 data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100),
+                                 numeric_vocab=NumericVocab.from_tokenizer(tokenizer, policy="digits"),
+                                 objective=H.SPEC)
+        trainer.train()
+        result[f"tied{tied}"] = trainer.state.log_history
+        trainer.accelerator.free_memory()
+    if rank == 0:
+        (Path(out) / "zero3.json").write_text(json.dumps(result))
+    torch.distributed.barrier()

@@ -1,7 +1,8 @@
 """`NumericSFTTrainer` against TRL's own `SFTTrainer` on the same tiny random Llama, rows and seed (CPU,
 fp32): one decoder forward per micro-batch, as SFTTrainer (before, TRL's `compute_loss_func` path ran
-a second forward without gradients for its metrics: 2 per micro-batch), the LM head over the labelled
-tail of the batch only (`logits_to_keep`), and with every term at weight 0
+a second forward without gradients for its metrics: 2 per micro-batch), the LM head module never called
+in training (both read its weight: the objective from hidden states, over the labelled tail of the batch
+only), and with every term at weight 0
 the same logged loss, gradient norm and TRL metrics (entropy, mean_token_accuracy, num_tokens), which
 SFTTrainer computes in its own fused head and the integration from its logits; evaluation likewise."""
 
@@ -48,9 +49,9 @@ def _run(tok, tmp_path, numeric: bool, make_model=H.model, accumulation: int = 1
         if module.training:
             forwards["positions"].append(out.last_hidden_state.shape[1])
 
-    def head(module, args):  # SFTTrainer's fused head reads the weight and never calls the module
+    def head(module, args):  # both trainers read the weight and never call the module in training
         if module.training:
-            forwards["head_positions"].append(args[0].shape[1])
+            forwards["lm_head_calls"] = forwards.get("lm_head_calls", 0) + 1
 
     model.model.register_forward_hook(count)
     model.lm_head.register_forward_pre_hook(head)
@@ -61,6 +62,14 @@ def _run(tok, tmp_path, numeric: bool, make_model=H.model, accumulation: int = 1
     if numeric:
         trainer = NumericSFTTrainer(**kwargs, numeric_vocab=NumericVocab.from_tokenizer(tok, policy="digits"),
                                     objective={"terms": {"ntl_was": {"weight": 0}}})
+        objective = trainer.numeric_loss.objective
+        from_hidden = objective.from_hidden
+
+        def chunked(hidden, *args, **kw):  # the hidden states the objective's chunked head reads
+            forwards["head_positions"].append(hidden.shape[1])
+            return from_hidden(hidden, *args, **kw)
+
+        objective.from_hidden = chunked
     else:
         trainer = SFTTrainer(**kwargs)
     trainer.train()
@@ -74,7 +83,8 @@ def test_one_forward_per_micro_batch_and_trls_own_metrics(tmp_path):
     forwards, logs, evaluated = _run(tok, tmp_path, numeric=True)
     assert {k: stock_forwards[k] for k in ("train", "eval")} == {"train": 2, "eval": 1}  # 2 micro-batches, 1 batch
     assert {k: forwards[k] for k in ("train", "eval")} == {"train": 2, "eval": 1}
-    # the LM head ran from the first labelled position on (logits_to_keep), not over the prompts before it
+    assert "lm_head_calls" not in stock_forwards and "lm_head_calls" not in forwards  # no full logits
+    # the chunked head ran from the first labelled position on, not over the prompts before it
     assert len(forwards["head_positions"]) == 2
     assert all(h < p for h, p in zip(forwards["head_positions"], forwards["positions"])), forwards
     assert len(logs) == len(stock_logs) == 2
