@@ -109,6 +109,10 @@ def plan(recipe, model_cfg, *, hardware, rows, world_size: int | None = None, mo
         "chunked_head": recipe.loss.head == "chunked", "chunk_size": recipe.loss.chunk_size,
         "qkv_bias": qkv_bias, "qk_norm": has_qk_norm, "hw": hardware, "e": 2 if recipe.model.dtype == "bfloat16" else 4,
         "thd": mg.transformer_impl != "local" and gpus, "moe": moe, **changes})
+    # what the engine's checkpoint holds (recipes/engines/megatron/checkpoints.py), each tensor once: the
+    # weights in the model's dtype, Adam's two fp32 moments and, for a 16-bit model, its fp32 main weights
+    e = 2 if recipe.model.dtype == "bfloat16" else 4
+    pl.checkpoint_bytes = moe_math.parameter_counts(model_cfg).total * (e + 8 + (4 if e < 4 else 0))
     if changes.get("chunked_head", recipe.loss.head == "chunked"):
         pl.notes.append("loss.head: chunked: the Megatron engine computes the objective on GPTModel's "
                         "vocab-parallel logits (loss.head: logits); estimated with the chunked head as asked")

@@ -308,3 +308,21 @@ def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
     dense = megatron_plan.plan(recipe, cfg, rows=step_model.row_tokens(recipe), hardware=step_model.hardware(recipe), moe=None,
                                gpus=False)
     assert dense.peak.total / GiB < 0.9 * got["memory_gib"]
+
+
+@pytest.mark.parametrize("kind, dtype, per_param", [("qwen3_moe", "bfloat16", 2 + 8 + 4), ("mixtral", "float32", 4 + 8)])
+def test_a_megatron_checkpoint_holds_each_tensor_once(tmp_path, kind, dtype, per_param):
+    """The plan's checkpoint size: every parameter of the HF model once, in the model's dtype, with Adam's two
+    fp32 moments and, for a 16-bit model, its fp32 main weight (recipes/engines/megatron/checkpoints.py)."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from recipes.config import load_recipe
+    from recipes.planning import step_model
+
+    cfg = _config(kind, TINY[kind])
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    recipe = load_recipe(_tiny_recipe(tmp_path, kind), [f"model.dtype={dtype}"])
+    pl = megatron_plan.plan(recipe, cfg, hardware=step_model.Hardware(), rows=step_model.Rows(64, 64, "", np.array([64])),
+                            timed=False)
+    assert pl.checkpoint_bytes == total * per_param
