@@ -39,6 +39,11 @@ import sys
 import time
 from pathlib import Path
 
+from recipes.config import load_recipe
+from recipes.evaluation.evaluate import evaluate as run_evaluation
+from recipes.evaluation.probe import plot_probe, probe_model
+from recipes.evaluation.report import markdown_table, plot_curves, read_metrics_jsonl
+from recipes.experiments.backbone import get_backbone
 from recipes.experiments.local import REPO_ROOT, run_recipe
 from recipes.experiments.tiny import build_jsonl_shards, train_tokenizer, write_arithmetic_split
 
@@ -74,7 +79,6 @@ def build_data(out: Path, n_train: int, n_eval: int, tokenizer: Path | None) -> 
 
 def finished(run_dir: Path, steps: int) -> bool:
     """Whether `run_dir` holds an exported model whose metrics reached step `steps`."""
-    from recipes.evaluation.report import read_metrics_jsonl
 
     metrics = run_dir / "metrics.jsonl"
     if not ((run_dir / "final" / "config.json").is_file() and metrics.is_file()):
@@ -85,7 +89,6 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 def train_run(name: str, objective: str, out: Path, recipe: Path, model: list[str], steps: int | None,
               nproc: int, resume: bool = False) -> Path:
-    from recipes.config import load_recipe
 
     run_dir = out / name.replace("+", "_")
     overrides = [f"name={name}", f"train.out_dir={run_dir}", f"loss.objective={objective}",
@@ -124,10 +127,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="reuse the finished parts of an interrupted invocation with the same arguments")
     args = parser.parse_args(argv)
 
-    from recipes.config import load_recipe
-    from recipes.evaluation.evaluate import evaluate as run_evaluation
-    from recipes.evaluation.probe import plot_probe, probe_model
-    from recipes.evaluation.report import markdown_table, plot_curves, read_metrics_jsonl
 
     def evaluate(model_dir: str, data_dir: str, out: str, **kwargs) -> dict:
         if args.resume and Path(out).is_file():
@@ -145,7 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_data(out, n_train, args.eval_examples, None)
         model = [f"model.tokenizer={tokenizer}"]
     else:
-        from recipes.experiments.backbone import get_backbone
 
         backbone = get_backbone("smollm2")
         log(f"backbone {backbone}")

@@ -42,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.evaluation.report import SHARES, plot_curves
+from recipes.evaluation.stats import MIN_SEEDS, seeds_to_exclude_zero
 from recipes.experiments.study import (
     ADD_SUB,
     MIX,
@@ -301,7 +303,6 @@ def seed_rows(rows: list[dict], found: list[dict]) -> list[dict]:
     differences (points), the seeds the t interval would need to exclude 0 if they stayed as observed
     (`seeds_to_exclude_zero`), and what the missing seeds would cost: a run of the loss and one of CE
     per seed, at the mean training time of this regime's runs."""
-    from recipes.evaluation.stats import MIN_SEEDS, seeds_to_exclude_zero
 
     train_s = mean_known(r.get("train_seconds") for r in found)
     out = []
@@ -401,7 +402,6 @@ def report(regime: Regime, grid: list[str], order: list[str]) -> str:
     """`results.md`, `results.csv` and `curves.png` of a regime from its records; returns the table."""
     import csv
 
-    from recipes.evaluation.report import SHARES, plot_curves
 
     found = records(regime)
     if not found:

@@ -40,6 +40,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from recipes.evaluation.evaluate import evaluate
+from recipes.evaluation.probe import plot_probe, probe_model
+from recipes.evaluation.report import plot_curves, read_metrics_jsonl
+from recipes.evaluation.stats import MIN_SEEDS, seed_differences, two_level_bootstrap, versus_cells
+from recipes.experiments.backbone import get_backbone
 from recipes.experiments.local import REPO_ROOT, run_recipe
 from recipes.experiments.tiny import build_jsonl_shards, train_tokenizer, write_arithmetic_split
 
@@ -102,7 +107,6 @@ def backbone_dir(setup: Setup) -> Path | None:
     """The setup's backbone directory (made on first use by recipes.experiments.backbone), or None."""
     if setup.backbone is None:
         return None
-    from recipes.experiments.backbone import get_backbone
 
     return get_backbone(setup.backbone)
 
@@ -156,8 +160,6 @@ def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed
     """Train, evaluate and record one run; `objective` (default `LOSSES[loss]`) and `overrides` (recipe
     overrides after the study's own) let a regime of `recipes.experiments.regimes` vary the setting;
     `keep_model` (default: the setup's rule) whether the exported model stays."""
-    from recipes.evaluation.evaluate import evaluate
-    from recipes.evaluation.report import read_metrics_jsonl
 
     name = f"{tokenizer}-{loss}-s{seed}"
     run_dir = work / "runs" / name
@@ -193,7 +195,6 @@ def run_one(setup: Setup, work: Path, out: Path, tokenizer: str, loss: str, seed
 def zero_shot(setup: Setup, work: Path, out: Path) -> None:
     """The backbone's own answers on each of its tokenizers' test problems, before any training (once;
     kept in `<out>/zero_shot-<tokenizer>.json`)."""
-    from recipes.evaluation.evaluate import evaluate
 
     for tokenizer, (style, _) in setup.tokenizers.items():
         path = out / f"zero_shot-{tokenizer}.json"
@@ -209,7 +210,6 @@ def versus_ce(group: list[dict], ce: list[dict]) -> dict | None:
     order, same initial weights) and by test problem: `recipes.evaluation.stats.two_level_bootstrap`
     where the records say which problems each run solved, else the per-seed differences of exact match
     with their seed-level t interval (`seed_differences`). Below 3 common seeds: no interval."""
-    from recipes.evaluation.stats import seed_differences, two_level_bootstrap
 
     by_seed = {r["seed"]: r for r in group}
     ce_by_seed = {r["seed"]: r for r in ce}
@@ -252,7 +252,6 @@ def aggregate(records: list[dict], order=LOSSES) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    from recipes.evaluation.stats import MIN_SEEDS, versus_cells
 
     def cell(row, key, scale=1.0, digits=2):
         if row[key] is None:
@@ -355,8 +354,6 @@ def report(setup: Setup, work: Path, out: Path, grid: list[str], probe: bool = T
     """Tables, CSV, learning curves and the probe from the finished runs' records."""
     import csv
 
-    from recipes.evaluation.probe import plot_probe, probe_model
-    from recipes.evaluation.report import plot_curves
 
     records = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     if not records:

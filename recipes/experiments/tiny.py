@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from data_prep.sources.arithmetic_gen import generate
+from data_prep.sources.base import SourceConfig
+
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
 
@@ -91,7 +94,6 @@ def write_arithmetic_split(out: str | Path, n_train: int, n_eval: int, mix: list
     import json
     import random
 
-    from data_prep.sources.arithmetic_gen import generate
 
     problems, seen, index = [], set(), 0
     while len(problems) < n_train + n_eval:
@@ -132,7 +134,6 @@ def build_jsonl_shards(jsonl: str | Path, tokenizer_dir: str | Path, out_dir: st
                        numeric_policy: str = "digits", **template) -> dict:
     """data_prep shards of a {"prompt", "target"} JSONL file (plain template unless `template=`,
     `system_prompt=` say otherwise, as in `build_plain_shards`); returns the manifest's totals."""
-    from data_prep.sources.base import SourceConfig
 
     return build_plain_shards(SourceConfig(kind="generic", path=str(jsonl)), tokenizer_dir, out_dir,
                               numeric_policy=numeric_policy, **template)
