@@ -7,8 +7,10 @@ refused in seconds.
 Loading the recipe already refuses bad types, choices, non-finite or negative optimizer settings
 (`recipes.config.Recipe.validate`) and bad term weights and options (`numloss.ObjectiveConfig`). Here,
 what needs more than one section, the data, the model's config or the run directory:
-- settings the engine would ignore: refused, or `model.gradient_checkpointing` mapped onto
-  `megatron.recompute` with a note (`recipes.checks.engine_settings`);
+- settings the engine would ignore: the other engine's settings adopted onto this engine's own with a
+  note, or refused naming the key (`recipes.checks.engine_settings`, through the engine's contract);
+- what stops the engine from starting (`start_problems`: Megatron's kernels where the run starts, a
+  `megatron.load_converted` directory);
 - the objective against the numeric vocabulary: NTIL needs the digits policy;
 - the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
   at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
@@ -22,7 +24,8 @@ what needs more than one section, the data, the model's config or the run direct
 - the data's tokens against the recipe and the model, from the manifest's per-shard statistics
   (`recipes.checks.data_checks`: row lengths, data.seq_len, positions, vocabulary, scored labels);
 - the model's config against the recipe (`recipes.checks.model_checks`: the tokenizer fits its
-  vocabulary, the parallel layout divides its heads and layers, the world divides the layout);
+  vocabulary; the engine's contract: the parallel layout divides its heads and layers, the world divides
+  the layout, the engine can train this model);
 - the run directory (`recipes.checks.run_dir_checks`: train.out_dir can be written; the checkpoint it
   would resume from is of this engine and loads at this layout).
 """
