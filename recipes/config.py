@@ -2,8 +2,9 @@
 
 Every section is a dataclass; loading is strict: an unknown key, a missing required key or a value of
 the wrong type is an error that names its dotted path (`optim.lr: expected a number, got 'fast'`). The
-numeric objective's own section is checked by `numloss.ObjectiveConfig` (unknown terms and options; its
-errors name `loss.objective.terms.<term>.<key>`). Files and overrides are read by `recipes.recipe_yaml`:
+numeric objective's own section is read once, by `numloss.ObjectiveConfig` (unknown terms and options;
+its errors name `loss.objective.terms.<term>.<key>`): `recipe.loss.objective` is that typed config, and
+the recipe's dump writes it back as it was written. Files and overrides are read by `recipes.recipe_yaml`:
 a key given twice, a tab or any other syntax error is refused with file:line:column; `3e-4` is a
 number, and a quoted number ("3e-4", a weight "3") is never taken for one.
 
@@ -91,7 +92,8 @@ class DataConfig:
 class LossConfig:
     """The numeric objective and the numeric vocabulary it is computed over."""
 
-    objective: dict = field(default_factory=dict)  # numloss.ObjectiveConfig.from_dict
+    # written as a mapping ({terms: {smmd: {}}, z_loss: 0}); numloss's typed config once the recipe loads
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     numeric_policy: str = "digits"  # digits | integers | float
     numeric_max_value: int = 999
     space_variants: bool = False
@@ -101,6 +103,25 @@ class LossConfig:
     # objective and logged on its own; recipes/training/router_loss.py defines it). None: the HF config's
     # router_aux_loss_coef; 0: off. Dense models ignore it
     router_aux_coeff: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.objective, ObjectiveConfig):  # the recipe's mapping: read here, once
+            written = copy.deepcopy(self.objective)
+            try:
+                self.objective = ObjectiveConfig.from_dict(self.objective, root="loss.objective")  # errors name loss.objective.*
+            except TypeError as err:
+                raise ValueError(f"loss.objective: {err}") from None
+            self._written = (self.objective, written)
+
+    def objective_mapping(self) -> dict:
+        """The objective as the recipe's dump writes it (recipe.yaml, a checkpoint's recipe.json, the run
+        log): the mapping it was read from, default weights not filled in, so dumps compare key by key
+        with those written before. An objective set from code: `{}` for plain CE, else every field as
+        numloss resolves it; either reads back as the same objective."""
+        read = getattr(self, "_written", None)
+        if read is not None and read[0] is self.objective:
+            return copy.deepcopy(read[1])
+        return {} if self.objective == ObjectiveConfig() else dataclasses.asdict(self.objective)
 
 
 @dataclass
@@ -315,10 +336,6 @@ class Recipe:
             self._validate_lora()
         if not self.data.train:
             raise ValueError("data.train: required (a data_prep output directory)")
-        try:
-            ObjectiveConfig.from_dict(self.loss.objective, root="loss.objective")  # errors name loss.objective.*
-        except TypeError as err:
-            raise ValueError(f"loss.objective: {err}") from None
 
     def _validate_lora(self) -> None:
         lora = self.model.lora
@@ -334,11 +351,11 @@ class Recipe:
             raise ValueError("model.lora.target_modules: lm_head cannot take an adapter with loss.head: chunked"
                              " (the chunked head reads the head's weight directly)")
 
-    def objective_config(self) -> ObjectiveConfig:
-        return ObjectiveConfig.from_dict(self.loss.objective)
-
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The recipe as plain data (recipe.yaml, recipe.json, the run log), the objective as it was written."""
+        data = dataclasses.asdict(self)
+        data["loss"]["objective"] = self.loss.objective_mapping()
+        return data
 
 
 # ---- strict loading ----------------------------------------------------------------------------------
@@ -364,6 +381,8 @@ def _coerce(value: Any, tp, path: str):
             except ValueError as err:
                 errors.append(str(err))
         raise ValueError(errors[0] if errors else f"{path}: unexpected value {value!r}")
+    if tp is ObjectiveConfig:  # as written: LossConfig reads it with numloss's own strict reader
+        return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ValueError(f"{path or 'recipe'}: expected a mapping, got {type(value).__name__} {value!r}")

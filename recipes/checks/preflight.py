@@ -50,7 +50,7 @@ class RecipeCheckError(ValueError):
 
 
 def objective_problems(recipe) -> list[str]:
-    terms = set((recipe.loss.objective or {}).get("terms") or {})
+    terms = set(recipe.loss.objective.terms)
     if "ntil" in terms and recipe.loss.numeric_policy != "digits":
         return [f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}"]
     return []

@@ -167,11 +167,12 @@ class Change:
 
 
 def _sections(cls=Recipe, prefix: str = "") -> set[str]:
-    """The dotted paths of the recipe's dataclass sections ("" for the recipe itself)."""
+    """The dotted paths of the recipe's dataclass sections ("" for the recipe itself). The objective is
+    numloss's typed config but a free-form mapping here: a term added or removed is a change."""
     found = {prefix}
     for f in dataclasses.fields(cls):
         for tp in (typing.get_type_hints(cls)[f.name], *typing.get_args(typing.get_type_hints(cls)[f.name])):
-            if dataclasses.is_dataclass(tp):
+            if dataclasses.is_dataclass(tp) and tp is not ObjectiveConfig:
                 found |= _sections(tp, f"{prefix}{f.name}.")
     return {s.rstrip(".") for s in found}
 
@@ -197,16 +198,17 @@ def recipe_changes(old: dict, new: dict, path: str = "") -> list[Change]:
     return [Change(path, old, new, *classify(path))]
 
 
-def _resolved(recipe: dict) -> dict:
-    """The recipe with its objective as numloss resolves it (default weights filled in, options under
-    `options`), so that `smmd: {}` and `smmd: {weight: 3.0}` are the same recipe. An objective that no
-    longer resolves (the library changed) is compared as written."""
-    objective = recipe.get("loss", {}).get("objective")
-    try:
-        resolved = dataclasses.asdict(ObjectiveConfig.from_dict(objective, root="loss.objective"))
-    except (ValueError, TypeError):
-        return recipe
-    return {**recipe, "loss": {**recipe["loss"], "objective": resolved}}
+def _resolved(recipe: dict, objective: ObjectiveConfig | None = None) -> dict:
+    """The recipe (as `Recipe.to_dict()` gives it) with its objective as numloss resolves it (default
+    weights filled in, options under `options`), so that `smmd: {}` and `smmd: {weight: 3.0}` are the same
+    recipe. `objective`: the running recipe's, typed when it loaded; None: a saved recipe's, read here.
+    A saved objective that no longer resolves (the library changed) is compared as written."""
+    if objective is None:
+        try:
+            objective = ObjectiveConfig.from_dict(recipe.get("loss", {}).get("objective"), root="loss.objective")
+        except (ValueError, TypeError):
+            return recipe
+    return {**recipe, "loss": {**recipe["loss"], "objective": dataclasses.asdict(objective)}}
 
 
 @dataclass
@@ -261,7 +263,7 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
         return plan
     if saved_from:
         plan.warnings.append(f"warning: {where} does not record its recipe; compared with {saved_from}")
-    changes = recipe_changes(_resolved(saved), _resolved(recipe.to_dict()))
+    changes = recipe_changes(_resolved(saved), _resolved(recipe.to_dict(), recipe.loss.objective))
     refused = [c for c in changes if c.kind == REFUSED]
     if refused:
         lines = [f"  {c.describe()} ({c.why})" for c in refused]

@@ -152,7 +152,7 @@ def hf_step(run_dir: Path, dp: int, step: int, model_dir: Path | None = None) ->
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     tok = AutoTokenizer.from_pretrained(path)
     objective = Objective(NumericVocab.from_tokenizer(tok, policy=recipe.loss.numeric_policy,
-                                                      vocab_size=model.config.vocab_size), recipe.objective_config())
+                                                      vocab_size=model.config.vocab_size), recipe.loss.objective)
     window = []
     for rank in range(dp):
         reader = iter(ShardDataset(d.train, batch_size=t.micro_batch_size, rank=rank, world_size=dp, seed=t.seed,

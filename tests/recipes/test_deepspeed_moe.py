@@ -311,7 +311,7 @@ def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict
     vocab = NumericVocab.from_tokenizer(AutoTokenizer.from_pretrained(assets["tokenizer"]), policy="digits",
                                         max_value=recipe.loss.numeric_max_value,
                                         space_variants=recipe.loss.space_variants, vocab_size=VOCAB)
-    wrapper = NumericCausalLM(model, Objective(vocab, recipe.objective_config()), chunked=False)
+    wrapper = NumericCausalLM(model, Objective(vocab, recipe.loss.objective), chunked=False)
     rows = H.global_batch(1, assets["tokenizer"])
     whole = {k: torch.stack([row[k] for row in rows]) for k in rows[0]}
     out = wrapper(whole["input_ids"], whole["labels"], whole["attention_mask"])  # the step's objective

@@ -30,7 +30,7 @@ def test_a_child_merges_sections_key_by_key_and_replaces_values_whole(tmp_path):
                                              "data": {"eval": None}})
     r = load_recipe(child)
     assert (r.optim.lr, r.optim.warmup_steps) == (3e-4, 5)            # section merged key by key
-    assert set(r.objective_config().terms) == {"ntil"}                 # a value replaces the base's whole
+    assert set(r.loss.objective.terms) == {"ntil"}                 # a value replaces the base's whole
     assert r.loss.head == "chunked" and r.data.train == "data/train" and r.data.eval is None
     assert r.model.config == {"model_type": "llama", "hidden_size": 8} and r.train.seed == 3
     # identity is the child's own: its stem, and runs/<name> since it names no out_dir of its own

@@ -35,7 +35,7 @@ def _write(tmp_path, text: str) -> Path:
 def test_exponent_numbers_are_floats(tmp_path):
     recipe = load_recipe(_write(tmp_path, MINIMAL), ["optim.eps=1e-6", "loss.objective={terms: {smmd: 3e-1}}"])
     assert recipe.optim.lr == 3e-4 and recipe.optim.eps == 1e-6
-    assert recipe.objective_config().terms["smmd"].weight == 0.3
+    assert recipe.loss.objective.terms["smmd"].weight == 0.3
 
 
 def test_a_duplicate_key_names_the_key_and_both_lines(tmp_path):

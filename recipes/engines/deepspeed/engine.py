@@ -71,7 +71,7 @@ class DeepSpeedEngine:
         vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
                                             max_value=recipe.loss.numeric_max_value,
                                             space_variants=recipe.loss.space_variants, vocab_size=logits_width)
-        objective = Objective(vocab, recipe.objective_config())
+        objective = Objective(vocab, recipe.loss.objective)
         self.model = model
         self.hf_config = model.config  # recipes.training.throughput: FLOPs per token
         self.timings: dict[str, float] = {}

@@ -118,7 +118,7 @@ class MegatronEngine:
         vocab = NumericVocab.from_tokenizer(self.tokenizer, policy=recipe.loss.numeric_policy,
                                             max_value=recipe.loss.numeric_max_value,
                                             space_variants=recipe.loss.space_variants, vocab_size=padded)
-        self.objective = Objective(vocab, recipe.objective_config())
+        self.objective = Objective(vocab, recipe.loss.objective)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, average_in_collective=False,
                                                    **self.kernels.ddp)
         # Bucketing only for the first chunk, as Megatron-LM does (later chunks' grads reduce as one).

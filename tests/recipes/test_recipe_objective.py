@@ -1,0 +1,140 @@
+"""`loss.objective` is numloss's typed `ObjectiveConfig` from the moment the recipe loads, read once and
+carried as it is to the resume policy and the engine; the recipe's dump still writes it as the file
+wrote it, so recipe.yaml and a checkpoint's recipe.json hold the same mapping as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from numloss import ObjectiveConfig
+from recipes.config import Recipe, dump_recipe, load_recipe, recipe_from_dict
+from tests.distributed import run_ranks
+
+OBJECTIVE = {"terms": {"smmd": {}, "ntl_was": 0.5, "gce": {"weight": 1, "sigma": 2.0}}, "z_loss": 0}
+RECIPE = {"name": "typed", "model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
+          "data": {"train": "data"}, "loss": {"objective": OBJECTIVE, "numeric_policy": "integers"}}
+# The loss section of this recipe's `to_dict()` as the code wrote it while the objective was a plain
+# mapping: what recipe.yaml and recipe.json of checkpoints saved before hold.
+LOSS_BEFORE = {"objective": {"terms": {"smmd": {}, "ntl_was": 0.5, "gce": {"weight": 1, "sigma": 2.0}}, "z_loss": 0},
+               "numeric_policy": "integers", "numeric_max_value": 999, "space_variants": False, "head": "logits",
+               "chunk_size": 1024, "router_aux_coeff": None}
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _counting_from_dict(calls: list):
+    """`ObjectiveConfig.from_dict` that records the mapping of every call (subclasses included)."""
+    original = ObjectiveConfig.from_dict.__func__
+
+    def from_dict(cls, config, root="objective"):
+        calls.append(json.loads(json.dumps(config)))
+        return original(cls, config, root)
+
+    return classmethod(from_dict)
+
+
+def test_the_objective_is_typed_once_when_the_recipe_loads(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(ObjectiveConfig, "from_dict", _counting_from_dict(calls))
+    recipe = load_recipe(_write(tmp_path / "r.yaml", RECIPE))
+    assert calls == [OBJECTIVE]
+    objective = recipe.loss.objective
+    assert isinstance(objective, ObjectiveConfig)
+    assert {name: term.weight for name, term in objective.terms.items()} == {"smmd": 3.0, "ntl_was": 0.5, "gce": 1.0}
+    assert objective.terms["gce"].options == {"sigma": 2.0} and objective.z_loss == 0.0
+    assert set(Recipe().loss.objective.terms) == set()  # no loss.objective: plain CE, typed too
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.objective.terms.smmd.sigmas=[0]", "loss.objective.terms.smmd.sigmas"),
+    ("loss.objective.terms.smmd.sigmaz=[1.0]", "loss.objective.terms.smmd.sigmaz: no such option of smmd"),
+    ("loss.objective.terms.smmd2={}", "loss.objective.terms.smmd2: unknown term"),
+    ("loss.objective.scale=2", "loss.objective.scale: unknown key"),
+    ("loss.objective=[smmd]", "loss.objective: expected a mapping"),
+])
+def test_strict_errors_name_the_key_under_loss_objective(override, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        recipe_from_dict(RECIPE, [override])
+
+
+def test_the_dump_is_the_recipe_as_written(tmp_path):
+    recipe = load_recipe(_write(tmp_path / "r.yaml", RECIPE))
+    data = recipe.to_dict()
+    assert data["loss"] == LOSS_BEFORE
+    for key, value in data.items():  # every other section as dataclasses.asdict gives it, as before
+        if key != "loss":
+            section = getattr(recipe, key)
+            assert value == (dataclasses.asdict(section) if dataclasses.is_dataclass(section) else section), key
+    dump_recipe(recipe, tmp_path / "recipe.yaml")
+    assert yaml.safe_load((tmp_path / "recipe.yaml").read_text()) == data
+    again = load_recipe(tmp_path / "recipe.yaml")
+    assert again.to_dict() == data  # a dump reads back as the same recipe
+    assert again.loss.objective == recipe.loss.objective
+    assert Recipe().to_dict()["loss"]["objective"] == {}  # the default, as the plain mapping was
+    # an objective set from code dumps every field as numloss resolves it, which reads back as itself
+    recipe.loss.objective = ObjectiveConfig.from_dict({"terms": {"dist2": {"tau": 2.0}}})
+    written = recipe.to_dict()["loss"]["objective"]
+    assert written["terms"]["dist2"] == {"weight": 0.1, "options": {"tau": 2.0}, "rescale_to_ce": False}
+    assert recipe_from_dict({**RECIPE, "loss": {"objective": written}}).loss.objective == recipe.loss.objective
+    recipe.loss.objective = ObjectiveConfig()
+    assert recipe.to_dict()["loss"]["objective"] == {}
+
+
+def test_a_checkpoint_saved_before_compares_equal_key_by_key(tmp_path):
+    from recipes.reliability.resume_policy import decide, recipe_changes
+
+    recipe = recipe_from_dict(RECIPE, [f"train.out_dir={tmp_path}"])
+    saved = json.loads(json.dumps({**recipe.to_dict(), "loss": LOSS_BEFORE}))  # as recipe.json holds it
+    assert recipe_changes(saved, recipe.to_dict()) == []
+    plan = decide(recipe, "step_00000001", saved, tmp_path)
+    assert plan.changes == [] and not plan.finished
+
+
+def _load_resume_build(rank, world, assets, out):
+    """In one gloo rank: load a recipe, decide its resume against a checkpoint's recipe with another
+    SMMD weight, build the DeepSpeed engine; count every reading of an objective mapping."""
+    from numloss import ObjectiveConfig
+    from recipes.config import load_recipe
+    from recipes.engines.deepspeed.engine import DeepSpeedEngine
+    from recipes.reliability.checkpoints import CheckpointDirs
+    from recipes.reliability.resume_policy import decide
+    from tests.engine_megatron import engine_helpers as H
+
+    out = Path(out)
+    runtime = H.gloo_rank_runtime(rank, world)
+    objective = {"terms": {"smmd": {}, "ntl_was": {}}}
+    data = {"name": "once", "model": {"name_or_path": assets["model"], "tokenizer": assets["tokenizer"],
+                                      "dtype": "float32"},
+            "data": {"train": "unused"}, "loss": {"objective": objective},
+            "deepspeed": {"zero_stage": 2}, "train": {"steps": 3, "micro_batch_size": 2, "out_dir": str(out),
+                                                      "export": False}}
+    saved = json.loads(json.dumps({**data, "loss": {"objective": {"terms": {"smmd": {"weight": 1.0}, "ntl_was": {}}}}}))
+    calls = []
+    ObjectiveConfig.from_dict = _counting_from_dict(calls)  # this rank's process only
+    recipe = load_recipe(_write(out / "once.yaml", data))
+    plan = decide(recipe, "step_00000001", saved, out)
+    assert [(c.key, c.old, c.new) for c in plan.changes] == [("loss.objective.terms.smmd.weight", 1.0, 3.0)]
+    engine = DeepSpeedEngine(recipe, runtime, CheckpointDirs(out, 1, runtime))
+    try:
+        assert engine.wrapper.objective.config is recipe.loss.objective  # carried, not read again
+        # one reading of the recipe's own objective (at load); the other is the checkpoint's recipe
+        assert calls == [objective, saved["loss"]["objective"]], calls
+    finally:
+        engine.close()
+
+
+def test_load_resume_and_engine_build_read_the_objective_once(tmp_path):
+    from tests.engine_megatron import engine_helpers as H
+
+    assets = H.make_assets(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(1, _load_resume_build, assets, str(out), timeout=300)
