@@ -35,6 +35,9 @@ TRL deprecates and removes in 2.0):
   head is not a plain bias-free Linear (`trainer_head.head_problem`) is trained from its logits instead
   (`logits_to_keep` from the first labelled position). Evaluation runs the model's own forward and its
   logits (a `compute_metrics` needs them).
+- the first training micro-batch: each term's value against CE on it (over its own counts), and a term
+  more than 5x CE at its weight named with the weight that would match (`numloss.scale_check`; a warning
+  on the main process, before the first optimizer step; nothing refused).
 - `evaluation_loop`: `eval_loss` (and `eval_ce`, `eval_term/<name>`, ...) is the objective of the
   whole evaluation set (`trainer_loss.EvalSums`), the same at any evaluation batch size.
 - `log`: adds `ce`, `term/<name>` and `numeric_positions` of the global batch, averaged over the steps
@@ -54,6 +57,7 @@ Not covered: NTIL averages over sequences, and under TRL's packing a packed row 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -62,10 +66,13 @@ from ..labels import shift_labels
 from ..logit_stats import IGNORE_INDEX
 from ..normalization import LossCounts, reduce_counts
 from ..objective import Objective, ObjectiveConfig
+from ..scale_check import scale_lines
 from ..vocab import NumericVocab
 from .trainer_layout import check_construction, check_first_step
 from .trainer_head import first_labelled, head_problem, install, objective_head, register_zero3_head
 from .trainer_loss import EvalSums, StepLoss, input_tokens, token_metric_sums
+
+logger = logging.getLogger(__name__)
 
 # The versions the tests ran, and the oldest transformers whose Trainer reads `loss_is_scaled_for_ga`.
 TESTED = {"transformers": "5.25.0", "trl": "1.16.0"}
@@ -140,6 +147,7 @@ class NumericTrainerMixin:
         self.numeric_loss = StepLoss(Objective(numeric_vocab, objective), token_metrics=self.numeric_sft)
         self._numeric_steps = 0  # optimizer steps whose values wait for the next log
         self._numeric_layout_checked = False
+        self._numeric_scale_said = False  # the terms' scale against CE, said at the first micro-batch
         self._numeric_eval: EvalSums | None = None  # set while evaluation_loop runs
         super().__init__(*args, **kwargs)
         check_construction(self, sft=self.numeric_sft)
@@ -227,6 +235,9 @@ class NumericTrainerMixin:
                                " did not read its batches through get_batch_samples (a trainer change not"
                                f" covered by this integration; tested with {TESTED})")
         loss, outputs = self._numeric_training_loss(model, inputs, num_items_in_batch)
+        if not self._numeric_scale_said:
+            self._numeric_scale_said = True
+            self._say_scale(inputs, num_items_in_batch)
         loss = loss * self.accelerator.num_processes  # undo the mean over data-parallel ranks
         if self.numeric_sft:
             self.numeric_loss.add_token_metrics(outputs["token_metrics"], input_tokens(inputs))
@@ -235,6 +246,18 @@ class NumericTrainerMixin:
                 # SFTTrainer's MoE load-balancing loss: a per-micro-batch mean, averaged over the step
                 loss = loss + self.router_aux_loss_coef * aux / self.current_gradient_accumulation_steps
         return loss
+
+    def _say_scale(self, inputs: dict, step_counts: LossCounts) -> None:
+        """Before the first optimizer step: each term against CE on this process's first micro-batch
+        (`numloss.scale_check`); a term many times CE at its weight is named, with the weight that would
+        match (a warning on the main process; nothing is refused)."""
+        if not self.accelerator.is_main_process:
+            return
+        objective = self.numeric_loss.objective
+        own = objective.counts(shift_labels(inputs["labels"], objective.config.ignore_index))
+        ce, terms = self.numeric_loss.own_values(step_counts, own)
+        for line in scale_lines(objective.config, ce, terms):
+            logger.warning("numloss: %s", line)
 
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"):

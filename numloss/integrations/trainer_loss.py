@@ -114,6 +114,7 @@ class StepLoss:
         if token_metrics:
             self.keys += ["entropy_sum", "top1", "labelled", "tokens"]
         self._sums: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
         self.tokens_seen = 0.0  # every process's training tokens so far, for TRL's cumulative `num_tokens`
 
     def _add(self, index: int, values: torch.Tensor) -> None:
@@ -124,7 +125,20 @@ class StepLoss:
     def record(self, out: ObjectiveOutput) -> ObjectiveOutput:
         values = torch.stack([out.ce.detach(), *(v.detach() for v in out.terms.values())]).double()
         self._add(0, torch.cat([values, values.new_tensor([out.numeric_positions])]))
+        self.last = values  # CE and each term of the last micro-batch (its shares of the step's)
         return out
+
+    def own_values(self, step_counts: LossCounts, batch_counts: LossCounts) -> tuple[float, dict[str, float]]:
+        """(CE, {term: value}) of the last recorded micro-batch over its own counts (`batch_counts`), from
+        its shares of the step's (`step_counts`): a share is the batch's sum over the step's count."""
+        keys = self.objective.denominator_keys()
+        shares = self.last.tolist()
+
+        def own(share: float, key: str) -> float:
+            return share * step_counts.denominator(key) / batch_counts.denominator(key)
+
+        names = list(self.objective.config.terms)
+        return own(shares[0], keys["ce"]), {name: own(v, keys[name]) for name, v in zip(names, shares[1:])}
 
     def micro_batch(self, logits: torch.Tensor, shifted: torch.Tensor, counts: LossCounts) -> ObjectiveOutput:
         """The objective on a causal LM's logits; `shifted`: the labels aligned with `logits`."""

@@ -204,3 +204,48 @@ def test_refuses_a_compute_loss_func_and_a_non_trainer(tok, tmp_path):
         NumericTrainer(model=H.model(tok), args=_args(tmp_path), numeric_vocab=vocab, compute_loss_func=len)
     with pytest.raises(TypeError, match="not a transformers.Trainer"):
         numeric_trainer_class(dict)
+
+
+def test_a_term_many_times_ce_is_named_before_the_first_optimizer_step(tmp_path, caplog):
+    """NTL-WAS at its default weight over a Llama-3-style 'integers' vocabulary (0-999) on a random model:
+    its first micro-batch's value, over that micro-batch's own counts (at accumulation 2 the step's counts
+    are twice as large), is many times CE; the warning names it and the weight that would match, before
+    the optimizer's first step, and training goes on."""
+    from transformers import TrainerCallback
+
+    from numloss import NumericVocab, Objective
+    from numloss.integrations.hf_trainer import NumericTrainer
+    from numloss.labels import shift_labels
+    from recipes.experiments.tiny import train_tokenizer
+
+    tok = train_tokenizer(["the sum is 731 and 12 of 998 and 405 . = +"], tmp_path / "tok", "groups3")
+    rows = []
+    for text in ("12+30=42", "500+499=999", "731+12=743", "998-405=593"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": ids})
+    said_at_step: list[int] = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            said_at_step.append(sum("term ntl_was" in r.getMessage() for r in caplog.records))
+
+    vocab = NumericVocab.from_tokenizer(tok, policy="integers")
+    model = H.model(tok)
+    initial = copy.deepcopy(model)
+    trainer = NumericTrainer(model=model, args=_args(tmp_path / "out", per_device_train_batch_size=2,
+                                                     gradient_accumulation_steps=2),
+                             train_dataset=rows, data_collator=_collator(tok), numeric_vocab=vocab,
+                             objective={"terms": {"ntl_was": {}}}, callbacks=[Watch()])
+    with caplog.at_level("WARNING", logger="numloss.integrations.hf_trainer"):
+        trainer.train()
+    assert said_at_step == [1], said_at_step  # said once, before the first step ended
+    line = next(r.getMessage() for r in caplog.records if "term ntl_was" in r.getMessage())
+    # the first micro-batch (the Trainer's random sampler with seed 0 picks it) over its own counts
+    first = trainer.get_train_dataloader()
+    batch = next(iter(first))
+    out = Objective(vocab, {"terms": {"ntl_was": {}}})(initial(input_ids=batch["input_ids"],
+                                                               attention_mask=batch["attention_mask"]).logits,
+                                                       shift_labels(batch["labels"]))
+    ce, value = float(out.ce), float(out.terms["ntl_was"])
+    assert 0.3 * value > 5 * ce, (ce, value)
+    assert f"term ntl_was = {value:.4g} x weight 0.3" in line and f"weight {ce / value:.3g} would make" in line, line
