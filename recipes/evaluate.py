@@ -1,5 +1,7 @@
 """`python -m recipes.evaluate --model DIR --data DIR ...`: score a trained model (`recipes.evaluation.evaluate`);
-`python -m recipes.evaluate table RESULTS.json ...`: the Markdown table of several runs (`recipes.evaluation.report`)."""
+`python -m recipes.evaluate harness --model DIR --tasks gsm8k,...`: lm-evaluation-harness tasks on it
+(`recipes.evaluation.harness`); `python -m recipes.evaluate table RESULTS.json ...`: the Markdown table of
+several runs, both kinds of results merged by run name (`recipes.evaluation.report`)."""
 
 import sys
 
@@ -10,6 +12,10 @@ def main(argv: list[str] | None = None) -> int:
         from recipes.evaluation.report import main as report_main
 
         return report_main(argv)
+    if argv and argv[0] == "harness":
+        from recipes.evaluation.harness import main as harness_main
+
+        return harness_main(argv[1:])
     from recipes.evaluation.evaluate import main as evaluate_main
 
     return evaluate_main(argv)

@@ -4,10 +4,13 @@
     python -m recipes.evaluation.report curves ce=runs/ce/metrics.jsonl smmd=runs/smmd/metrics.jsonl --out curves.png
     python -m recipes.evaluation.report probe ce=runs/ce/final smmd=runs/smmd/final --data DATA --out probe.png
 
-- table: one row per results JSON written by `recipes.evaluation.evaluate`, one column per metric any of them
-  reports (n, parse rate, exact match, MAE, R², time gap, relaxed accuracy), each followed by the
-  number of rows it used when the results say it; "–" where a run has none; with `interval=True` exact
-  match carries its 95% Wilson interval.
+- table: one row per run: the results JSON written by `recipes.evaluation.evaluate` (numloss's own metrics)
+  and by `recipes.evaluation.harness` (lm-evaluation-harness tasks) of the same run name share its row when
+  their metrics do not overlap. One column per metric any of them reports (n, parse rate, exact match, MAE,
+  R², time gap, relaxed accuracy, then e.g. "gsm8k exact_match (strict-match)"), each numloss metric followed
+  by the number of rows it used when the results say it; "–" where a run has none; with `interval=True`
+  exact match carries its 95% Wilson interval. Under the table, one line per harness task: lm-eval's version,
+  backend, the task's version, shots, documents and config hash.
 - intervals: `recipes.evaluation.stats`.
 - curves: `metrics.jsonl` (one JSON object per optimizer step, as recipes/train.py writes it:
   "step", "loss", "ce", "term/<name>", "lr", ...); one panel per quantity (loss, ce, then each term),
@@ -73,9 +76,42 @@ def load_results(paths: Sequence[str]) -> list[dict]:
     return out
 
 
+def merge_runs(results: Sequence[dict]) -> list[dict]:
+    """Results of the same run name merged into one (metrics joined, harness records kept in "harness_runs"),
+    in first-seen order; results whose metrics overlap stay separate rows."""
+    merged: list[dict] = []
+    for r in results:
+        into = next((m for m in merged if m.get("name") == r.get("name")
+                     and not set(m.get("metrics", {})) & set(r.get("metrics", {}))), None)
+        if into is None:
+            into = {**r, "metrics": dict(r.get("metrics", {})), "harness_runs": []}
+            merged.append(into)
+        else:
+            into["metrics"].update(r.get("metrics", {}))
+        if r.get("harness"):
+            into["harness_runs"].append(r["harness"])
+    return merged
+
+
+def harness_notes(results: Sequence[dict]) -> list[str]:
+    """One line per run and lm-eval task: what produced its numbers."""
+    lines = []
+    for r in merge_runs(results):
+        for h in r.get("harness_runs", []):
+            for task, t in h.get("tasks", {}).items():
+                n = (t.get("n_samples") or {}).get("effective")
+                lines.append(f"- {r.get('name', '?')}: lm-eval {h.get('lm_eval_version')} ({h.get('backend')} backend), "
+                             f"{task} version {t.get('version')}, {t.get('n_shot')}-shot, {n} documents, "
+                             f"config sha256 {str(t.get('config_sha256'))[:12]}")
+    return lines
+
+
 def markdown_table(results: Sequence[dict], interval: bool = False) -> str:
-    """One row per run (its `name`), one column per metric present in any run. `interval`: exact
-    match as "value [low, high]" with its 95% Wilson interval over the rows exact match used."""
+    """One row per run (its `name`; results of one run merged, `merge_runs`), one column per metric present in
+    any run, then one line per lm-eval task (`harness_notes`). `interval`: exact match as "value [low, high]"
+    with its 95% Wilson interval over the rows exact match used."""
+    notes = harness_notes(results)
+    results = merge_runs(results)
     present = set()
     for r in results:
         present.update(k for k in r.get("metrics", {}) if k not in _SKIP)
@@ -97,6 +133,8 @@ def markdown_table(results: Sequence[dict], interval: bool = False) -> str:
                 cell += f" [{low:.3f}, {high:.3f}]"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"
 
 
