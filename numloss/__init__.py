@@ -1,4 +1,4 @@
-"""numloss: numeric-aware token losses (SMMD, NTIL, NTL, DIST2, GCE), dense or vocab-parallel.
+"""numloss: numeric-aware token losses (SMMD, NTIL, NTL, DIST2, GCE, DEL), dense or vocab-parallel.
 
     vocab = NumericVocab.from_tokenizer(tokenizer, policy="digits")
     objective = Objective(vocab, {"terms": {"smmd": {}}})      # CE + 3.0 · SMMD

@@ -1,5 +1,5 @@
-"""One function per loss term: `fn(logits, labels, vocab, **options) -> 0-d tensor` (a registered
-term of your own: `term_function(name)`).
+"""One function per loss term: `fn(logits, labels, vocab, **options) -> 0-d tensor` (DEL's is
+`digit_entropy`; a registered term of your own: `term_function(name)`).
 
 Common arguments: `logits` [..., V] (any float dtype; the math is fp32), `labels` [...] aligned with
 them (the caller shifts), `ignore_index` (-100). Parallel contract: with `group` (the tensor-parallel
@@ -8,7 +8,7 @@ every rank, and the result and each rank's gradient of its shard equal the dense
 
 Each function returns its term alone (GCE its whole loss, since it replaces CE), so that a term can be
 added to a cross-entropy computed elsewhere: `F.cross_entropy(...) + 0.3 * numloss.functional.ntl_was(...)`.
-A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DIST2 with
+A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DEL, DIST2 with
 `normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
 gradient (M x N entries) is added in place into the dense gradient that the cross-entropy sends to the
 same `logits` tensor (a hook on it): it costs next to nothing beside that cross-entropy. (Alone, the term
@@ -90,5 +90,20 @@ gce = term_function("gce", numeric_when=None)  # it scores every other position 
 dist2 = term_function("dist2", full_when=' with normalize="full" (the default)', numeric_when=' with normalize="numeric"')
 ntil = term_function("ntil", full_when=None)
 smmd = term_function("smmd", full_when=None)
+_digit_entropy = term_function("del", full_when=None)
 
-__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "term_function"]
+
+def digit_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab: NumericVocab, decimal_point_id: int | None = None,
+                  *, group=None, vocab_start: int = 0, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    return _digit_entropy(logits, labels, vocab, group=group, vocab_start=vocab_start, ignore_index=ignore_index,
+                          decimal_point_id=decimal_point_id)
+
+
+digit_entropy.__doc__ = (_digit_entropy.__doc__ + """
+
+The Objective's term `del` is this value times its weight (default 0.01, the authors'). `vocab` must hold
+exactly the ten digit tokens; `decimal_point_id` None takes the vocabulary's (`NumericVocab.from_tokenizer`
+finds "."), and with neither, no run has a decimal point.""")
+digit_entropy.needs_full_vocab = _digit_entropy.needs_full_vocab
+
+__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "digit_entropy", "term_function"]

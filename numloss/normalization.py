@@ -6,7 +6,7 @@ registration, `numloss.losses.registry`):
 | key                       | what is counted                                          | terms                       |
 |---------------------------|----------------------------------------------------------|-----------------------------|
 | `tokens`                  | valid labels (not ignore_index)                          | CE, z-loss, GCE             |
-| `numeric`                 | numeric positions (valid labels that are numbers)        | SMMD, NTL-WAS/MSE, DIST2    |
+| `numeric`                 | numeric positions (valid labels that are numbers)        | SMMD, NTL-WAS/MSE, DIST2, DEL |
 | `place_value`             | Σ over numeric positions of 1 + numeric tokens after it  | DIST2 place-value weighting |
 | `sequences`               | sequences (packed rows: examples) with a valid label     | NTIL                        |
 | `<term>.position_weights` | Σ of the caller's position weights at numeric positions  | NTL with `position_weights` |

@@ -1,6 +1,6 @@
 """The training objective: cross-entropy plus any weighted set of numeric terms, from a typed config.
 
-    total = CE + Σ_k w_k · term_k                       (ntl_was, ntl_mse, dist2, ntil, smmd)
+    total = CE + Σ_k w_k · term_k                       (ntl_was, ntl_mse, dist2, ntil, smmd, del)
     total = (1 - w) · CE + w · GCE  + Σ_k w_k · term_k  (GCE replaces CE; w = 1 by default)
 
 The terms are those registered in `numloss.losses.registry` (the built-in ones and any a user registers
@@ -71,7 +71,7 @@ class ObjectiveConfig:
     option values the term cannot use (a scalar or zero `sigmas`, `tau <= 0`, a string where a number
     belongs, ...), two terms that each replace CE, are `ObjectiveConfigError`s (ValueErrors) naming each
     key's path. The rules are each term's registration's (`numloss.register_term`). `Objective` adds the
-    vocabulary's checks (NTIL needs a digits vocabulary)."""
+    vocabulary's checks (NTIL needs a digits vocabulary, DEL the ten digits and the decimal point)."""
 
     terms: dict[str, TermConfig] = field(default_factory=dict)
     z_loss: float = 0.0

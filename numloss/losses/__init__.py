@@ -8,11 +8,12 @@ tensor`; `DEFAULT_WEIGHTS` (read-only) its default weight. The built-in terms be
 
 from ..normalization import NUMERIC, PLACE_VALUE, SEQUENCES, TOKENS
 from .cross_entropy import cross_entropy_term
+from .digit_entropy import digit_entropy_term
 from .dist2 import dist2_term
 from .gce import gce_term
 from .ntil import ntil_term
 from .ntl import ntl_mse_term, ntl_was_term
-from .options import boolean, choice, finite, positive_list
+from .options import boolean, choice, finite, positive_list, token_id
 from .registry import DEFAULT_WEIGHTS, NEEDS, TERMS, TermSpec, register_term, registered_terms, term_spec, unregister_term
 from .smmd import smmd_term
 
@@ -44,6 +45,10 @@ register_term("smmd", smmd_term, default_weight=3.0,
               options={"sigmas": positive_list, "squash_factor": finite(0, strict=True, optional=True),
                        "kernel": choice("gaussian", "laplace"), "alpha": finite(0, optional=True),
                        "mode": choice("smmd", "mmd", "smooth")}, _builtin=True)
+register_term("del", digit_entropy_term, default_weight=0.01,
+              needs=lambda o: ("ten_digits",) + (("decimal_point",) if o["decimal_point_id"] is None else ()),
+              options={"decimal_point_id": token_id}, _builtin=True)
+
 __all__ = ["TERMS", "DEFAULT_WEIGHTS", "NEEDS", "TermSpec", "register_term", "unregister_term", "term_spec",
-           "registered_terms", "cross_entropy_term", "ntl_was_term", "ntl_mse_term",
+           "registered_terms", "cross_entropy_term", "digit_entropy_term", "ntl_was_term", "ntl_mse_term",
            "gce_term", "dist2_term", "ntil_term", "smmd_term"]

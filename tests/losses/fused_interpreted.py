@@ -16,25 +16,29 @@ import torch.distributed as dist
 
 from numloss import NumericVocab, Objective
 from numloss import fused_pass
-from numloss.losses import TERMS
+from numloss.losses import TERMS, term_spec
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.skipif(not fused_pass.interpreting(), reason="needs TRITON_INTERPRET=1 before triton imports")
 
 IGNORE = -100
+POINT = 5  # the decimal point's token (DEL's runs of digits and points)
 
 
 def batch(n_numeric: int, vocab_size: int, dtype: torch.dtype, rows: int = 3, seq: int = 10, seed: int = 0):
     """(vocab, logits [rows, seq, V], labels): numeric ids 7 .. 7 + N (values 0 .. N-1, digits when N = 10),
-    about a third of the labels numeric, a few ignored, and the last row without any numeric label."""
+    about a third of the labels numeric, a few ignored, two decimal points, and the last row without any
+    numeric label."""
     g = torch.Generator().manual_seed(seed)
-    vocab = NumericVocab(torch.arange(7, 7 + n_numeric), torch.arange(n_numeric), vocab_size=vocab_size)
+    vocab = NumericVocab(torch.arange(7, 7 + n_numeric), torch.arange(n_numeric), vocab_size=vocab_size,
+                         decimal_point_id=POINT)
     labels = torch.randint(7 + n_numeric, vocab_size, (rows, seq), generator=g)
     numeric = torch.rand(rows, seq, generator=g) < 0.35
     numeric[-1] = False
     labels[numeric] = torch.randint(7, 7 + n_numeric, (int(numeric.sum()),), generator=g)
     labels[0, :2] = IGNORE
     labels[1, -1] = IGNORE
+    labels[0, 4] = labels[1, 3] = POINT
     logits = (3 * torch.randn(rows, seq, vocab_size, generator=g)).to(dtype)
     return vocab, logits, labels
 
@@ -58,9 +62,10 @@ def assert_gradients_close(fused: torch.Tensor, eager: torch.Tensor) -> None:
 
 def term_cases():
     for n, v in ((10, 200), (1000, 1100)):
+        vocab = batch(n, v, torch.float32)[0]
         for name in [None, *TERMS]:
-            if name == "ntil" and n != 10:
-                continue  # NTIL needs a digits vocabulary
+            if name is not None and term_spec(name).vocab_problems(vocab):
+                continue  # NTIL and DEL need digits
             yield n, v, name
 
 
@@ -159,5 +164,5 @@ def _vocab_parallel_rank(rank: int, world: int, n: int, v: int, terms: dict):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n,v", [(10, 200), (1000, 1100)])
 def test_vocab_parallel_fused_equals_dense_eager_on_two_gloo_ranks(n, v):
-    terms = {"smmd": {}, "ntl_was": {}, **({"ntil": {}} if n == 10 else {})}
+    terms = {"smmd": {}, "ntl_was": {}, **({"ntil": {}, "del": {}} if n == 10 else {})}
     run_ranks(2, _vocab_parallel_rank, n, v, terms, timeout=240.0)

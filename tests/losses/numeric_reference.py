@@ -312,3 +312,55 @@ def smmd(logits, labels, ids, values, sigmas=(2.0,), squash_factor=9.0, kernel="
         total = total + torch.relu(per)
         m += 1
     return total / max(m, 1)
+
+
+def digit_places(seq, digit_ids, point_id=None):
+    """DEL's place weight of every position of one sequence (None where the label is not a digit), from
+    the definition: a number is a maximal run of digit and decimal-point labels; an integer digit k places
+    left of the run's first decimal point (or of the run's end; units k = 1) weighs 2k; the digit d places
+    after the first decimal point weighs 1.02^-(d+1); a run starting with the point counts as an integer."""
+    member = [label in digit_ids or (point_id is not None and label == point_id) for label in seq]
+    weights = [None] * len(seq)
+    start = 0
+    while start < len(seq):
+        if not member[start]:
+            start += 1
+            continue
+        end = start
+        while end < len(seq) and member[end]:
+            end += 1
+        points = [t for t in range(start, end) if seq[t] == point_id]
+        point = points[0] if points and points[0] != start else None
+        for t in range(start, end):
+            if seq[t] not in digit_ids:
+                continue
+            if point is None or t < point:
+                weights[t] = 2.0 * ((end if point is None else point) - t)
+            else:
+                weights[t] = 1.02 ** -((t - point) + 1)
+        start = end
+    return weights
+
+
+def digit_entropy(logits, labels, digit_ids, point_id=None):
+    """DEL: at each digit position, w · Σ_j BCE(l_j, 1[j = y]) · softmax(l)_j over the ten digit logits
+    l (`digit_ids[d]` is the token of digit d), w from `digit_places`; the sum over digit positions
+    divided by 10 x their count (0 without any)."""
+    x, lab = _seqs(logits, labels)
+    total, count = _zero(x), 0
+    for b, seq in enumerate(lab):
+        places = digit_places(seq, digit_ids, point_id)
+        for s, label in enumerate(seq):
+            if places[s] is None:
+                continue
+            l = x[b, s][list(digit_ids)]
+            p = torch.exp(_log_softmax(l))
+            y = list(digit_ids).index(label)
+            position = _zero(x)
+            for j in range(10):
+                # BCE with logits: -log σ(l) for the target, -log(1 - σ(l)) = -log σ(-l) for the others
+                bce = -torch.nn.functional.logsigmoid(l[j] if j == y else -l[j])
+                position = position + bce * p[j]
+            total = total + places[s] * position
+            count += 1
+    return total / (10 * count) if count else total

@@ -19,13 +19,13 @@ DIG = [13, 4, 18, 6, 15, 7, 11, 8, 19, 10]  # DIG[d] is the id of digit d
 DOT, NONNUM = 1, 2
 VALUES = [float(d) for d in range(10)]
 
-ALL_TERMS = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd"]
+ALL_TERMS = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del"]
 NON_GCE = [t for t in ALL_TERMS if t != "gce"]
 
 
 @pytest.fixture(scope="module")
 def dig():
-    return NumericVocab(DIG, VALUES, vocab_size=V)
+    return NumericVocab(DIG, VALUES, vocab_size=V, decimal_point_id=DOT)
 
 
 def _batch(seed=0, scale=3.0):
@@ -39,6 +39,11 @@ def _batch(seed=0, scale=3.0):
 
 def _opts(name):
     return {"noise_scale": 0.0} if name == "ntil" else {}
+
+
+def _functional(name):
+    """numloss.functional's form of a term (DEL's is `digit_entropy`: `del` is a Python keyword)."""
+    return F.digit_entropy if name == "del" else getattr(F, name)
 
 
 def _grad(fn, logits):
@@ -58,6 +63,7 @@ def test_default_weights():
     assert DEFAULT_WEIGHTS["ntil"] == 0.3
     assert DEFAULT_WEIGHTS["dist2"] == 0.1
     assert DEFAULT_WEIGHTS["gce"] == 1.0
+    assert DEFAULT_WEIGHTS["del"] == 0.01
     cfg = ObjectiveConfig.from_dict({"terms": {name: {} for name in ALL_TERMS}})
     assert {k: t.weight for k, t in cfg.terms.items()} == DEFAULT_WEIGHTS
     assert cfg.z_loss == 0.0 and cfg.ignore_index == -100
@@ -254,7 +260,7 @@ def test_rescale_to_ce_keeps_value(dig, name):
     assert out.loss.item() == pytest.approx((1 + w) * out.ce.item(), rel=1e-6)
     # the gradient: CE's plus w · stopgrad(CE / term) · the term's
     _, g = _grad(lambda x: obj(x, labels).loss, logits)
-    term = getattr(F, name)
+    term = _functional(name)
     scale = (F.cross_entropy(logits, labels, dig) / term(logits, labels, dig, **_opts(name))).item()
     _, g_ce = _grad(lambda x: F.cross_entropy(x, labels, dig), logits)
     _, g_t = _grad(lambda x: term(x, labels, dig, **_opts(name)), logits)

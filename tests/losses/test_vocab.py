@@ -299,3 +299,29 @@ def test_squash_distances():
     assert squash_distances(d, None) is d
     with pytest.raises(ValueError):
         squash_distances(d, 0.5)
+
+
+@pytest.mark.parametrize("builder", [digit_tokenizer, llama3_tokenizer, byte_level_tokenizer, sentencepiece_tokenizer])
+@pytest.mark.parametrize("wrap", [False, True], ids=["tokenizers", "transformers"])
+def test_the_decimal_point_is_found_in_the_tokenizer(builder, wrap):
+    tok = builder()
+    point = tok.get_vocab().get(".")
+    policy = "integers" if builder is llama3_tokenizer else "digits"
+    vocab = NumericVocab.from_tokenizer(as_fast(tok) if wrap else tok, policy)
+    assert vocab.decimal_point_id == point  # the token whose text is exactly "." (None without one)
+    assert vocab.is_ten_digits() is (policy == "digits")
+    spaced = NumericVocab.from_tokenizer(tok, "digits", space_variants=True)
+    assert spaced.is_digits() and spaced.is_ten_digits() is (spaced.size == 10)
+
+
+def test_decimal_point_id_errors():
+    ids, values = list(range(3, 13)), list(range(10))
+    assert NumericVocab(ids, values, decimal_point_id=40).decimal_point_id == 40  # no width given: any id
+    with pytest.raises(ValueError, match="decimal_point_id 40 does not fit logits of width 20"):
+        NumericVocab(ids, values, vocab_size=20, decimal_point_id=40)
+    with pytest.raises(ValueError, match="decimal_point_id 5 is one of the numeric tokens"):
+        NumericVocab(ids, values, decimal_point_id=5)
+    for bad in (-1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match="decimal_point_id must be a token id"):
+            NumericVocab(ids, values, decimal_point_id=bad)
+    assert NumericVocab(ids, values, decimal_point_id=torch.tensor(1)).decimal_point_id == 1

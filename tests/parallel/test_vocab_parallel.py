@@ -19,6 +19,7 @@ import torch.distributed as dist
 import numloss.logit_stats
 import numloss.parallel
 from numloss import NumericVocab, Objective, count_comm, functional
+from numloss.losses import term_spec
 from numloss.parallel import ShardLayout, choose_route
 from tests.distributed import run_ranks
 
@@ -31,7 +32,8 @@ VOCABS = {
     "first_half": ([0, 3, 4, 8, 14, 17], [0.5, 2.0, 10.0, 12.0, 407.0, 2.0]),  # none in the last ranks
 }
 
-# name -> objective config; ntil only runs on the digit vocabularies
+# name -> objective config; ntil and del only run on the digit vocabularies (0 is a text token there: del's
+# decimal point)
 CASES = {
     "ce": {"terms": {}},
     "ce_zloss": {"terms": {}, "z_loss": 1e-3},
@@ -48,6 +50,7 @@ CASES = {
     "ntil": {"terms": {"ntil": {"noise_scale": 0.0}}},
     "ntil_rescaled": {"terms": {"ntil": {"noise_scale": 0.0, "rescale_to_ce": True}}},
     "smmd": {"terms": {"smmd": {}}},
+    "del": {"terms": {"del": {"weight": 1.0, "decimal_point_id": 0}}},
     "smmd_mmd_laplace": {"terms": {"smmd": {"mode": "mmd", "kernel": "laplace", "sigmas": [1.0, 4.0]}}},
     "smmd_smooth_fixed": {"terms": {"smmd": {"mode": "smooth", "alpha": 0.3, "squash_factor": None}}},
     "all": {"terms": {"ntl_was": {}, "ntl_mse": {}, "gce": {}, "dist2": {}, "smmd": {}}, "z_loss": 1e-4},
@@ -106,8 +109,8 @@ def _check_layouts_routed(rank, world, dtype_name):
         logits = (3 * torch.randn(3, 9, V, generator=g)).to(dtype)
         labels = make_labels(vocab, g)
         for case, config in CASES.items():
-            if "ntil" in config["terms"] and not vocab.is_digits():
-                continue
+            if any(term_spec(name).vocab_problems(vocab, spec) for name, spec in config["terms"].items()):
+                continue  # a term this vocabulary cannot serve (ntil, del on "first_half")
             objective = Objective(vocab, config)
             dense_in = logits.clone().requires_grad_(True)
             dense = objective(dense_in, labels)
@@ -328,3 +331,72 @@ def _check_standalone(rank, world):
 
 def test_standalone_numeric_terms_on_shards():
     run_ranks(2, _check_standalone)
+
+
+DEL_POINT = 0  # a text token in both digit vocabularies
+
+
+def _number_labels(vocab: NumericVocab, rows: list[str]) -> torch.Tensor:
+    """Labels from strings: digit d -> the vocabulary's token of value d, '.' -> DEL_POINT, '_' ignored, any
+    other character a text token."""
+    token_of = {int(v): int(t) for t, v in zip(vocab.token_ids, vocab.values)}
+    text = [t for t in range(V) if t not in token_of.values() and t != DEL_POINT]
+    def label(c, i):
+        return token_of[int(c)] if c.isdigit() else DEL_POINT if c == "." else -100 if c == "_" else text[i % len(text)]
+    return torch.tensor([[label(c, i) for i, c in enumerate(r)] for r in rows])
+
+
+def _check_del(rank, world):
+    """DEL on TP shards equals dense, by both routes: value, term and gradient; the same two collectives
+    (and bytes) as any other numeric term, none in backward; standalone: the numeric block's one."""
+    group = dist.group.WORLD
+    start, end = shard_bounds(V, world)[rank]
+    rows = ["__12.55 is 7", "x.5 3.14. 1x", "_407_ 2.0.1x", "no numbers.x", "99.9_9 and 5"]
+    digits = sum(c.isdigit() for r in rows for c in r)  # 21
+    for vocab_name in ("spread", "rank0"):
+        vocab = NumericVocab(*VOCABS[vocab_name], vocab_size=V, decimal_point_id=DEL_POINT)
+        labels = _number_labels(vocab, rows)
+        g = torch.Generator().manual_seed(21)
+        logits = 3 * torch.randn(*labels.shape, V, generator=g)
+        smmd = Objective(vocab, {"terms": {"smmd": {}}})
+        smmd(logits[..., start:end], labels, group=group, vocab_start=start)  # the one-time layout exchange
+        for route in (None, "sum", "gather"):
+            for config in ({"del": {}}, {"del": 1.0, "smmd": {}, "gce": 0.5}):
+                objective = Objective(vocab, {"terms": config})
+                dense_in = logits.clone().requires_grad_(True)
+                dense = objective(dense_in, labels)
+                dense.loss.backward()
+                local_in = logits[..., start:end].clone().requires_grad_(True)
+                with forced_route(route), count_comm() as forward:
+                    tp = objective(local_in, labels, group=group, vocab_start=start)
+                with count_comm() as backward:
+                    tp.loss.backward()
+                with forced_route(route), count_comm() as other:
+                    smmd(local_in.detach(), labels, group=group, vocab_start=start)
+                where = f"{vocab_name}/{route}/{sorted(config)} TP={world} rank {rank}"
+                assert dense.numeric_positions == digits and dense.terms["del"] > 0
+                torch.testing.assert_close(tp.loss, dense.loss, rtol=1e-6, atol=1e-6, msg=lambda m: f"{where} loss: {m}")
+                torch.testing.assert_close(tp.terms["del"], dense.terms["del"], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"{where} del: {m}")
+                torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], rtol=1e-6, atol=1e-6,
+                                           msg=lambda m: f"{where} grad: {m}")
+                assert forward.calls == 2 and backward.calls == 0, (where, forward.ops(), backward.ops())
+                assert [(r.op, r.bytes) for r in forward.records] == [(r.op, r.bytes) for r in other.records], where
+            dense_in = logits.clone().requires_grad_(True)
+            dense = functional.digit_entropy(dense_in, labels, vocab)
+            dense.backward()
+            local_in = logits[..., start:end].clone().requires_grad_(True)
+            with forced_route(route), count_comm() as forward:
+                tp = functional.digit_entropy(local_in, labels, vocab, group=group, vocab_start=start)
+            tp.backward()
+            with forced_route(route), count_comm() as block_only:
+                functional.smmd(local_in.detach(), labels, vocab, group=group, vocab_start=start)
+            # one collective, the [M, 10] digit block's (as any term read from the numeric block alone)
+            assert forward.calls == 1 and forward.records == block_only.records, (forward.records, block_only.records)
+            torch.testing.assert_close(tp, dense, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(local_in.grad, dense_in.grad[..., start:end], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_digit_entropy_on_shards_matches_dense(world):
+    run_ranks(world, _check_del)
