@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from numloss import NumericVocab, Objective  # noqa: E402
 from numloss.fused_pass import interpreting, triton_imports  # noqa: E402
-from numloss.losses import TERMS  # noqa: E402
+from numloss.losses import TERMS, term_spec  # noqa: E402
 
 LOSS_TARGETS = {"ce_vs_compiled": 1.2, 10: 1.10, 1000: 1.25}
 
@@ -67,10 +67,11 @@ class LossSizes:
 
 def synthetic_batch(sizes: LossSizes, n_numeric: int, numeric_share: float = 0.25, seed: int = 0):
     """Logits [B, T, V] on the device in the sizes' dtype, labels with `numeric_share` numeric ids,
-    and the numeric vocabulary (ids 100 .. 100 + N, values 0 .. N-1)."""
+    and the numeric vocabulary (ids 100 .. 100 + N, values 0 .. N-1; the decimal point 99, for DEL)."""
     b, t, v = sizes.logits
     g = torch.Generator().manual_seed(seed)
-    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=v)
+    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=v,
+                         decimal_point_id=99)
     labels = torch.randint(100 + n_numeric, v, (b * t,), generator=g)
     numeric = torch.rand(b * t, generator=g) < numeric_share
     labels[numeric] = torch.randint(100, 100 + n_numeric, (int(numeric.sum()),), generator=g)
@@ -125,8 +126,8 @@ def loss_paths(vocab: NumericVocab, n_numeric: int, sizes: LossSizes) -> dict:
     if sizes.fused:
         paths["numloss CE, grad in place"] = objective({}, in_place=True)
     for name in TERMS:
-        if name == "ntil" and n_numeric != 10:
-            continue  # NTIL is defined on digit vocabularies only
+        if term_spec(name).vocab_problems(vocab):
+            continue  # NTIL and DEL are defined on digit vocabularies only
         paths[f"numloss CE+{name}"] = objective({name: {}})
     return paths
 

@@ -1,9 +1,10 @@
 """Forward+backward time of CE plus each numeric term, relative to CE alone, measured in one run.
 
     python benchmarks/bench_losses.py [--tokens 8192] [--vocab 32000] [--repeats 5] [--table both]
+                                      [--dtype fp32|bf16] [--terms del ...]
 
-Logits [T, V] fp32 on CPU, numeric labels at 25% of positions, N = 10 (digits) and N = 1000
-(integers). Two tables, each row the median over repeats of forward + backward with CE plus one term,
+Logits [T, V] fp32 (or bf16) on CPU, numeric labels at 25% of positions and decimal points at 3%, N = 10
+(digits) and N = 1000 (integers); the terms that need digits (NTIL, DEL) run at N = 10 only. Two tables, each row the median over repeats of forward + backward with CE plus one term,
 divided by the median for CE alone, the two timed alternately:
 - "objective": both through `numloss.Objective` (CE + that term at its default weight), so the ratio is
   what a numeric term costs on top of the pass over the logits that CE needs anyway;
@@ -12,7 +13,8 @@ divided by the median for CE alone, the two timed alternately:
   Terms renormalised over the numeric tokens read only the numeric columns; the rows marked "full pass"
   (GCE, DIST2 paper mode, NTL reweigh) need the full-vocabulary normaliser and are shown without target.
 Targets (issues 2 and 14): at most 1.10 at N = 10 and 1.25 at N = 1000 for every term (standalone: every
-term that needs no full pass).
+term that needs no full pass); DEL (issue 48): 1.10 standalone, 1.25 in the objective. `--terms` limits
+the rows to those terms (DEL's line: `--terms del --dtype bf16 --vocab 151936`, docs/benchmarks.md).
 `--table diagnostics` (not part of "both"): the same objective with and without the per-term gradient
 diagnostics (`numloss.diagnostics`), for CE, CE + SMMD and CE + SMMD + NTL-WAS + DIST2 + GCE: what a
 logged step's diagnostics add to the loss's forward + backward (issue 24; no target).
@@ -29,9 +31,11 @@ import torch.nn.functional as TF
 
 import numloss.functional as F
 from numloss import NumericVocab, Objective
-from numloss.losses import TERMS
+from numloss.losses import TERMS, term_spec
 
 TARGETS = {10: 1.10, 1000: 1.25}
+TERM_TARGETS = {("objective", "del"): 1.25, ("standalone", "del"): 1.10}  # the issue's own, over the table's
+POINT = 99  # the decimal point's token id
 
 # (label, functional term, options) for the standalone table
 STANDALONE = [
@@ -39,6 +43,7 @@ STANDALONE = [
     ("ntl_mse", "ntl_mse", {}),
     ("smmd", "smmd", {}),
     ("ntil", "ntil", {}),
+    ("del", "digit_entropy", {}),
     ("dist2/num", "dist2", {"normalize": "numeric"}),
     ("gce", "gce", {}),
     ("dist2", "dist2", {}),
@@ -46,14 +51,27 @@ STANDALONE = [
 ]
 
 
-def make_batch(tokens: int, vocab_size: int, n_numeric: int, numeric_share: float, seed: int = 0):
+def make_batch(tokens: int, vocab_size: int, n_numeric: int, numeric_share: float, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
-    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=vocab_size)
+    vocab = NumericVocab(torch.arange(100, 100 + n_numeric), torch.arange(n_numeric), vocab_size=vocab_size,
+                         decimal_point_id=POINT)
     labels = torch.randint(100 + n_numeric, vocab_size, (tokens,), generator=g)
-    numeric = torch.rand(tokens, generator=g) < numeric_share
+    draw = torch.rand(tokens, generator=g)
+    numeric = draw < numeric_share
     labels[numeric] = torch.randint(100, 100 + n_numeric, (int(numeric.sum()),), generator=g)
-    logits = torch.randn(tokens, vocab_size, generator=g)
+    labels[(draw >= numeric_share) & (draw < numeric_share + 0.03)] = POINT
+    logits = torch.randn(tokens, vocab_size, generator=g).to(dtype)
     return vocab, logits, labels.view(8, -1), logits.view(8, -1, vocab_size)
+
+
+def serves(name: str, vocab: NumericVocab) -> bool:
+    """Whether the term can run on this vocabulary (NTIL and DEL need digits)."""
+    return not term_spec(name).vocab_problems(vocab)
+
+
+def target(table: str, name: str, n: int) -> float:
+    return TERM_TARGETS.get((table, name), TARGETS[n])
 
 
 def step_seconds(objective: Objective, logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -88,16 +106,16 @@ def objective_table(args) -> bool:
     print(f"{'N':>5} {'term':>8} {'CE s':>8} {'CE+term s':>10} {'ratio':>6} {'target':>7}  ok")
     all_ok = True
     for n in (10, 1000):
-        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share)
+        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share, dtype=args.dtype)
         ce = Objective(vocab, {"terms": {}})
         for name in TERMS:
-            if name == "ntil" and not vocab.is_digits():
-                continue  # NTIL is defined on digit vocabularies only
+            if not serves(name, vocab) or (args.terms and name not in args.terms):
+                continue
             ce_time, t = paired_medians(ce, Objective(vocab, {"terms": {name: {}}}), logits, labels, args.repeats)
-            ratio = t / ce_time
-            ok = ratio <= TARGETS[n]
+            ratio, goal = t / ce_time, target("objective", name, n)
+            ok = ratio <= goal
             all_ok &= ok
-            print(f"{n:>5} {name:>8} {ce_time:8.3f} {t:10.3f} {ratio:6.3f} {TARGETS[n]:7.2f}  {'yes' if ok else 'NO'}")
+            print(f"{n:>5} {name:>8} {ce_time:8.3f} {t:10.3f} {ratio:6.3f} {goal:7.2f}  {'yes' if ok else 'NO'}")
     return all_ok
 
 
@@ -105,21 +123,23 @@ def standalone_table(args) -> bool:
     print(f"{'N':>5} {'term':>9} {'torch CE s':>10} {'CE+term s':>10} {'ratio':>6} {'target':>9}  ok")
     all_ok = True
     for n in (10, 1000):
-        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share)
+        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share, dtype=args.dtype)
         for label, name, options in STANDALONE:
-            if name == "ntil" and not vocab.is_digits():
+            registered = "del" if name == "digit_entropy" else name
+            if not serves(registered, vocab) or (args.terms and registered not in args.terms):
                 continue
             term = getattr(F, name)
-            full = term.needs_full_vocab({**_defaults(term, name), **options})
+            full = term.needs_full_vocab({**_defaults(term, registered), **options})
             candidate = lambda x, y, term=term, options=options: torch_ce(x, y) + term(x, y, vocab, **options)  # noqa: E731
             ce_time, t = paired_medians(torch_ce, candidate, logits, labels, args.repeats, step=loss_seconds)
             ratio = t / ce_time
             if full:
                 print(f"{n:>5} {label:>9} {ce_time:10.3f} {t:10.3f} {ratio:6.3f} {'full pass':>9}  -")
                 continue
-            ok = ratio <= TARGETS[n]
+            goal = target("standalone", registered, n)
+            ok = ratio <= goal
             all_ok &= ok
-            print(f"{n:>5} {label:>9} {ce_time:10.3f} {t:10.3f} {ratio:6.3f} {TARGETS[n]:9.2f}  {'yes' if ok else 'NO'}")
+            print(f"{n:>5} {label:>9} {ce_time:10.3f} {t:10.3f} {ratio:6.3f} {goal:9.2f}  {'yes' if ok else 'NO'}")
     return all_ok
 
 
@@ -130,7 +150,7 @@ DIAGNOSED = {"ce": {"terms": {}}, "smmd": {"terms": {"smmd": {}}},
 def diagnostics_table(args) -> bool:
     print(f"{'N':>5} {'objective':>9} {'off s':>8} {'on s':>8} {'ratio':>6}")
     for n in (10, 1000):
-        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share)
+        vocab, _, labels, logits = make_batch(args.tokens, args.vocab, n, args.numeric_share, dtype=args.dtype)
         for name, spec in DIAGNOSED.items():
             off, on = paired_medians(Objective(vocab, spec), Objective(vocab, spec, diagnostics=True), logits, labels,
                                      args.repeats)
@@ -152,8 +172,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--numeric-share", type=float, default=0.25)
     parser.add_argument("--table", choices=["both", "objective", "standalone", "diagnostics"], default="both")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--terms", nargs="*", default=None, help="only these terms' rows (registered names)")
     args = parser.parse_args()
-    print(f"logits [{args.tokens}, {args.vocab}] fp32, numeric share {args.numeric_share}, "
+    unknown = sorted(set(args.terms or ()) - set(TERMS))
+    if unknown:
+        parser.error(f"--terms: unknown {unknown}; known: {sorted(TERMS)}")
+    dtype_name, args.dtype = args.dtype, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    print(f"logits [{args.tokens}, {args.vocab}] {dtype_name}, numeric share {args.numeric_share}, "
           f"threads {torch.get_num_threads()}, median of {args.repeats}")
     all_ok = True
     if args.table in ("both", "objective"):
