@@ -53,6 +53,11 @@ from pathlib import Path
 
 import yaml
 
+from recipes.config import load_recipe
+from recipes.evaluation.evaluate import evaluate
+from recipes.evaluation.placement import local_gpus, plan_placement
+from recipes.evaluation.stats import MIN_SEEDS, seed_differences, two_level_bootstrap, versus_cells
+
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 SWEEP_KEYS = {"name", "base", "out_dir", "overrides", "backbones", "losses", "seeds", "launcher",
               "max_failures", "num_workers", "evaluate", "eval_limit", "baseline"}
@@ -145,7 +150,6 @@ def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
         run(sweep.base, job.overrides, address=address, max_failures=sweep.max_failures,
             num_workers=sweep.num_workers, name=job.name)
     else:  # torchrun on this machine
-        from recipes.config import load_recipe
 
         cluster = load_recipe(sweep.base, job.overrides).cluster
         nproc = str(sweep.num_workers or cluster.nodes * cluster.ranks_per_node())
@@ -156,18 +160,12 @@ def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
 
 def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
     """recipes.evaluation.evaluate on the job's exported model; None when there is nothing to evaluate."""
-    from recipes.config import load_recipe
 
     recipe = load_recipe(job.out_dir / "recipe.yaml") if (job.out_dir / "recipe.yaml").is_file() else None
     if recipe is None or not (job.out_dir / "final").is_dir():
         return None
     data = recipe.eval.data or recipe.data.eval
     if not data:
-        return None
-    try:
-        from recipes.evaluation.evaluate import evaluate
-        from recipes.evaluation.placement import local_gpus, plan_placement
-    except ImportError:  # recipes.evaluation.evaluate not there: the table keeps the training metrics
         return None
     final = job.out_dir / "final"
     # the export's placement on this node's GPUs (a 70B export spans several: vLLM tensor parallelism or
@@ -189,7 +187,6 @@ EVALUATE = evaluate_job  # the hook: f(sweep, job) -> results dict with "metrics
 
 
 def run_sweep(sweep: Sweep, address: str | None = None, only: list[str] | None = None) -> list[dict]:
-    from recipes.config import load_recipe
 
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for job in sweep.jobs:
@@ -262,7 +259,6 @@ def versus_baseline(sweep: Sweep, rows: list[dict]) -> list[tuple[str, str, dict
     baseline: exact match minus the baseline's over the seeds both have evaluated, paired by seed and
     problem (`two_level_bootstrap`); from each seed's exact match alone (`seed_differences`) where the
     evaluations list no examples; a string saying why where nothing can be compared."""
-    from recipes.evaluation.stats import seed_differences, two_level_bootstrap
 
     jobs = {(j.backbone, j.loss, j.seed): j for j in sweep.jobs}
     em = {(r["backbone"], r["loss"], r["seed"]): r.get("eval_exact_match") for r in rows}
@@ -290,7 +286,6 @@ def versus_baseline(sweep: Sweep, rows: list[dict]) -> list[tuple[str, str, dict
 
 
 def markdown(sweep: Sweep, rows: list[dict], columns: list[str]) -> str:
-    from recipes.evaluation.stats import MIN_SEEDS, versus_cells
 
     lines = [f"# Sweep {sweep.name}", "", "| " + " | ".join(columns) + " |",
              "|" + "|".join("---" if c in ("job", "backbone", "loss") else "---:" for c in columns) + "|"]

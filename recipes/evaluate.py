@@ -5,19 +5,17 @@ several runs, both kinds of results merged by run name (`recipes.evaluation.repo
 
 import sys
 
+from recipes.evaluation.evaluate import main as evaluate_main
+from recipes.evaluation.harness import main as harness_main
+from recipes.evaluation.report import main as report_main
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "table":
-        from recipes.evaluation.report import main as report_main
-
         return report_main(argv)
     if argv and argv[0] == "harness":
-        from recipes.evaluation.harness import main as harness_main
-
         return harness_main(argv[1:])
-    from recipes.evaluation.evaluate import main as evaluate_main
-
     return evaluate_main(argv)
 
 

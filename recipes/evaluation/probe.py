@@ -15,6 +15,11 @@ from typing import Sequence
 
 import numpy as np
 
+from data_prep.shards import read_manifest
+
+from .evaluate import load_rows
+from .generation import load_model
+
 
 def value_bins(values: np.ndarray, bins: int) -> tuple[np.ndarray, list[str]]:
     """(bin index of each numeric column, label of each bin). One bin per distinct value when there
@@ -86,8 +91,6 @@ def probe_distribution(model, rows: Sequence[dict], token_ids: Sequence[int], va
 def probe_model(model_dir: str, data_dir: str, limit: int | None = 256, bins: int = 20,
                 batch_size: int = 8, device: str | None = None) -> dict:
     """`probe_distribution` for a saved model on a data_prep directory (numeric vocab from its manifest)."""
-    from .evaluate import load_model, load_rows, read_manifest
-
     manifest = read_manifest(data_dir)
     nv = manifest["numeric_vocab"]
     rows = load_rows(data_dir, limit)

@@ -98,14 +98,13 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
     # A job whose export holds 141 GB of weights (a sparse file) on a node of 8 x 80 GiB: evaluate gets
     # tensor parallel 4 / device_map auto (32.9 GiB a GPU), never one GPU; the recipe's eval backend and
     # section ride along. On a node with no GPU the GPU recipe's job is left unevaluated, with a line.
-    import recipes.evaluation.evaluate as E
-    import recipes.evaluation.placement as P
-    from launch.sweep import evaluate_job, load_sweep
+    import launch.sweep as S
+    from recipes.evaluation.placement import Placement
 
     spec = {"name": "big", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0],
             "backbones": {"l70": []}, "losses": {"ce": []}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
-    sweep = load_sweep(tmp_path / "sweep.yaml")
+    sweep = S.load_sweep(tmp_path / "sweep.yaml")
     job = sweep.jobs[0]
     final = job.out_dir / "final"
     final.mkdir(parents=True)
@@ -116,11 +115,11 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
               "eval": {"backend": "hf"}, "cluster": {"gpus_per_node": 8}}
     (job.out_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     calls = []
-    monkeypatch.setattr(E, "evaluate", lambda *args, **kwargs: calls.append((args, kwargs)) or {"metrics": {}})
-    monkeypatch.setattr(P, "local_gpus", lambda: (8, 80 * 2**30))
-    evaluate_job(sweep, job)
+    monkeypatch.setattr(S, "evaluate", lambda *args, **kwargs: calls.append((args, kwargs)) or {"metrics": {}})
+    monkeypatch.setattr(S, "local_gpus", lambda: (8, 80 * 2**30))
+    S.evaluate_job(sweep, job)
     (args, kwargs), = calls
     assert args == (str(final), "e") and kwargs["backend"] == "hf" and kwargs["eval_section"].backend == "hf"
-    assert kwargs["placement"] == P.Placement(4, 4, "auto", 141_107_412_992)
-    monkeypatch.setattr(P, "local_gpus", lambda: (0, None))
-    assert evaluate_job(sweep, job) is None and len(calls) == 1
+    assert kwargs["placement"] == Placement(4, 4, "auto", 141_107_412_992)
+    monkeypatch.setattr(S, "local_gpus", lambda: (0, None))
+    assert S.evaluate_job(sweep, job) is None and len(calls) == 1
