@@ -11,7 +11,8 @@ what needs more than one section, the data, the model's config or the run direct
   note, or refused naming the key (`recipes.checks.engine_settings`, through the engine's contract);
 - what stops the engine from starting (`start_problems`: Megatron's kernels where the run starts, a
   `megatron.load_converted` directory);
-- the objective against the numeric vocabulary: NTIL needs the digits policy;
+- the objective against the numeric vocabulary: NTIL and DEL need the digits policy (each term's
+  registered needs), DEL without space variants;
 - the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
   at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
   epoch of no steps, and the loop would spin on empty epochs), and `train.steps` fit in
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 from data_prep.shards import MANIFEST, read_manifest
+from numloss.losses import term_spec
 
 from recipes.checks import data_checks, model_checks, run_dir_checks
 from recipes.checks.engine_settings import engine_setting_problems
@@ -50,10 +52,18 @@ class RecipeCheckError(ValueError):
 
 
 def objective_problems(recipe) -> list[str]:
-    terms = set(recipe.loss.objective.terms)
-    if "ntil" in terms and recipe.loss.numeric_policy != "digits":
-        return [f"loss.objective.terms.ntil: NTIL needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}"]
-    return []
+    """Terms whose vocabulary needs (their registration in numloss) the recipe's numeric policy cannot
+    meet: the digits policy for NTIL and DEL, and for DEL the ten digit tokens alone."""
+    problems = []
+    for name, term in recipe.loss.objective.terms.items():
+        needs = term_spec(name).needs(term.options)
+        where = f"loss.objective.terms.{name}: {name.upper()}"
+        if needs & {"digits", "ten_digits"} and recipe.loss.numeric_policy != "digits":
+            problems.append(f"{where} needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}")
+        elif "ten_digits" in needs and recipe.loss.space_variants:
+            problems.append(f"{where} needs the ten digit tokens alone; loss.space_variants adds a second token"
+                            " per digit")
+    return problems
 
 
 def model_tokenizer(recipe, offline: bool = False):
