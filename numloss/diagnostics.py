@@ -19,8 +19,9 @@ the M numeric positions x the N numeric columns, an [M, N] matrix. Per part the 
   `norm` once the model puts its mass at a numeric position on the numeric tokens.
 
 What the block holds, and what it leaves out:
-- The terms renormalised over the numeric tokens (SMMD, NTL-WAS/MSE, NTIL, DIST2 `normalize="numeric"`)
-  read only the numeric logits at the numeric positions: the block is their whole gradient.
+- The terms that read only the numeric logits at the numeric positions (SMMD, NTL-WAS/MSE, NTIL, DEL,
+  DIST2 `normalize="numeric"`; a registered term without the need "full_vocab"): the block is their
+  whole gradient.
 - CE, z-loss and the full-vocabulary terms (GCE, DIST2 paper mode, NTL `reweigh`) also depend on the
   log-sum-exp, whose gradient is the softmax at every column: the block holds its numeric columns (at
   a numeric row i and column j, ∂/∂x_ij + ∂/∂lse_i · p_ij, p the full-vocabulary softmax). Left out:
