@@ -103,8 +103,8 @@ ADOPTIONS = {
     c.PIPELINE_PARALLEL: c.Adoption(refuse="deepspeed.zero_stage 3 shards the weights over the data-parallel "
                                            "ranks; the DeepSpeed engine has no pipeline stages"),
     c.VIRTUAL_PIPELINE: c.Adoption(refuse="the DeepSpeed engine has no pipeline stages"),
-    c.EXPERT_PARALLEL: c.Adoption(refuse="the DeepSpeed engine keeps every expert on every rank (ZeRO-3 shards "
-                                         "them): remove it"),
+    c.EXPERT_PARALLEL: c.Adoption(refuse="none: the DeepSpeed engine keeps every expert on every rank, and "
+                                         "deepspeed.zero_stage 3 shards them with the other weights"),
     c.SEQUENCE_PARALLEL: c.Adoption(refuse="AutoTP keeps each TP rank's activations whole; "
                                            "model.gradient_checkpointing trades compute for activation memory"),
     c.LAYER_IMPLEMENTATION: c.Adoption(refuse="model.attn_implementation picks the Hugging Face attention kernel"),
