@@ -136,6 +136,31 @@ class OptimConfig:
     grad_clip: float = 1.0
 
 
+TRACKERS = ("wandb", "mlflow")
+
+
+@dataclass
+class TrackingSection:
+    """Experiment trackers beside metrics.jsonl (`recipes.training.tracking`): each gets the same rows."""
+
+    backends: list = field(default_factory=list)  # any of TRACKERS
+    project: str | None = None  # W&B project / MLflow experiment (None: the recipe's name)
+    entity: str | None = None  # W&B entity (team or user; None: the account's default)
+    group: str | None = None  # W&B group; an MLflow tag
+    tags: list = field(default_factory=list)
+    mode: str = "online"  # online | offline (W&B offline files in the run dir; MLflow's file store there)
+    tracking_uri: str | None = None  # MLflow (None: MLFLOW_TRACKING_URI, else the run dir's file store)
+
+    def __post_init__(self) -> None:
+        unknown = [b for b in self.backends if b not in TRACKERS]
+        if unknown:
+            raise ValueError(f"train.tracking.backends: {unknown} not among {list(TRACKERS)}")
+        if self.mode not in ("online", "offline"):
+            raise ValueError(f"train.tracking.mode: {self.mode!r} is not online or offline")
+        if not all(isinstance(t, str) and t for t in self.tags):
+            raise ValueError(f"train.tracking.tags: expected a list of non-empty strings, got {self.tags!r}")
+
+
 @dataclass
 class TrainSection:
     engine: str = "deepspeed"  # a key of recipes.engines.ENGINES: deepspeed (HF model under DeepSpeed) | megatron
@@ -170,7 +195,8 @@ class TrainSection:
     # stuck (recipes.reliability.watchdog). 600: torch's own collective timeout; 0: off
     watchdog_s: float = 600.0
     tensorboard: bool = True
-    wandb_project: str | None = None
+    wandb_project: str | None = None  # shorthand for tracking: {backends: [wandb], project: ...}
+    tracking: TrackingSection = field(default_factory=TrackingSection)
     progress: bool = True
 
 
@@ -201,8 +227,13 @@ class EvalSection:
     limit: int | None = None
     stop: dict[str, list[str]] = field(default_factory=lambda: copy.deepcopy(EVAL_STOP))  # by task, as EVAL_STOP
     backend: str = "auto"  # generation: auto (vLLM where it imports, else Hugging Face generate) | vllm | hf
+    # training: every N optimizer steps the held-out rows (eval.data, else data.eval; at most eval.limit) give
+    # eval/loss and the teacher-forced eval/exact_match, eval/mae (recipes.training.held_out); 0: never
+    every: int = 0
 
     def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every: must be >= 0 (0: no evaluation during training), got {self.every}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: must be >= 1 (null: from the eval data), got {self.max_new_tokens}")
         if self.batch_size < 1:

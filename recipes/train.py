@@ -61,13 +61,14 @@ from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, Checkpoi
 from .reliability.export_writer import export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
+from .training.held_out import HeldOut
 from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, weights_finite
 from .training.parallel import reduce_sum
 from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_signals
 from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fallback
 from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .reliability.run_lock import RunLock, RunLocked
-from .training.run_log import MetricsLog, nonfinite_keys, progress_bar
+from .training.run_log import MetricsLog, nonfinite_keys, progress_bar, scale_advice
 from .training.runtime import Runtime, setup_distributed, teardown
 from .training.throughput import StepMeter
 from .reliability.watchdog import mark_phase, start_watchdog
@@ -181,6 +182,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     metrics = MetricsLog(recipe, out, runtime, step)
     progress = progress_bar(recipe, runtime, step)
     meter = StepMeter(recipe, engine, runtime)  # TFLOP/s, MFU, time split, peak memory (training/throughput.py)
+    held_out = HeldOut(recipe, engine, runtime.device) if recipe.eval.every else None  # eval.every (training/held_out.py)
     stream = batches(dataset)
     last: dict = {}
     zero_grad = ZeroGradWatch()
@@ -209,13 +211,20 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
                    **meter.row(reduced, elapsed)}
             row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values
+            if step == first_step and runtime.is_main:  # a term many times CE at its weight, named once
+                for line in scale_advice(recipe, row):
+                    print(f"[numloss] {line}", file=sys.stderr, flush=True)
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.reliability.health, recipes.reliability.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
+            evaluated = held_out is not None and step % recipe.eval.every == 0 and not nonfinite
+            if evaluated:  # the held-out rows, forward only: the training is the same with or without it
+                mark_phase("eval", step)
+                row.update(held_out.evaluate())
             mark_phase("log", step)
             if plan.changes and step == plan.first_step:  # the first step of a changed recipe is always logged
                 row["recipe_changed"] = plan.changed()
-            if logged(recipe, step) or nonfinite or "recipe_changed" in row:
+            if logged(recipe, step) or nonfinite or "recipe_changed" in row or evaluated:
                 row = {**row, **meter.peak_memory()}  # a collective: on logged steps, on every rank
                 metrics.log(row)
             if nonfinite:

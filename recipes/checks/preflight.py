@@ -45,6 +45,7 @@ from recipes.checks import data_checks, model_checks, run_dir_checks
 from recipes.checks.engine_settings import engine_setting_problems
 from recipes.engines import engine_contract
 from recipes.reliability.checkpoints import LATEST
+from recipes.training.tracking import tracking_problems
 
 
 class RecipeCheckError(ValueError):
@@ -203,6 +204,7 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
     whether the run's devices are GPUs (`recipes.train` passes its runtime's)."""
     errors, mapped = engine_setting_problems(recipe)
     errors += start_problems(recipe, cuda)
+    errors += tracking_problems(recipe)  # W&B / MLflow named but not installed: before any model is built
     if tokenizer is None and (Path(recipe.data.train) / MANIFEST).is_file():
         tokenizer = model_tokenizer(recipe)
     found = static_checks(recipe, world_size, engine_contract(recipe).parallel_dims(recipe, world_size).dp,

@@ -126,6 +126,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "train.watchdog_s": (RUN, "when a silent or stuck rank ends the job"),
     "train.tensorboard": (RUN, "logging"),
     "train.wandb_project": (RUN, "logging"),
+    "train.tracking": (RUN, "logging (the trackers keep the run's id: recipes.training.tracking)"),
     "train.progress": (RUN, "logging"),
     "eval": (RUN, "evaluation"),
     "cluster": (RUN, "where and how the run is launched"),

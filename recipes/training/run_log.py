@@ -1,4 +1,5 @@
-"""What a run reports while it trains: metrics.jsonl, TensorBoard, Weights & Biases, a progress bar."""
+"""What a run reports while it trains: metrics.jsonl, TensorBoard, the trackers (Weights & Biases, MLflow:
+`recipes.training.tracking`), a progress bar, and at its first step each term's scale against CE."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import os
 import sys
 from pathlib import Path
 
+from numloss.scale_check import scale_lines
 from recipes.config import Recipe
 
 from .runtime import Runtime
+from .tracking import Trackers
 
 
 def nonfinite_keys(row: dict) -> list[str]:
-    """The keys of a metrics row whose value is a NaN or inf number (None, as ZeRO-0's norm, is fine)."""
+    """The keys of a metrics row whose value is a NaN or inf number (None, a value the engine has not, is fine)."""
     return [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
 
 
@@ -27,12 +30,12 @@ def strict_json_row(row: dict) -> dict:
 
 
 class MetricsLog:
-    """metrics.jsonl (+ TensorBoard, + Weights & Biases when configured), on rank 0 only."""
+    """metrics.jsonl (+ TensorBoard, + W&B / MLflow when configured: the same rows), on rank 0 only."""
 
     def __init__(self, recipe: Recipe, out: Path, runtime: Runtime, resumed_step: int):
         self.enabled = runtime.is_main
         self.path = out / "metrics.jsonl"
-        self.tb = self.wandb = None
+        self.tb = self.trackers = None
         if not self.enabled:
             return
         if self.path.exists():  # a restart: drop the rows logged after the checkpoint it resumes from
@@ -41,11 +44,7 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out / "tb"), purge_step=resumed_step + 1 if resumed_step else None)
-        if recipe.train.wandb_project:
-            import wandb  # optional: only when a project is configured
-
-            self.wandb = wandb.init(project=recipe.train.wandb_project, name=recipe.name, config=recipe.to_dict(),
-                                    id=recipe.name, resume="allow")
+        self.trackers = Trackers(recipe, out)  # W&B / MLflow, as train.tracking names them
 
     def log(self, row: dict) -> None:
         if not self.enabled:
@@ -56,14 +55,13 @@ class MetricsLog:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, step)
-        if self.wandb is not None:
-            self.wandb.log(row, step=step)
+        self.trackers.log(strict_json_row(row))
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def append_row(path: Path, row: dict) -> None:
@@ -99,3 +97,13 @@ def progress_bar(recipe: Recipe, runtime: Runtime, start: int):
     from tqdm import tqdm
 
     return tqdm(total=recipe.train.steps, initial=start, desc=recipe.name, unit="step", file=sys.stderr)
+
+
+def scale_advice(recipe: Recipe, row: dict) -> list[str]:
+    """Each term of a step's row (the global batch's values, from the forward at the weights the step
+    started from) against its CE, for a term many times CE at its weight (`numloss.scale_check`)."""
+    config = recipe.loss.objective
+    terms = {name: row[f"term/{name}"] for name in config.terms if isinstance(row.get(f"term/{name}"), float)}
+    if not isinstance(row.get("ce"), float) or not terms:
+        return []
+    return scale_lines(config, row["ce"], terms, where=f"step {row['step']}'s global batch (its starting weights)")
