@@ -227,8 +227,13 @@ class EvalSection:
     limit: int | None = None
     stop: dict[str, list[str]] = field(default_factory=lambda: copy.deepcopy(EVAL_STOP))  # by task, as EVAL_STOP
     backend: str = "auto"  # generation: auto (vLLM where it imports, else Hugging Face generate) | vllm | hf
+    # training: every N optimizer steps the held-out rows (eval.data, else data.eval; at most eval.limit) give
+    # eval/loss and the teacher-forced eval/exact_match, eval/mae (recipes.training.held_out); 0: never
+    every: int = 0
 
     def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"eval.every: must be >= 0 (0: no evaluation during training), got {self.every}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"eval.max_new_tokens: must be >= 1 (null: from the eval data), got {self.max_new_tokens}")
         if self.batch_size < 1:

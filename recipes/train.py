@@ -61,6 +61,7 @@ from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, Checkpoi
 from .reliability.export_writer import export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
+from .training.held_out import HeldOut
 from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, weights_finite
 from .training.parallel import reduce_sum
 from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_signals
@@ -181,6 +182,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     metrics = MetricsLog(recipe, out, runtime, step)
     progress = progress_bar(recipe, runtime, step)
     meter = StepMeter(recipe, engine, runtime)  # TFLOP/s, MFU, time split, peak memory (training/throughput.py)
+    held_out = HeldOut(recipe, engine, runtime.device) if recipe.eval.every else None  # eval.every (training/held_out.py)
     stream = batches(dataset)
     last: dict = {}
     zero_grad = ZeroGradWatch()
@@ -215,10 +217,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.reliability.health, recipes.reliability.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)
+            evaluated = held_out is not None and step % recipe.eval.every == 0 and not nonfinite
+            if evaluated:  # the held-out rows, forward only: the training is the same with or without it
+                mark_phase("eval", step)
+                row.update(held_out.evaluate())
             mark_phase("log", step)
             if plan.changes and step == plan.first_step:  # the first step of a changed recipe is always logged
                 row["recipe_changed"] = plan.changed()
-            if logged(recipe, step) or nonfinite or "recipe_changed" in row:
+            if logged(recipe, step) or nonfinite or "recipe_changed" in row or evaluated:
                 row = {**row, **meter.peak_memory()}  # a collective: on logged steps, on every rank
                 metrics.log(row)
             if nonfinite:

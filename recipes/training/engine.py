@@ -36,6 +36,13 @@ class Engine(Protocol):
         `numloss.diagnostics`): their SUM over the data-parallel group is the global batch's value."""
         ...
 
+    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
+        """Optional (`eval.every`, `recipes.training.held_out`): the forward of `train_step` without gradients or
+        update, in eval mode, the training mode restored after: this rank's share of the logged values over
+        `window` (normalised over the window's global counts), and per row of the window, in order, the
+        argmax token at each of its label positions (the teacher-forced answer)."""
+        ...
+
     def lr(self) -> float:
         """The learning rate the next step uses."""
         ...

@@ -31,6 +31,7 @@ from numloss import NumericVocab, Objective
 from recipes.config import Recipe
 from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.reliability.export_writer import ExportRecord
+from recipes.training.held_out import answer_tokens, vocab_parallel_argmax
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.runtime import Runtime, clear_method_caches
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
@@ -114,6 +115,29 @@ class DeepSpeedEngine:
         self.timings = {"fwd_bwd_s": backward_done - started, "optimizer_s": time.perf_counter() - backward_done}
         return sums
 
+    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
+        """`recipes.training.engine.Engine.eval_step`: the wrapper's forward for the logged values (no gradient,
+        no step), the HF model's logits for the teacher-forced answers (argmax over the vocabulary, across the
+        AutoTP group where the head leaves the logits split)."""
+        counts = step_counts(self.wrapper.counts, window, self.dp)
+        module = self.engine.module
+        training = module.training
+        module.eval()
+        sums: dict[str, float] = {}
+        answers: list[list[int]] = []
+        try:
+            with torch.no_grad():
+                for inputs in window:
+                    for key, value in self.engine(**inputs, loss_counts=counts).log_dict().items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    logits = self.model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+                    split = logits.shape[-1] < self.hf_config.vocab_size
+                    predicted = vocab_parallel_argmax(logits, group=_tensor_parallel_group() if split else None)
+                    answers += answer_tokens(predicted[:, :-1], inputs["labels"][:, 1:])  # logits at i: token i+1
+        finally:
+            module.train(training)
+        return sums, answers
+
     def lr(self) -> float:
         """The rate the next update uses: the optimizer's own group lr, as the schedule set it."""
         return self.engine.get_lr()[0]
@@ -167,6 +191,12 @@ class DeepSpeedEngine:
 
         clear_method_caches([PartitionedParameterCoordinator])
         self.engine = self.wrapper = self.model = self.peft_model = self.scheduler = None
+
+
+def _tensor_parallel_group():
+    from deepspeed.utils import groups
+
+    return groups.get_tensor_model_parallel_group()
 
 
 def _synchronize(device: torch.device) -> None:

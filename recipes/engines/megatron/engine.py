@@ -147,6 +147,24 @@ class MegatronEngine:
         self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums
 
+    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
+        """`recipes.training.engine.Engine.eval_step` (`step.eval_step`): in eval mode, the training mode
+        restored after. A mixture-of-experts model is refused: its routers' aux loss counts each step's
+        micro-batches (`moe.AuxLossScale`), which a forward outside a step would disturb."""
+        if self.aux is not None:
+            raise ValueError("eval.every: a Megatron mixture-of-experts model has no held-out evaluation yet "
+                             "(its router aux loss is counted per training step); set eval.every: 0")
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            return step.eval_step(self.model, self.objective, window,
+                                  sequence_parallel=self.recipe.megatron.sequence_parallel,
+                                  real_vocab_size=self.real_vocab_size, packing=self.kernels.packing,
+                                  te=self.kernels.te, pad_multiple=self.recipe.data.pad_to_multiple_of)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+
     def grad_norm(self) -> float | None:
         """The last step's global gradient norm before clipping (every rank holds the same)."""
         return self._grad_norm

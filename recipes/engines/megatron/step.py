@@ -35,6 +35,7 @@ from numloss import Objective
 from numloss.adapters.megatron import numeric_loss_func
 from numloss.diagnostics import sum_keys
 from recipes.config import Recipe
+from recipes.training.held_out import answer_tokens, vocab_parallel_argmax
 from recipes.training.parallel import DataParallel, step_counts
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 
@@ -329,6 +330,59 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
         result["loss"] += float(share)
     return {**result, "tokens_run": float(sum(m["tokens_run"] for m in batches)),
             "grad_norm": grad_norm, **timings}
+
+
+def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, sequence_parallel: bool = False,
+              real_vocab_size: int | None = None, packing: str = "mask", te: bool = False,
+              pad_multiple: int = 1) -> tuple[dict[str, float], list[list[int]]]:
+    """The forward of `train_step` only (megatron's schedule with forward_only: no gradient, no update) over
+    this replica's `window`: this rank's share of the logged values (`log_keys`, normalised over the window's
+    global counts, summed over its micro-batches) and, per row in order, the teacher-forced answer: the argmax
+    of the vocabulary-parallel logits (padded columns left out) at each label position. The last pipeline
+    stage computes both and sends them over the pipeline group, so every rank returns the same."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    ignore = objective.config.ignore_index
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    batches = prepare_window(window, pad_multiple=math.lcm(pad_multiple, tp if sequence_parallel else 1),
+                             ignore_index=ignore, packing=packing, one_length=len(model_chunks) > 1)
+    for m in batches:
+        check_attention(m, te, packing)
+    dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                      parallel_state.get_data_parallel_group())
+    counts = step_counts(objective.counts, batches, dp)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def loss_and_answers(labels, sequence_ids, logits):
+        predicted = vocab_parallel_argmax(logits.detach(), group=tp_group, real_vocab_size=real_vocab_size)
+        loss, n, report = numeric_loss_func(objective, counts, labels, logits, sequence_ids=sequence_ids,
+                                            group="megatron", real_vocab_size=real_vocab_size)
+        return loss, n, {**report, "answers": answer_tokens(predicted, labels, ignore)}
+
+    def forward_step(data_iterator, model):
+        m = next(data_iterator)
+        output = model(m["input_ids"], m["position_ids"], m["attention_mask"],
+                       packed_seq_params=m.get("packed_seq_params"))
+        return output, partial(loss_and_answers, m["labels"], m.get("sequence_ids"))
+
+    shapes = {tuple(m["input_ids"].shape) for m in batches}
+    b, s = batches[0]["input_ids"].shape[0], max(length for _, length in shapes)
+    for chunk in model_chunks:
+        chunk.config.variable_seq_lengths = len(shapes) > 1
+    iterators = [iter(batches) for _ in model_chunks]
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=True)
+    keys = log_keys(objective)
+    payload = [None]
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        values = {k: sum(float(r[k]) for r in reports) for k in keys}
+        payload = [(values, [row for r in reports for row in r["answers"]])]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+    return payload[0]
 
 
 def _same_lengths_over_ep(window: list[dict], batches: list[dict], pad_multiple: int, ignore_index: int,
