@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 # The versions the tests ran, and the oldest transformers whose Trainer reads `loss_is_scaled_for_ga`.
 TESTED = {"transformers": "5.25.0", "trl": "1.16.0"}
 MIN_TRANSFORMERS = (5, 19)
-INSTALL = "pip install 'numloss[hf]'"  # transformers' Trainer, TRL's SFTTrainer, PEFT
+INSTALL = "pip install -e '.[hf]' in a clone of numloss"  # transformers' Trainer, TRL's SFTTrainer, PEFT
 
 
 def check_transformers() -> None:

@@ -129,6 +129,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def _full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """FSDP2 keeps parameters as DTensors sharded over the ranks while the hidden states are plain tensors:
+    the whole weight (differentiable: its gradient goes back to the shards), as TRL's fused head does."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without the public DTensor module
+        return weight
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
 def first_labelled(shifted: torch.Tensor, ignore_index: int) -> int:
     """The first position (column) where some row has a label; the last one when none has."""
     labelled = (shifted != ignore_index).any(0).nonzero()
@@ -153,6 +163,7 @@ def objective_head(step: StepLoss, shifted: torch.Tensor, counts: LossCounts | N
         if hidden.shape[-2] < length:
             raise ValueError(f"numloss: the model's hidden states have {hidden.shape[-2]} positions, fewer than the"
                              f" batch's {length} labels")
+        weight = _full_weight(weight)
         hidden = hidden[..., hidden.shape[-2] - length + start:, :].to(weight.device)
         targets = shifted[..., start:].to(weight.device)
         dtype = _compute_dtype(hidden, weight)

@@ -79,7 +79,7 @@ def test_without_trl_the_sft_trainer_names_the_extra_to_install():
     run = subprocess.run([sys.executable, "-c", code], cwd=H.REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(H.REPO)})
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "NumericSFTTrainer needs TRL's SFTTrainer" in run.stdout and "pip install 'numloss[hf]'" in run.stdout
+    assert "NumericSFTTrainer needs TRL's SFTTrainer" in run.stdout and "pip install -e '.[hf]' in a clone of numloss" in run.stdout
 
 
 def test_deepspeed_through_the_trainer_trains_the_global_batch_and_its_accumulation_is_checked(tok_dir, tmp_path):

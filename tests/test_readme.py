@@ -1,0 +1,86 @@
+"""The README's library example runs as written: its "Try it" block, taken from README.md, in a fresh
+Python process on CPU (a character tokenizer and a tiny random Llama built in the block: no download), in
+seconds; it trains, and the objective it prints goes down."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def try_it_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Try it", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, f"the Try it section holds {len(blocks)} python blocks"
+    return blocks[0]
+
+
+def test_the_readme_example_runs_as_written_and_trains():
+    code = try_it_block()
+    assert len(code.strip().splitlines()) <= 30  # one screen
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2", "TRANSFORMERS_VERBOSITY": "error"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = {int(step): ast.literal_eval(values) for step, values in
+               (line.split(" ", 1) for line in run.stdout.splitlines() if line[:1].isdigit())}
+    assert sorted(printed) == [0, 10, 20, 29], run.stdout
+    assert {"loss", "ce", "term/dist2", "numeric_positions"} <= set(printed[0])
+    assert printed[0]["numeric_positions"] > 0
+    assert printed[29]["loss"] < 0.5 * printed[0]["loss"], printed  # 30 steps on three rows: it learns them
+    assert time.monotonic() - started < 240
+
+
+def _versions_table() -> dict[str, str]:
+    """The README's supported-versions table: row name -> its "tested here" cell."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("| | tested here | declared |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[1:]]
+    return {name.strip(): tested.strip() for name, tested, _ in rows}
+
+
+def test_the_supported_versions_table_says_what_is_installed_here():
+    """Each version the README says was tested is the one this environment runs (pip list would show
+    another after an upgrade, and the table would then claim what was not tested)."""
+    import platform
+    import tomllib
+    from importlib.metadata import PackageNotFoundError, version
+
+    table = _versions_table()
+    assert table["Python"] == platform.python_version()
+    pairs = {"torch": ["torch"], "transformers": ["transformers"], "TRL / PEFT": ["trl", "peft"],
+             "DeepSpeed": ["deepspeed"], "megatron-core": ["megatron-core"], "Ray": ["ray"],
+             "wandb / mlflow-skinny": ["wandb", "mlflow-skinny"]}
+    for row, packages in pairs.items():
+        claimed = [v.split(" ")[0] for v in table[row].split(" / ")]
+        for package, want in zip(packages, claimed):
+            try:
+                found = version(package)
+            except PackageNotFoundError:
+                continue  # not installed here: nothing to compare
+            assert found.split("+")[0] == want, (row, package, found, want)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "deepspeed==" + table["DeepSpeed"] in extras["train"]
+    assert "megatron-core==" + table["megatron-core"] in extras["megatron"]
+
+
+def test_license_and_citation():
+    import tomllib
+
+    import yaml
+
+    assert (ROOT / "LICENSE").read_text().split()[:3] == ["Apache", "License", "Version"]
+    citation = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert citation["license"] == "Apache-2.0" and citation["cff-version"] == "1.2.0"
+    assert citation["version"] == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    readme = (ROOT / "README.md").read_text()
+    for ref in citation["references"]:  # every paper the citation names is linked from the README's table
+        assert ref["url"] in readme, ref["url"]
