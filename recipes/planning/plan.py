@@ -113,9 +113,21 @@ class Plan:
 
 @dataclass
 class Candidate:
-    """One layout a recommendation weighed: its engine, what it is, the recipe keys that select it, its plan."""
+    """One layout a recommendation weighed: its engine, what it is, the recipe overrides that select it
+    (`override`), its plan."""
 
     engine: str
     text: str
     settings: list[str]
     plan: Plan
+
+
+def override(key: str, value) -> str:
+    """The `key=value` override that sets a recipe key to `value`, spelt as YAML reads it (null, true)."""
+    text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{key}={text}"
+
+
+def divisors(n: int, most: int | None = None) -> list[int]:
+    """The divisors of `n`, up to `most`: the degrees and splits a candidate layout may take."""
+    return [d for d in range(1, n + 1) if n % d == 0 and (most is None or d <= most)]

@@ -18,7 +18,7 @@ from dataclasses import fields
 
 from recipes.engines import ENGINES, engine_contract
 from recipes.planning import step_model
-from recipes.planning.plan import Candidate, Plan
+from recipes.planning.plan import Candidate, Plan, override
 from recipes.planning.step_model import GiB
 
 
@@ -29,14 +29,10 @@ def line(c: Candidate) -> str:
             f"x{pl.padding_ratio:.2f}")
 
 
-def _value(v) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
-
 def _resets(recipe, contract) -> list[str]:
     """Overrides that put `contract`'s recipe section back to its defaults."""
     default, now = contract.Section(), getattr(recipe, contract.section)
-    return [f"{contract.section}.{f.name}={_value(getattr(default, f.name))}" for f in fields(default)
+    return [override(f"{contract.section}.{f.name}", getattr(default, f.name)) for f in fields(default)
             if getattr(now, f.name) != getattr(default, f.name)]
 
 

@@ -17,7 +17,7 @@ from recipes.planning import deepspeed_costs as costs
 from recipes.planning.backbones import count_parameters
 from recipes.planning.device_memory import device_memory
 from recipes.planning.placement import Placement
-from recipes.planning.plan import Candidate, Plan
+from recipes.planning.plan import Candidate, Plan, divisors, override
 from recipes.planning.shape import Shape
 
 ENGINE = costs.ENGINE
@@ -99,14 +99,6 @@ def estimator_memory(recipe, total_params: int, largest_params: int) -> dict:
 # ---- what the recommender weighs -------------------------------------------------------------------------
 
 
-def _divisors(n: int, most: int | None = None) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0 and (most is None or d <= most)]
-
-
-def _value(v) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
-
 def layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
                       moe_imbalance: float = 1.0) -> list[Candidate]:
     """The layouts of `global_batch` rows per step on the recipe's cluster that fit `hardware.mem_gib`:
@@ -125,7 +117,7 @@ def layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch: int, p
     out = []
     for zero_stage in (2, 3):
         hpz = cl.gpus_per_node if zero_stage == 3 and cl.nodes > 1 else 1
-        for b in _divisors(global_batch // world, MAX_ROWS_PER_MICRO_BATCH):
+        for b in divisors(global_batch // world, MAX_ROWS_PER_MICRO_BATCH):
             for ckpt in (False, True):
                 zero = replace(base, zero_stage=zero_stage, hpz=hpz, micro_batch_size=b,
                                grad_accum=global_batch // (world * b), checkpointing=ckpt)
@@ -134,9 +126,10 @@ def layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch: int, p
                     continue
                 text = (f"DeepSpeed ZeRO-{zero_stage}{f' + hpZ {hpz}' if hpz > 1 else ''}, {b} row(s) x "
                         f"{zero.grad_accum} micro-batch(es) per GPU, checkpointing {'on' if ckpt else 'off'}")
-                settings = [f"train.engine={ENGINE}", f"deepspeed.zero_stage={zero_stage}", "deepspeed.tp_size=1",
-                            f"train.micro_batch_size={b}", f"train.grad_accum={zero.grad_accum}",
-                            f"model.gradient_checkpointing={_value(ckpt)}"]
+                settings = [override("train.engine", ENGINE), override("deepspeed.zero_stage", zero_stage),
+                            override("deepspeed.tp_size", 1), override("train.micro_batch_size", b),
+                            override("train.grad_accum", zero.grad_accum),
+                            override("model.gradient_checkpointing", ckpt)]
                 out.append(Candidate(ENGINE, text, settings, pl))
                 break  # checkpointing only where the layout does not fit without it
     return out

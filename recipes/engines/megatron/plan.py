@@ -17,7 +17,7 @@ from recipes.planning import megatron_costs as costs
 from recipes.planning import moe as moe_math
 from recipes.planning.moe import MoEShape
 from recipes.planning.placement import Placement
-from recipes.planning.plan import Candidate, Plan
+from recipes.planning.plan import Candidate, Plan, divisors, override
 from recipes.planning.shape import Shape
 
 ENGINE = costs.ENGINE
@@ -90,8 +90,8 @@ def plan(recipe, model_cfg, *, hardware, rows, world_size: int | None = None, mo
     with everything the recipe and the model's config decide: the one prediction `recipes.validate`
     reports and a run's log sets beside what it measured. `world_size`: the ranks the run has (the
     cluster's when None; a layout needs them to divide). `gpus`: whether the run has GPUs (Transformer
-    Engine's spec packs a micro-batch's rows back to back, THD, there only). `params` (the model's
-    count) is not needed: the cost model counts each stage's parameters from the shape. `changes`: cost-model
+    Engine's spec packs a micro-batch's rows back to back, THD, there only). `params` (the model's count)
+    is not needed: the cost model counts each stage's parameters from the shape. `changes`: cost-model
     arguments that differ from the recipe's (recompute, micro_batch_size, grad_accum,
     distributed_optimizer, chunked_head, `timed` False: memory only). AttributeError when the config has
     no layer shapes, ValueError for an MoE family the planner does not size."""
@@ -100,18 +100,17 @@ def plan(recipe, model_cfg, *, hardware, rows, world_size: int | None = None, mo
         where = Placement(replace(where.dims, world=world_size, dp=0), where.gpus_per_node)
     shape = Shape.of(model_cfg)
     moe = changes.pop("moe") if "moe" in changes else experts(model_cfg, moe_imbalance)
-    mg = recipe.megatron
+    mg, e = recipe.megatron, 2 if recipe.model.dtype == "bfloat16" else 4
     tied, qkv_bias, has_qk_norm = model_flags(model_cfg)
     pl = costs.estimate(shape, where, **{
         "micro_batch_size": recipe.train.micro_batch_size, "rows": rows, "grad_accum": recipe.train.grad_accum,
         "tied": tied, "recompute": mg.recompute, "distributed_optimizer": mg.distributed_optimizer,
         "overlap_grad_reduce": mg.overlap_grad_reduce, "overlap_param_gather": mg.overlap_param_gather,
         "chunked_head": recipe.loss.head == "chunked", "chunk_size": recipe.loss.chunk_size,
-        "qkv_bias": qkv_bias, "qk_norm": has_qk_norm, "hw": hardware, "e": 2 if recipe.model.dtype == "bfloat16" else 4,
+        "qkv_bias": qkv_bias, "qk_norm": has_qk_norm, "hw": hardware, "e": e,
         "thd": mg.transformer_impl != "local" and gpus, "moe": moe, **changes})
     # what the engine's checkpoint holds (recipes/engines/megatron/checkpoints.py), each tensor once: the
     # weights in the model's dtype, Adam's two fp32 moments and, for a 16-bit model, its fp32 main weights
-    e = 2 if recipe.model.dtype == "bfloat16" else 4
     pl.checkpoint_bytes = moe_math.parameter_counts(model_cfg).total * (e + 8 + (4 if e < 4 else 0))
     if changes.get("chunked_head", recipe.loss.head == "chunked"):
         pl.notes.append("loss.head: chunked: the Megatron engine computes the objective on GPTModel's "
@@ -122,14 +121,6 @@ def plan(recipe, model_cfg, *, hardware, rows, world_size: int | None = None, mo
 
 
 # ---- what the recommender weighs -------------------------------------------------------------------------
-
-
-def _divisors(n: int, most: int | None = None) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0 and (most is None or d <= most)]
-
-
-def _value(v) -> str:
-    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
@@ -158,15 +149,15 @@ def _candidates(recipe, model_cfg, hw, rows, global_batch, moe, across_nodes: bo
     shape = Shape.of(model_cfg)
     world, per_node = cl.nodes * cl.gpus_per_node, cl.gpus_per_node
     out = []
-    for tp, pp, ep in ((t, p, x) for t in (1, 2, 4, 8) if per_node % t == 0 for p in _divisors(shape.layers, MAX_PP)
-                       for x in (_divisors(moe.experts) if moe is not None else [1])):
+    for tp, pp, ep in ((t, p, x) for t in (1, 2, 4, 8) if per_node % t == 0 for p in divisors(shape.layers, MAX_PP)
+                       for x in (divisors(moe.experts) if moe is not None else [1])):
         if world % (tp * pp * ep) or (moe is not None and (tp * ep > per_node) != across_nodes):
             continue
         dp = world // (tp * pp)
         lay = Placement.of(tp, pp, dp, 1, tp > 1, per_node, ep=ep)
         if global_batch % dp or shape_problems(shape, lay.dims, 1, moe):
             continue
-        for b in _divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
+        for b in divisors(global_batch // dp, MAX_ROWS_PER_MICRO_BATCH):
             m = global_batch // (dp * b)
             # the recipe's plan but for what the candidate sets: its split, the distributed optimizer, the
             # logits head (loss.head=logits below) and recompute
@@ -181,11 +172,12 @@ def _candidates(recipe, model_cfg, hw, rows, global_batch, moe, across_nodes: bo
             text = (f"Megatron TP {tp}{' + SP' if tp > 1 else ''} x PP {pp} x DP {dp}"
                     f"{f' (EP {ep})' if moe is not None else ''}, {b} row(s) x {m} "
                     f"micro-batches per replica, recompute {recompute or 'none'}")
-            settings = [f"train.engine={ENGINE}", f"megatron.tp_size={tp}", f"megatron.pp_size={pp}",
-                        *([f"megatron.ep_size={ep}"] if moe is not None else []),
-                        f"megatron.sequence_parallel={_value(tp > 1)}", "megatron.virtual_pp_size=null",
-                        f"megatron.recompute={_value(recompute)}", "megatron.distributed_optimizer=true",
-                        f"train.micro_batch_size={b}", f"train.grad_accum={m}", "model.gradient_checkpointing=false",
-                        *(["loss.head=logits"] if recipe.loss.head != "logits" else [])]
+            settings = [override("train.engine", ENGINE), override("megatron.tp_size", tp),
+                        override("megatron.pp_size", pp), *([override("megatron.ep_size", ep)] if moe is not None else []),
+                        override("megatron.sequence_parallel", tp > 1), override("megatron.virtual_pp_size", None),
+                        override("megatron.recompute", recompute), override("megatron.distributed_optimizer", True),
+                        override("train.micro_batch_size", b), override("train.grad_accum", m),
+                        override("model.gradient_checkpointing", False),
+                        *([override("loss.head", "logits")] if recipe.loss.head != "logits" else [])]
             out.append(Candidate(ENGINE, text, settings, pl))
     return out

@@ -1,7 +1,7 @@
 """recipes.planning.deepspeed_costs / recipes.engines.deepspeed.plan / recipes.validation.deepspeed_report /
-step_model: the DeepSpeed engine's memory, traffic and step time in `python -m recipes.validate`, checked against DeepSpeed's own memory estimator at every shipped
-recipe and against figures worked out by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads
-of 128, 8 KV heads, V 128256). The traffic formulas are checked against bytes counted in a real gloo run
+step_model: the DeepSpeed engine's memory, traffic and step time in `python -m recipes.validate`, checked
+against DeepSpeed's own memory estimator at every shipped recipe and against figures worked out by hand
+here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256). The traffic formulas are checked against bytes counted in a real gloo run
 in test_traffic_gloo.py.
 
 What no CPU test can reach: whether the estimates match a real GPU's peak memory and a real cluster's step

@@ -1,8 +1,9 @@
 """recipes.planning.megatron_costs and placement, recipes.engines.megatron.plan: the Megatron engine's layout
-checks, memory,
-bubble, traffic and step time in `python -m recipes.validate`, checked against numbers worked out by hand here for Llama-3-70B
-(80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256 padded to 129024 at TP 8) and a tiny
-shape (the step model's terms against a coarser hand model: test_step_model.py). What no CPU test reaches: whether the estimates match a GPU's peak memory and a cluster's step time.
+checks, memory, bubble, traffic and step time in `python -m recipes.validate`, checked against numbers
+worked out by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256
+padded to 129024 at TP 8) and a tiny shape (the step model's terms against a coarser hand model:
+test_step_model.py). What no CPU test reaches: whether the estimates match a GPU's peak memory and a
+cluster's step time.
 """
 
 from __future__ import annotations
