@@ -39,6 +39,7 @@ EMPTY_PROMPT = "empty_prompt"
 TOO_LONG = "too_long"
 BROKEN_IMAGE = "broken_image"
 INVALID_JSON = "invalid_json"
+INVALID_UTF8 = "invalid_utf8"
 MISSING_FIELD = "missing_field"
 BAD_VALUE = "bad_value"
 
@@ -197,17 +198,19 @@ def iter_files(path: str) -> Iterator[tuple[str, RawRow]]:
         rel = os.path.relpath(f, root)
         base = os.path.dirname(os.path.abspath(f))
         if f.endswith(".jsonl"):
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if line.strip():
-                        yield f"{rel}:{lineno}", RawRow(line, base)
+            for lineno, line in _text_lines(f):
+                if isinstance(line, Undecodable) or line.strip():
+                    yield f"{rel}:{lineno}", RawRow(line, base)
         elif f.endswith(".json"):
             # A JSON array (SVAMP ships one): small by nature, read whole.
-            with open(f, encoding="utf-8") as fh:
-                try:
-                    data = json.load(fh)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}: not valid JSON (line {e.lineno}): {e.msg}") from None
+            with open(f, "rb") as fh:
+                raw = fh.read()
+            try:
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise _undecodable_file(f, e, raw) from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}: not valid JSON (line {e.lineno}): {e.msg}") from None
             if isinstance(data, dict):
                 data = [data]
             if not isinstance(data, list):
@@ -217,8 +220,8 @@ def iter_files(path: str) -> Iterator[tuple[str, RawRow]]:
         elif f.endswith(".csv"):
             import csv
 
-            with open(f, encoding="utf-8", newline="") as fh:
-                reader = csv.DictReader(fh)
+            with open(f, "rb") as fh:
+                reader = csv.DictReader(_csv_lines(f, fh))
                 try:
                     first = 2  # a record's ref is the line it starts on (quoted fields may span lines)
                     for row in reader:
@@ -240,19 +243,66 @@ def iter_files(path: str) -> Iterator[tuple[str, RawRow]]:
             raise ValueError(f"{f}: unsupported file type (expected one of {TABLE_EXTS})")
 
 
+def _csv_lines(f: str, fh) -> Iterator[str]:
+    """A CSV file's lines as text; a line that is not UTF-8 stops the read naming file, line and byte
+    offset (a quoted field may span lines, so one record cannot be skipped safely)."""
+    offset = 0
+    for lineno, raw in enumerate(fh, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{f}:{lineno}: byte offset {offset + err.start} is 0x{raw[err.start]:02x}: {err.reason}, "
+                             f"not UTF-8; re-encode the file as UTF-8") from None
+        offset += len(raw)
+
+
 def iter_question_answer_lines(f: str, rel: str) -> Iterator[tuple[str, RawRow]]:
-    """DeepMind-Math text files: a question line followed by its answer line."""
-    with open(f, encoding="utf-8") as fh:
-        question, qline = None, 0
-        for lineno, line in enumerate(fh, 1):
-            line = line.rstrip("\n")
-            if question is None:
-                question, qline = line, lineno
-            else:
-                yield f"{rel}:{qline}", RawRow({"question": question, "answer": line}, None)
-                question = None
-        if question is not None:
-            raise ValueError(f"{f}:{qline}: question without an answer line (odd number of lines)")
+    """DeepMind-Math text files: a question line followed by its answer line (a pair with a line that is
+    not UTF-8 is one record that is rejected)."""
+    question, qline = None, 0
+    for lineno, line in _text_lines(f):
+        if not isinstance(line, Undecodable):
+            line = line.removesuffix("\n").removesuffix("\r")
+        if question is None:
+            question, qline = line, lineno
+        else:
+            bad = next((x for x in (question, line) if isinstance(x, Undecodable)), None)
+            yield f"{rel}:{qline}", RawRow(bad or {"question": question, "answer": line}, None)
+            question = None
+    if question is not None:
+        raise ValueError(f"{f}:{qline}: question without an answer line (odd number of lines)")
+
+
+class Undecodable:
+    """A line of a text source that is not valid UTF-8, in place of its text: where it is and what is
+    wrong, for the reject (`decode_row` raises it as an `invalid_utf8` BadRecord)."""
+
+    __slots__ = ("detail",)
+
+    def __init__(self, detail: str):
+        self.detail = detail
+
+
+def _text_lines(f: str) -> Iterator[tuple[int, "str | Undecodable"]]:
+    """(line number, text) of each line of a UTF-8 text file, read as bytes so that one undecodable line
+    costs that line (an `Undecodable` naming file, line and byte offset), not the whole file."""
+    offset = 0
+    with open(f, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                byte = raw[err.start]
+                yield lineno, Undecodable(f"{f}:{lineno}: byte offset {offset + err.start} in the file (column "
+                                          f"{err.start + 1} of the line) is 0x{byte:02x}: {err.reason}, not UTF-8")
+            offset += len(raw)
+
+
+def _undecodable_file(f: str, err: UnicodeDecodeError, data: bytes) -> ValueError:
+    """The error for a whole-file format (JSON, CSV) that is not UTF-8: file, line and byte offset."""
+    line = data.count(b"\n", 0, err.start) + 1
+    return ValueError(f"{f}:{line}: byte offset {err.start} is 0x{data[err.start]:02x}: {err.reason}, not UTF-8; "
+                      f"re-encode the file as UTF-8")
 
 
 def iter_hub(cfg: SourceConfig) -> Iterator[tuple[str, RawRow]]:
@@ -269,6 +319,8 @@ def iter_hub(cfg: SourceConfig) -> Iterator[tuple[str, RawRow]]:
 def decode_row(raw: Any) -> dict:
     """The record as a dict; a JSONL line is parsed here (in the worker)."""
     data = raw.data if isinstance(raw, RawRow) else raw
+    if isinstance(data, Undecodable):
+        raise BadRecord(INVALID_UTF8, data.detail)
     if isinstance(data, str):
         try:
             data = json.loads(data)
