@@ -4,9 +4,11 @@ Every section is a dataclass; loading is strict: an unknown key, a missing requi
 the wrong type is an error that names its dotted path (`optim.lr: expected a number, got 'fast'`). The
 numeric objective's own section is read once, by `numloss.ObjectiveConfig` (unknown terms and options;
 its errors name `loss.objective.terms.<term>.<key>`): `recipe.loss.objective` is that typed config, and
-the recipe's dump writes it back as it was written. Files and overrides are read by `recipes.recipe_yaml`:
-a key given twice, a tab or any other syntax error is refused with file:line:column; `3e-4` is a
-number, and a quoted number ("3e-4", a weight "3") is never taken for one.
+the recipe's dump writes it back as it was written. The modules of `loss.plugins` (terms of the user's)
+are imported just before (`recipes.plugins`), so every entry point that loads the recipe knows them.
+Files and overrides are read by `recipes.recipe_yaml`: a key given twice, a tab or any other syntax
+error is refused with file:line:column; `3e-4` is a number, and a quoted number ("3e-4", a weight "3")
+is never taken for one.
 
     recipe = load_recipe("recipes/configs/demo.yaml", ["optim.lr=3e-4", "loss.objective.terms={smmd: {}}"])
 
@@ -32,10 +34,12 @@ from typing import Any
 import yaml
 
 from numloss import ObjectiveConfig
+from numloss.objective import ObjectiveConfigError
 
 from .engines import ENGINES, engine_contract
 from .engines.deepspeed.contract import DeepSpeedSection
 from .engines.megatron.contract import MegatronSection
+from .plugins import import_plugins, registered_by
 from .recipe_yaml import load_yaml
 
 
@@ -94,6 +98,9 @@ class LossConfig:
 
     # written as a mapping ({terms: {smmd: {}}, z_loss: 0}); numloss's typed config once the recipe loads
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # modules that register terms of the user's (numloss.register_term), imported before the objective is
+    # read (recipes.plugins): [mypkg.terms]; each must be importable wherever the recipe loads
+    plugins: list = field(default_factory=list)
     numeric_policy: str = "digits"  # digits | integers | float
     numeric_max_value: int = 999
     space_variants: bool = False
@@ -105,12 +112,19 @@ class LossConfig:
     router_aux_coeff: float | None = None
 
     def __post_init__(self) -> None:
+        import_plugins(self.plugins, "loss.plugins")  # the user's terms exist before the objective is read
         if not isinstance(self.objective, ObjectiveConfig):  # the recipe's mapping: read here, once
             written = copy.deepcopy(self.objective)
             try:
                 self.objective = ObjectiveConfig.from_dict(self.objective, root="loss.objective")  # errors name loss.objective.*
             except TypeError as err:
                 raise ValueError(f"loss.objective: {err}") from None
+            except ObjectiveConfigError as err:
+                if any(": unknown term;" in p for p in err.problems):
+                    mine = registered_by(self.plugins)
+                    raise ValueError(f"{err}; " + (f"loss.plugins registered {mine}" if mine else
+                                     "name the module that registers it in loss.plugins")) from None
+                raise
             self._written = (self.objective, written)
 
     def objective_mapping(self) -> dict:

@@ -79,6 +79,8 @@ POLICY: dict[str, tuple[str, str]] = {
     "data.eval": (RUN, "evaluation"),
     # the objective
     "loss.objective": (TRAINING, "the terms, their weights and options"),
+    # a change of the objective like the terms' (the list is compared, not the modules' code)
+    "loss.plugins": (TRAINING, "the modules that register the user's terms"),
     "loss.numeric_policy": (REFUSED, "the numeric vocabulary the terms score"),
     "loss.numeric_max_value": (REFUSED, "the numeric vocabulary the terms score"),
     "loss.space_variants": (REFUSED, "the numeric vocabulary the terms score"),

@@ -122,8 +122,8 @@ def _state(pid: int) -> str:
         return "zombie"  # gone
 
 
-def run_to_end(recipe: Path, out_dir: Path, *overrides: str) -> str:
-    proc = launch(recipe, out_dir, *overrides)
+def run_to_end(recipe: Path, out_dir: Path, *overrides: str, env: dict | None = None) -> str:
+    proc = launch(recipe, out_dir, *overrides, env=env)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output[-4000:]
     return output
