@@ -28,7 +28,7 @@ class Placement:
     gpus: int
     tensor_parallel_size: int
     device_map: str | None
-    weight_bytes: int
+    weight_bytes: int | None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,6 +99,10 @@ def local_gpus() -> tuple[int, int | None]:
 
 
 def place_here(model_dir: str | Path) -> Placement:
-    """`plan_placement` of an export on this node's GPUs."""
+    """`plan_placement` of an export on this node's GPUs. A model that is no local directory (a hub name read
+    from HF_HOME) has no size here: Hugging Face spreads it with device_map "auto" over the node's GPUs, vLLM
+    gets one GPU (weight_bytes None)."""
     gpus, gpu_bytes = local_gpus()
+    if not Path(model_dir).is_dir():
+        return Placement(min(gpus, 1), 1, "auto" if gpus > 1 else None, None)
     return plan_placement(model_dir, gpus, gpu_bytes)

@@ -48,3 +48,12 @@ def test_size_and_heads_are_read_from_the_export(rec_model_dir, tmp_path):
         export_weight_bytes(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 28}}))
     assert attention_heads(tmp_path) == 28  # a vision-language export: its text model's heads
+
+
+def test_a_hub_name_has_no_size_here(monkeypatch):
+    import recipes.evaluation.placement as P
+
+    monkeypatch.setattr(P, "local_gpus", lambda: (4, 80 * GIB))
+    assert P.place_here("Qwen/Qwen2.5-1.5B") == Placement(1, 1, "auto", None)
+    monkeypatch.setattr(P, "local_gpus", lambda: (0, None))
+    assert P.place_here("Qwen/Qwen2.5-1.5B") == Placement(0, 1, None, None)
