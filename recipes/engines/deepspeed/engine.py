@@ -76,6 +76,7 @@ class DeepSpeedEngine:
         self.model = model
         self.hf_config = model.config  # recipes.training.throughput: FLOPs per token
         self.timings: dict[str, float] = {}
+        self._own_norm: float | None = None  # ZeRO stage 0: the step's gradient norm, measured here
         self.wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
         self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
         optimizer = build_optimizer(recipe, trainable_parameters(self.wrapper))
@@ -103,6 +104,7 @@ class DeepSpeedEngine:
             if i == len(window) - 1:  # the step's time split (recipes.training.throughput): 2 syncs per step
                 _synchronize(self.runtime.device)
                 backward_done = time.perf_counter()
+                self._own_norm = self._gradient_norm() if self.recipe.deepspeed.zero_stage == 0 else None
             self.engine.step()  # the optimizer runs at the last micro-batch (the accumulation boundary)
             logged = result.log_dict()
             if aux is not None:  # the step's loss is objective + router/aux; its SUM over ranks is the mean
@@ -143,9 +145,22 @@ class DeepSpeedEngine:
         return self.engine.get_lr()[0]
 
     def grad_norm(self) -> float | None:
-        """DeepSpeed's global norm before clipping; None (JSON null) where it has none (ZeRO stage 0)."""
+        """DeepSpeed's global norm before clipping. At ZeRO stage 0 with a torch optimizer DeepSpeed keeps
+        none (its fp32 clipping computes the norm and drops it): there, the norm this step measured
+        before DeepSpeed's step (`_gradient_norm`)."""
         norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = self._own_norm
         return float(norm) if norm is not None else None
+
+    def _gradient_norm(self) -> float:
+        """The global gradient norm at the accumulation boundary (gradients reduced, not yet clipped), by
+        DeepSpeed's own clipping routine with no clipping (max_norm inf: model-parallel parameters counted
+        once, averaged over the data-parallel group). Collective: every rank calls it at each stage-0 step."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        return float(clip_grad_norm_(params, max_norm=float("inf"), mpu=self.engine.mpu)) if params else 0.0
 
     def weights_finite(self) -> bool:
         """This rank's parameters are finite: its ZeRO-3 partitions (`ds_tensor`), else the whole tensors."""

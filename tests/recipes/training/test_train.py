@@ -135,6 +135,8 @@ def test_zero_stages_and_cpu_offload_train_the_same_model(workspace, reference_r
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["lr"] == a["lr"], a["step"]
     for a, b in zip(runs["zero0"], runs["zero2"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-    assert runs["zero0"][0]["grad_norm"] is None  # stage 0: DeepSpeed reports no norm; null, not NaN
+    # stage 0: DeepSpeed keeps no norm with a torch optimizer; the engine measures it, as ZeRO-2 reports it
+    for a, b in zip(runs["zero0"], runs["zero2"]):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
     assert all(r["grad_norm"] > 0 for r in runs["zero2"] + runs["offload"])
     assert len(runs["zero0"]) == len(runs["offload"]) == STEPS
