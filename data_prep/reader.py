@@ -58,7 +58,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from .shards import read_manifest
+from .shards import read_manifest, sha256_file
 from .stats import TOKEN_COLUMNS
 from .tokenize import IGNORE_INDEX
 
@@ -79,6 +79,21 @@ def _record(cols: dict[str, Any], row: int):
         return cols["record"][row]
     values, offsets = cols["records"]
     return values[offsets[row]]
+
+
+def shard_problem(path: str, shard: dict, verify: str) -> str | None:
+    """What is wrong with one shard of the manifest of `path` against its record, in `verify` mode ("size":
+    it exists with the recorded size, one stat; "full": and the recorded sha256, every byte read; "none":
+    it exists); None when nothing."""
+    full = os.path.join(path, shard["file"])
+    if not os.path.isfile(full):
+        return f"{full}: missing (listed in {path}/manifest.json)"
+    if verify != "none" and shard.get("bytes") is not None and os.path.getsize(full) != shard["bytes"]:
+        return (f"{full}: {os.path.getsize(full)} bytes, the manifest records {shard['bytes']}: truncated or replaced "
+                f"since the build; rebuild the data (python -m data_prep build ...)")
+    if verify == "full" and shard.get("sha256") and sha256_file(full) != shard["sha256"]:
+        return f"{full}: its sha256 differs from the manifest's: the file changed since the build; rebuild the data"
+    return None
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
@@ -250,17 +265,10 @@ class ShardDataset(torch.utils.data.IterableDataset):
     # ---- I/O ------------------------------------------------------------------------------------
     def _open(self, shard: dict, verify: str):
         """A shard's Parquet metadata, after the manifest's size (and with verify="full" its sha256)."""
-        from .shards import sha256_file
-
         full = os.path.join(self.path, shard["file"])
-        if not os.path.isfile(full):
-            raise DataError(f"{full}: missing (listed in {self.path}/manifest.json)")
-        if verify != "none" and shard.get("bytes") is not None and os.path.getsize(full) != shard["bytes"]:
-            raise DataError(f"{full}: {os.path.getsize(full)} bytes, the manifest records {shard['bytes']}: truncated "
-                            f"or replaced since the build; rebuild the data (python -m data_prep build ...)")
-        if verify == "full" and shard.get("sha256") and sha256_file(full) != shard["sha256"]:
-            raise DataError(f"{full}: its sha256 differs from the manifest's: the file changed since the build; "
-                            f"rebuild the data")
+        problem = shard_problem(self.path, shard, verify)
+        if problem:
+            raise DataError(problem)
         try:
             return pq.ParquetFile(full).metadata
         except Exception as err:  # noqa: BLE001  (pyarrow's errors name no file)

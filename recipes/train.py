@@ -163,7 +163,9 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                            shuffle=True, drop_last=True,
                            shuffle_window=recipe.data.shuffle_window, seq_len=recipe.data.seq_len,
                            pad_to_multiple_of=recipe.data.pad_to_multiple_of, pad_id=engine.tokenizer.pad_token_id,
-                           verify=recipe.data.verify, length_bucketing=recipe.data.length_bucketing)
+                           # preflight hashed every shard before the engine was built ("full"): a stat each here
+                           verify="size" if recipe.data.verify == "full" else recipe.data.verify,
+                           length_bucketing=recipe.data.length_bucketing)
     step = dirs.load(dataset, engine.load_state)
     first_step = step + 1  # this run's first: no update of this run before it (NonFiniteTraining's advice)
     if step != plan.step:  # the checkpoint the plan compared with is the one loaded

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from data_prep.reader import shard_problem
 from data_prep.shards import MANIFEST, read_manifest
 from numloss.losses import term_spec
 
@@ -196,6 +197,16 @@ def start_problems(recipe, cuda: bool | None) -> list[str]:
     return engine_contract(recipe).start_problems(recipe, cuda=cuda, resuming=resuming)
 
 
+def shard_file_problems(where: str, verify: str) -> list[str]:
+    """Every shard of the data at `where` against its manifest in the recipe's `data.verify` mode (sizes,
+    or sha256: `data_prep.reader.shard_problem`), here before any model is built or anything written
+    (the reader checks the same at open, after the engine)."""
+    manifest = read_manifest(where) if (Path(where) / MANIFEST).is_file() else None
+    if manifest is None:
+        return []
+    return [f"data.train: {p}" for shard in manifest["shards"] if (p := shard_problem(where, shard, verify))]
+
+
 def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None] | None = None,
               cuda: bool = False) -> list[str]:
     """Every static check of the module docstring for a run on `world_size` ranks; raises
@@ -209,7 +220,7 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
         tokenizer = model_tokenizer(recipe)
     found = static_checks(recipe, world_size, engine_contract(recipe).parallel_dims(recipe, world_size).dp,
                           tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None, say=say)
-    errors += found.errors
+    errors += found.errors + shard_file_problems(recipe.data.train, recipe.data.verify)
     if errors:
         raise RecipeCheckError(f"recipe {recipe.name} cannot run ({len(errors)} error"
                                f"{'s' * (len(errors) != 1)}):\n" + "\n".join(f"  {e}" for e in errors))

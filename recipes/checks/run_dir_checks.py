@@ -8,8 +8,9 @@ and the checkpoint the run would resume from was saved by this engine at a layou
   (each engine's contract recognises its own layout: `saved_by`) is refused; one of this engine is asked
   its contract's `resume_problem` (DeepSpeed: the same tensor-parallel size, ZeRO stage and LoRA, and
   for LoRA the same data-parallel size: a 70B base would otherwise load before the refusal; Megatron's
-  checkpoints reshard onto any layout). When `latest` turns out corrupt and the run falls back to an
-  older checkpoint, that one's layout is compared at resume only.
+  checkpoints reshard onto any layout). The checkpoint the run resumes from once `latest` is verified
+  (a fallback, a recovered save) is compared again by the resume policy, before any model is built
+  (`recipes.reliability.resume_policy.checkpoint_layout_problems`, the one copy of this rule).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from recipes.engines import ENGINES, engine_contract
+from recipes.reliability.resume_policy import checkpoint_layout_problems
 
 
 def out_dir_problems(recipe) -> list[str]:
@@ -55,11 +56,4 @@ def resume_problems(recipe, data_parallel: int) -> list[str]:
     if found is None:
         return []
     directory, saved = found
-    engine = engine_contract(recipe)
-    if not engine.saved_by(saved):
-        other = next((name for name, contract in ENGINES.items() if contract.saved_by(saved)), "another")
-        return [f"train.engine: {recipe.train.engine}, but the checkpoint this run would resume from, {directory}, was "
-                f"saved by the {other} engine, which the other cannot load: resume with train.engine: {other}, or "
-                f"train into a new train.out_dir"]
-    problem = engine.resume_problem(saved, recipe, data_parallel, directory)
-    return [problem] if problem else []
+    return checkpoint_layout_problems(recipe, data_parallel, directory, saved)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from data_prep.shards import sha256_file
 from numloss import ObjectiveConfig
 from recipes.config import Recipe
+from recipes.engines import ENGINES, engine_contract
 
 from .checkpoints import MANIFEST, CheckpointDirs, tag_step
 from .export_writer import clean_leftovers, read_record
@@ -89,7 +90,9 @@ POLICY: dict[str, tuple[str, str]] = {
     "loss.router_aux_coeff": (TRAINING, "the router load-balancing loss's weight"),
     "optim": (TRAINING, "the optimizer's hyperparameters and LR schedule"),
     # the engines
-    "deepspeed.zero_stage": (REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it"),
+    # compared as the stage DeepSpeed runs: deepspeed.overrides.zero_optimization.stage where set (`_resolved`)
+    "deepspeed.zero_stage": (REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it; the stage is "
+                                      "deepspeed.overrides.zero_optimization.stage where that is set"),
     "deepspeed.tp_size": (REFUSED, "DeepSpeed loads AutoTP state at the size that saved it"),
     "deepspeed.offload_optimizer": (REFUSED, "where ZeRO keeps the optimizer state (not tested across a resume)"),
     "deepspeed.offload_params": (REFUSED, "where ZeRO keeps the parameters (not tested across a resume)"),
@@ -204,14 +207,70 @@ def recipe_changes(old: dict, new: dict, path: str = "") -> list[Change]:
 def _resolved(recipe: dict, objective: ObjectiveConfig | None = None) -> dict:
     """The recipe (as `Recipe.to_dict()` gives it) with its objective as numloss resolves it (default
     weights filled in, options under `options`), so that `smmd: {}` and `smmd: {weight: 3.0}` are the same
-    recipe. `objective`: the running recipe's, typed when it loaded; None: a saved recipe's, read here.
-    A saved objective that no longer resolves (the library changed) is compared as written."""
+    recipe, and with the ZeRO stage DeepSpeed runs (`deepspeed.overrides` is merged last, so its stage wins)
+    as `deepspeed.zero_stage`. `objective`: the running recipe's, typed when it loaded; None: a saved
+    recipe's, read here. A saved objective that no longer resolves (the library changed) is compared as
+    written."""
+    recipe = _zero_stage_resolved(recipe)
     if objective is None:
         try:
             objective = ObjectiveConfig.from_dict(recipe.get("loss", {}).get("objective"), root="loss.objective")
         except (ValueError, TypeError):
             return recipe
     return {**recipe, "loss": {**recipe["loss"], "objective": dataclasses.asdict(objective)}}
+
+
+def _zero_stage_resolved(recipe: dict) -> dict:
+    """`deepspeed.overrides.zero_optimization.stage`, where set, moved to `deepspeed.zero_stage`."""
+    ds = recipe.get("deepspeed")
+    zero = ((ds or {}).get("overrides") or {}).get("zero_optimization")
+    if not isinstance(zero, dict) or "stage" not in zero:
+        return recipe
+    rest = {k: v for k, v in zero.items() if k != "stage"}
+    overrides = {**ds["overrides"], "zero_optimization": rest}
+    if not rest:
+        del overrides["zero_optimization"]
+    return {**recipe, "deepspeed": {**ds, "zero_stage": zero["stage"], "overrides": overrides}}
+
+
+def global_batch_problem(recipe: Recipe, saved: dict, saved_dp: int | None, data_parallel: int, where: str) -> str | None:
+    """Why the recipe's global batch (micro_batch_size x grad_accum x data-parallel ranks) is not the one
+    the checkpoint trained with (the reader's position counts samples of one order of global batches: it
+    resumes the same global batch only). None when it is, or when the checkpoint does not say."""
+    train = saved.get("train") or {}
+    if saved_dp is None or "micro_batch_size" not in train or "grad_accum" not in train:
+        return None
+    old = train["micro_batch_size"] * train["grad_accum"] * saved_dp
+    t = recipe.train
+    new = t.micro_batch_size * t.grad_accum * data_parallel
+    if old == new:
+        return None
+    if old % data_parallel:
+        way = f"no split reaches {old} rows on {data_parallel} data-parallel ranks: resume on {saved_dp}"
+    else:
+        rows = old // data_parallel
+        micro = t.micro_batch_size if rows % t.micro_batch_size == 0 else rows
+        way = (f"e.g. train.micro_batch_size={micro} train.grad_accum={rows // micro} on these {data_parallel} "
+               f"data-parallel ranks")
+    return (f"cannot resume {where} with this recipe: its global batch is train.micro_batch_size "
+            f"{t.micro_batch_size} x train.grad_accum {t.grad_accum} x {data_parallel} data-parallel ranks = {new} "
+            f"rows, the checkpoint trained with {train['micro_batch_size']} x {train['grad_accum']} x {saved_dp} = "
+            f"{old}; the data reader resumes the same global batch only (its position counts samples of one "
+            f"order): {way}, or train into a new train.out_dir")
+
+
+def checkpoint_layout_problems(recipe: Recipe, data_parallel: int, directory: Path, saved: dict) -> list[str]:
+    """Why the checkpoint in `directory`, saved at layout `saved` (its layout.json), cannot resume this
+    recipe on `data_parallel` data-parallel ranks: another engine saved it, or this engine's contract
+    refuses the layout (`resume_problem`)."""
+    engine = engine_contract(recipe)
+    if not engine.saved_by(saved):
+        other = next((name for name, contract in ENGINES.items() if contract.saved_by(saved)), "another")
+        return [f"train.engine: {recipe.train.engine}, but the checkpoint this run would resume from, {directory}, was "
+                f"saved by the {other} engine, which the other cannot load: resume with train.engine: {other}, or "
+                f"train into a new train.out_dir"]
+    problem = engine.resume_problem(saved, recipe, data_parallel, directory)
+    return [problem] if problem else []
 
 
 @dataclass
@@ -248,10 +307,12 @@ class ResumePlan:
         return lines
 
 
-def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved_from: str = "") -> ResumePlan:
-    """The plan for starting `recipe` in `out` whose checkpoint to resume is `tag`, trained with the
-    recipe `saved` (None: not recorded; `saved_from` names where it was read when not the checkpoint).
-    Raises ResumeRefused. Local: reads `out/final` only."""
+def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved_from: str = "",
+           data_parallel: int | None = None, saved_layout: dict | None = None) -> ResumePlan:
+    """The plan for starting `recipe` in `out` on `data_parallel` data-parallel ranks whose checkpoint to
+    resume is `tag`, saved at `saved_layout` (its layout.json; None: unrecorded, not compared) and trained
+    with the recipe `saved` (None: not recorded; `saved_from` names where it was read when not the
+    checkpoint). Raises ResumeRefused. Local: reads `out/final` and the checkpoint's checkpoint.json."""
     if tag is None:
         return ResumePlan()
     step = tag_step(tag)
@@ -273,6 +334,11 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
         raise ResumeRefused(f"cannot resume {where} (step {step}) with this recipe: a resume cannot change what "
                             f"the checkpoint means:\n" + "\n".join(lines)
                             + "\nResume with the old values, or start a new run in another train.out_dir")
+    if data_parallel is not None:
+        saved_dp = (saved_layout or {}).get("data_parallel")
+        problem = global_batch_problem(recipe, saved, saved_dp, data_parallel, f"{where} (step {step})")
+        if problem:
+            raise ResumeRefused(problem)
     done = step >= recipe.train.steps
     training = [c for c in changes if c.kind == TRAINING and c.key != "train.steps"]
     exported = not recipe.train.export or export_holds(out, tag)
@@ -329,7 +395,12 @@ def plan_resume(recipe: Recipe, dirs: CheckpointDirs, runtime: Runtime, saved_fa
         if tag is not None and saved is None and saved_fallback is not None:
             saved, saved_from = saved_fallback(tag_step(tag))
         try:
-            result = [decide(recipe, tag, saved, Path(recipe.train.out_dir), saved_from)]
+            data_parallel = engine_contract(recipe).parallel_dims(recipe, runtime.world_size).dp
+            layout = dirs.saved_layout()
+            problems = checkpoint_layout_problems(recipe, data_parallel, dirs.root / tag, layout) if layout else []
+            if problems:
+                raise ResumeRefused("\n".join(problems))
+            result = [decide(recipe, tag, saved, Path(recipe.train.out_dir), saved_from, data_parallel, layout)]
         except ResumeRefused as err:
             result = [str(err)]
         if isinstance(result[0], ResumePlan):
