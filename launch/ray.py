@@ -37,6 +37,11 @@ a restartable failure, so Ray restarts the group from that checkpoint (it counts
 
 Ray's own run state lives in `<train.out_dir>/ray` under the recipe's name, so launching the same recipe
 again continues it (Ray and `latest` agree on that).
+
+The recipe's `loss.plugins` (terms of the user's): the driver imports them when it loads the recipe, and
+every worker again when it loads the recipe it is sent. A plugin found outside the installed packages and
+the checkout goes to the workers' sys.path as the driver found it (`recipes.plugins.import_roots`: the same
+path on every node, as Ray assumes of the driver's working directory, which it puts there itself).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ import ray
 
 from recipes.config import load_recipe, recipe_from_dict
 from recipes.engines import engine_contract
+from recipes.plugins import import_roots
 
 REPO = Path(__file__).resolve().parents[1]
 POINTER = "numloss_checkpoint.json"
@@ -221,6 +227,8 @@ def train_loop(config: dict) -> None:
     from recipes.training.runtime import setup_distributed
     from recipes.train import Hooks, train
 
+    # the driver's plugin directories first, so that loading the recipe imports loss.plugins here as there
+    sys.path[:0] = [p for p in config.get("plugin_paths", []) if p not in sys.path]
     recipe = recipe_from_dict(config["recipe"])
     out_dir = Path(recipe.train.out_dir)
     if config.get("run_id"):  # a restarted worker group takes this run's own out_dir lock back (run_lock)
@@ -301,7 +309,8 @@ def run(recipe_path: str | Path, overrides: list[str] | tuple = (), *, address: 
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"recipe": recipe.to_dict(), "fault": fault,
-                           "run_id": f"{recipe.name}-{uuid.uuid4().hex[:12]}"},
+                           "run_id": f"{recipe.name}-{uuid.uuid4().hex[:12]}",
+                           "plugin_paths": import_roots(recipe.loss.plugins)},
         torch_config=torch_config(recipe),
         scaling_config=scaling(recipe, num_workers, placement),
         run_config=RunConfig(

@@ -17,6 +17,10 @@ inside a container). The environment: HF_HOME (`cluster.hf_home`), HF_HUB_OFFLIN
 (`cluster.hf_offline`), NCCL_DEBUG, NCCL_SOCKET_IFNAME (when given), TORCH_NCCL_ASYNC_ERROR_HANDLING.
 In a container the checkout, the recipe's data directories (data.train, data.eval, eval.data), its
 train.out_dir (created), local model/tokenizer directories and HF_HOME are mounted at their own paths.
+The recipe's `loss.plugins` are imported while the script is rendered (a bad one is refused here); each
+directory one was found in outside the installed packages and the checkout is put on the job's
+PYTHONPATH and mounted, since every rank imports them again (an installed plugin must be installed on
+the nodes, or in the container image).
 
 - ray: `ray start --head` on the first node, `ray start --address` on the others (each a background
   srun step), a wait until every node has joined, then the driver, `python -m launch.ray RECIPE
@@ -49,6 +53,7 @@ from pathlib import Path
 from string import Template
 
 from recipes.config import load_recipe
+from recipes.plugins import import_roots
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MODES = ("ray", "torchrun")
@@ -62,6 +67,7 @@ _WORD = re.compile(r"[A-Za-z0-9_]{1,32}")
 _IFNAME = re.compile(r"\^?[A-Za-z0-9_.=-]{1,64}(,[A-Za-z0-9_.=-]{1,64}){0,15}")
 _PATH = re.compile(r"[A-Za-z0-9_./~+@-][A-Za-z0-9_./~+@ -]{0,1023}")
 _MOUNTABLE = re.compile(r"[^,:\n\x00]{1,4096}")  # pyxis' --container-mounts syntax; the value is quoted
+_PLUGIN_DIR = re.compile(r"/[^,:\n\x00]{0,4095}")  # absolute; ':' separates PYTHONPATH, ',' the mounts
 
 
 def _looks_local(name: str) -> bool:
@@ -134,12 +140,18 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
         env.append(f"export HF_HOME={q(_check(c.hf_home, _PATH, 'cluster.hf_home'))}")
     if c.hf_offline:
         env.append("export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1")
+    # every rank (and Ray worker) loads the recipe and imports loss.plugins: the directories this process
+    # found them in go on PYTHONPATH (and into the container's mounts); installed ones must be on the nodes
+    plugin_dirs = [_check(d, _PLUGIN_DIR, f"loss.plugins ({d})") for d in import_roots(recipe.loss.plugins)]
+    if plugin_dirs:
+        env.append(f"export PYTHONPATH={q(':'.join(plugin_dirs))}\"${{PYTHONPATH:+:$PYTHONPATH}}\"")
     mounts = {"data.train": recipe.data.train, "data.eval": recipe.data.eval, "eval.data": recipe.eval.data,
               "train.out_dir": recipe.train.out_dir, "cluster.hf_home": c.hf_home}
     for key in ("name_or_path", "tokenizer"):
         value = getattr(recipe.model, key)
         if value and _looks_local(value):
             mounts[f"model.{key}"] = value
+    mounts.update({f"loss.plugins ({d})": d for d in plugin_dirs})
     mount_paths = " ".join(dict.fromkeys(q(_check(v, _MOUNTABLE, k)) for k, v in mounts.items() if v))
     recipe_arg = " ".join(q(a) for a in [str(recipe_path), *overrides])
     values = {

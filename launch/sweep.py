@@ -25,6 +25,9 @@ Job J = `<backbone>-<loss>-s<seed>`, trained with overrides base < sweep `overri
 `train.seed=S`, `train.out_dir=<out_dir>/J`, `name=J`. Jobs run one after another (each takes the whole
 allocation); a finished job (its `final/` or its last step logged) is skipped when the sweep is run
 again, and an interrupted one resumes from its own checkpoints. `--collect` only rebuilds the table.
+Before the first job trains, every job's recipe is loaded as its run will load it (`job_recipes`): a loss
+whose objective or `loss.plugins` cannot load stops the sweep there (exit 2) naming the job. A loss of the
+user's own is a loss like the others: `mine: ["loss.plugins=[mypkg.terms]", "loss.objective={terms: {my_term: {}}}"]`.
 
 Results: `<out_dir>/results.csv` and `results.md`: one row per job (backbone, loss, seed, steps, final
 training loss/ce and every evaluation metric), then a Markdown table of mean ± std over seeds per
@@ -186,13 +189,29 @@ def evaluate_job(sweep: Sweep, job: Job) -> dict | None:
 EVALUATE = evaluate_job  # the hook: f(sweep, job) -> results dict with "metrics", or None
 
 
+def job_recipes(sweep: Sweep, only: list[str] | None = None) -> dict:
+    """{job name: its recipe} for every job (of `only`), each loaded as its run will load it (base and
+    overrides, its loss.plugins imported): a job whose recipe cannot load is a ValueError naming the job,
+    before any job trains."""
+    recipes = {}
+    for job in sweep.jobs:
+        if only and job.name not in only:
+            continue
+        try:
+            recipes[job.name] = load_recipe(sweep.base, job.overrides)
+        except (ValueError, FileNotFoundError) as err:
+            raise ValueError(f"sweep {sweep.name}: job {job.name} ({job.backbone} x {job.loss}): {err}") from None
+    return recipes
+
+
 def run_sweep(sweep: Sweep, address: str | None = None, only: list[str] | None = None) -> list[dict]:
 
+    recipes = job_recipes(sweep, only)  # every job's recipe loads before the first trains
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     for job in sweep.jobs:
         if only and job.name not in only:
             continue
-        steps = load_recipe(sweep.base, job.overrides).train.steps
+        steps = recipes[job.name].train.steps
         if _finished(job, steps):
             print(f"[launch.sweep] {job.name}: done already", flush=True)
         else:
@@ -341,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
             print(job.name, " ".join(job.overrides))
         return 0
     if not args.collect:
+        try:
+            job_recipes(sweep, args.only)
+        except ValueError as err:
+            print(f"launch.sweep: {err}", file=sys.stderr)
+            return 2
         run_sweep(sweep, args.address, args.only)
     else:
         collect(sweep)

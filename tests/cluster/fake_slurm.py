@@ -33,7 +33,7 @@ while i < len(argv) and argv[i].startswith("-"):
     i += 1
 command = argv[i:]
 ENV = ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "MOUNTS",
-       "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+       "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "PYTHONPATH")
 with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
     log.write(json.dumps({{"options": options, "command": command,
                           "env": {{k: os.environ[k] for k in ENV if k in os.environ}}}}) + "\n")

@@ -72,6 +72,30 @@ def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_loss
     assert len(starts) == 2 and starts[0] == starts[1] and len(set(starts[0].values())) == 2, starts
 
 
+def test_a_users_term_trains_on_ray_workers_that_load_the_recipe_themselves(workspace, cluster, tmp_path, monkeypatch):
+    """loss.plugins on the simulated cluster: the plugin's folder is on the driver's sys.path only (the
+    cluster's processes started without it); each worker loads the recipe it is sent, with the folder the
+    driver found the plugin in on its sys.path (launch.ray), and trains the user's term with the others."""
+    from launch.ray import run
+    from tests.recipes import plugin_helpers as P
+
+    root, recipe = workspace
+    monkeypatch.syspath_prepend(str(P.write_package(tmp_path / "user_code")))
+    out = tmp_path / "run"
+    try:
+        run(recipe, [f"train.out_dir={out}", "train.steps=2", f"loss.plugins=[{P.MODULE}]",
+                     f"loss.objective={{terms: {{smmd: {{}}, {P.TERM}: {{}}}}}}"], name=f"plugins-{time.time_ns()}")
+    finally:
+        P.forget_package()
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r[f"term/{P.TERM}"] > 0
+        assert r["loss"] == pytest.approx(r["ce"] + 3.0 * r["term/smmd"] + P.WEIGHT * r[f"term/{P.TERM}"], rel=1e-6)
+    ranks = json.loads((out / "ranks.json").read_text())
+    assert ranks["0"]["node_id"] != ranks["1"]["node_id"]
+
+
 def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
     """The Ray dashboard (ray[default]) is not installed here, so no job server can run: this checks
     the `ray job submit` command and what the Jobs SDK is asked to run, through a recording client."""

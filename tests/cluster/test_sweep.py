@@ -123,3 +123,42 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
     assert kwargs["placement"] == Placement(4, 4, "auto", 141_107_412_992)
     monkeypatch.setattr(S, "local_gpus", lambda: (0, None))
     assert S.evaluate_job(sweep, job) is None and len(calls) == 1
+
+
+def test_jobs_of_del_and_of_a_users_term_build_and_a_bad_loss_stops_the_sweep_before_any_job(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """Losses ce, del and a term of the user's (`loss.plugins`, tests/recipes/plugin_helpers.py): every job's
+    recipe loads as its run will, with its objective (DEL at 0.01, the user's term at its registered
+    default); a loss whose plugin is not importable stops the sweep naming the job, exit 2, before any job
+    trains or anything is written."""
+    import launch.sweep as S
+    from tests.recipes import plugin_helpers as P
+
+    monkeypatch.syspath_prepend(str(P.write_package(tmp_path / "user_code")))
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
+                                    "data": {"train": "data"}}))
+    spec = {"name": "terms", "base": str(base), "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1],
+            "backbones": {"tiny": []},
+            "losses": {"ce": ["loss.objective={terms: {}}"], "del": ["loss.objective={terms: {del: {}}}"],
+                       "mine": [f"loss.plugins=[{P.MODULE}]", f"loss.objective={{terms: {{{P.TERM}: {{}}}}}}"]}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    try:
+        sweep = S.load_sweep(tmp_path / "sweep.yaml")
+        recipes = S.job_recipes(sweep)
+        assert list(recipes) == [f"tiny-{loss}-s{s}" for loss in ("ce", "del", "mine") for s in (0, 1)]
+        terms = {name: {t: c.weight for t, c in r.loss.objective.terms.items()} for name, r in recipes.items()}
+        assert terms["tiny-ce-s0"] == {} and terms["tiny-del-s1"] == {"del": 0.01}
+        assert terms["tiny-mine-s0"] == {P.TERM: P.WEIGHT} and recipes["tiny-mine-s0"].loss.plugins == [P.MODULE]
+        assert recipes["tiny-del-s1"].train.seed == 1 and recipes["tiny-del-s1"].name == "tiny-del-s1"
+
+        spec["losses"]["lost"] = ["loss.plugins=[numloss_user_terms.gone]"]
+        (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+        monkeypatch.setattr(S, "run_job", lambda *a, **k: pytest.fail("a job ran"))
+        assert S.main([str(tmp_path / "sweep.yaml")]) == 2
+        err = capsys.readouterr().err
+        assert "job tiny-lost-s0 (tiny x lost): recipe " in err
+        assert "loss.plugins[0]: no module named 'numloss_user_terms.gone'" in err
+        assert not (tmp_path / "sweep").exists()
+    finally:
+        P.forget_package()
