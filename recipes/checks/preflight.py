@@ -11,8 +11,9 @@ what needs more than one section, the data, the model's config or the run direct
   note, or refused naming the key (`recipes.checks.engine_settings`, through the engine's contract);
 - what stops the engine from starting (`start_problems`: Megatron's kernels where the run starts, a
   `megatron.load_converted` directory);
-- the objective against the numeric vocabulary: NTIL and DEL need the digits policy (each term's
-  registered needs), DEL without space variants;
+- the objective against the numeric vocabulary (`recipes.checks.objective_checks`, each term's registered
+  needs): NTIL and DEL need the digits policy, DEL without space variants; and the model's tokenizer must
+  write digits as tokens of their own (and for DEL the decimal point too);
 - the training data against the run: its manifest exists, its numeric policy is the recipe's, it holds
   at least one global batch (micro_batch_size x grad_accum x data-parallel ranks: fewer rows give an
   epoch of no steps, and the loop would spin on empty epochs), and `train.steps` fit in
@@ -40,9 +41,8 @@ from typing import Callable
 
 from data_prep.reader import shard_problem
 from data_prep.shards import MANIFEST, read_manifest
-from numloss.losses import term_spec
-
 from recipes.checks import data_checks, model_checks, run_dir_checks
+from recipes.checks.objective_checks import objective_problems, tokenizer_needs, tokenizer_problems
 from recipes.checks.engine_settings import engine_setting_problems
 from recipes.engines import engine_contract
 from recipes.reliability.checkpoints import LATEST
@@ -51,21 +51,6 @@ from recipes.training.tracking import tracking_problems
 
 class RecipeCheckError(ValueError):
     """The recipe cannot run as it stands; the message lists every error, one per line."""
-
-
-def objective_problems(recipe) -> list[str]:
-    """Terms whose vocabulary needs (their registration in numloss) the recipe's numeric policy cannot
-    meet: the digits policy for NTIL and DEL, and for DEL the ten digit tokens alone."""
-    problems = []
-    for name, term in recipe.loss.objective.terms.items():
-        needs = term_spec(name).needs(term.options)
-        where = f"loss.objective.terms.{name}: {name.upper()}"
-        if needs & {"digits", "ten_digits"} and recipe.loss.numeric_policy != "digits":
-            problems.append(f"{where} needs loss.numeric_policy digits, got {recipe.loss.numeric_policy!r}")
-        elif "ten_digits" in needs and recipe.loss.space_variants:
-            problems.append(f"{where} needs the ten digit tokens alone; loss.space_variants adds a second token"
-                            " per digit")
-    return problems
 
 
 def model_tokenizer(recipe, offline: bool = False):
@@ -216,8 +201,10 @@ def preflight(recipe, world_size: int, tokenizer=None, say: Callable[[str], None
     errors, mapped = engine_setting_problems(recipe)
     errors += start_problems(recipe, cuda)
     errors += tracking_problems(recipe)  # W&B / MLflow named but not installed: before any model is built
-    if tokenizer is None and (Path(recipe.data.train) / MANIFEST).is_file():
+    if tokenizer is None and ((Path(recipe.data.train) / MANIFEST).is_file() or tokenizer_needs(recipe)):
         tokenizer = model_tokenizer(recipe)
+    if tokenizer is not None:  # what the terms need of it (DEL: digit-level, the decimal point)
+        errors += tokenizer_problems(recipe, tokenizer)
     found = static_checks(recipe, world_size, engine_contract(recipe).parallel_dims(recipe, world_size).dp,
                           tokenizer=tokenizer_identity(tokenizer) if tokenizer is not None else None, say=say)
     errors += found.errors + shard_file_problems(recipe.data.train, recipe.data.verify)

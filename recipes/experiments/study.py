@@ -6,7 +6,8 @@
 Two setups share this code (`SETUPS`):
 - "tiny" (docs/study/): a 1M-parameter Llama (`recipes/configs/study.yaml`) trained from scratch, on
   two tokenizers trained on the fly: "digits" (every digit a token, N = 10) and "groups3" (numbers in
-  groups of up to three digits, Llama-3 style, N = 1000; NTIL needs digits and is left out there).
+  groups of up to three digits, Llama-3 style, N = 1000; a term that needs digits, NTIL or DEL, is left
+  out there: `plan` asks each term's registered needs).
 - "smollm2" (docs/study-smollm2/): SmolLM2-135M-Instruct (`recipes.experiments.backbone`, a 4-bit GGUF dequantised
   to fp32) fine-tuned with `recipes/configs/smollm2-study.yaml`, with its own tokenizer (every digit
   a token, N = 10); the backbone's zero-shot answers on the same test problems are the "before" row.
@@ -40,6 +41,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from numloss import ObjectiveConfig
+from recipes.checks.objective_checks import policy_problems
+from recipes.config import read_recipe_file
 from recipes.evaluation.evaluate import evaluate
 from recipes.evaluation.probe import plot_probe, probe_model
 from recipes.evaluation.report import plot_curves, read_metrics_jsonl
@@ -322,10 +326,16 @@ def progress_lines(records: list[dict], grid: list[str]) -> list[str]:
     return lines
 
 
-def plan(setup: Setup, seeds: int, losses: list[str], tokenizers: list[str]) -> list[tuple[str, str, int]]:
-    """The (tokenizer, loss, seed) runs of a study, seed by seed (a partial study has whole seeds)."""
+def plan(setup: Setup, seeds: int, losses: list[str], tokenizers: list[str],
+         objectives: dict = LOSSES) -> list[tuple[str, str, int]]:
+    """The (tokenizer, loss, seed) runs of a study, seed by seed (a partial study has whole seeds).
+    `objectives`: each loss's objective (a recipe's loss.objective mapping). A loss whose terms need what a
+    tokenizer's numeric policy cannot give (their registered needs: NTIL's and DEL's digits) is left out
+    for that tokenizer (`recipes.checks.objective_checks.policy_problems`)."""
+    space_variants = read_recipe_file(setup.recipe).get("loss", {}).get("space_variants", False)
+    typed = {loss: ObjectiveConfig.from_dict(objectives[loss], root="loss.objective") for loss in losses}
     return [(t, loss, s) for s in range(seeds) for t in tokenizers for loss in losses
-            if not (loss == "ntil" and setup.tokenizers[t][1] != "digits")]
+            if not policy_problems(typed[loss], setup.tokenizers[t][1], space_variants)]
 
 
 def models_by_seed(work: Path, tokenizer: str) -> dict[int, dict[str, Path]]:
