@@ -261,7 +261,7 @@ RUNS = [("zero2", 2, 2, 2, None), ("zero3", 3, 2, 2, None), ("zero2_micro4", 2, 
 
 
 def _engine_recipe(assets: dict, family: str, zero: int, micro: int, accum: int, coeff):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     recipe = H.make_recipe({"tokenizer": assets["tokenizer"], "model": assets[family]}, micro=micro, accum=accum,
                            steps=1)
@@ -276,7 +276,7 @@ def _engine_ranks(rank, world, assets, out):
 
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
     from recipes.reliability.checkpoints import CheckpointDirs
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     rows = {}
@@ -304,7 +304,7 @@ def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict
 
     from numloss import NumericVocab, Objective
     from numloss.adapters.hf import NumericCausalLM
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     recipe = _engine_recipe(assets, family, 2, micro, accum, coeff)
     model = AutoModelForCausalLM.from_pretrained(assets[family], dtype=torch.float32)
@@ -333,7 +333,7 @@ def _reference(assets: dict, family: str, micro: int, accum: int, coeff) -> dict
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("deepspeed_moe")
     tokenizer = H.digits_tokenizer(root)

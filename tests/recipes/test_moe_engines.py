@@ -33,7 +33,7 @@ def _ranks(rank, world, assets, out):
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
     from recipes.engines.megatron.engine import MegatronEngine
     from recipes.reliability.checkpoints import CheckpointDirs
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     rows = {}
@@ -57,7 +57,7 @@ def _ranks(rank, world, assets, out):
 
 @pytest.fixture(scope="module")
 def engine_rows(tmp_path_factory):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("moe_engines")
     tokenizer = H.digits_tokenizer(root)

@@ -106,7 +106,7 @@ def _load_resume_build(rank, world, assets, out):
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
     from recipes.reliability.checkpoints import CheckpointDirs
     from recipes.reliability.resume_policy import decide
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     out = Path(out)
     runtime = H.gloo_rank_runtime(rank, world)
@@ -132,7 +132,7 @@ def _load_resume_build(rank, world, assets, out):
 
 
 def test_load_resume_and_engine_build_read_the_objective_once(tmp_path):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     assets = H.make_assets(tmp_path)
     out = tmp_path / "out"

@@ -13,7 +13,7 @@ the `torch` module itself: every loaded `megatron.core.*` module gets a stand-in
 megatron-core (numloss, transformers, DeepSpeed) in the same process sees an untouched torch. Modules
 of megatron-core imported after `apply()` are covered by calling it again (`build_gpt_model` does).
 
-What it makes work on CPU/gloo (tested in tests/engine_megatron): GPTModel build/forward/backward (local
+What it makes work on CPU/gloo (tested in tests/recipes/engines/megatron): GPTModel build/forward/backward (local
 layer spec, TP/SP/PP), `get_forward_backward_func` (no pipelining, 1F1B, interleaved 1F1B), megatron's
 `DistributedDataParallel` + `finalize_model_grads`, its fp32 grad-norm and clip, and
 `dist_checkpointing` save/load. Not covered: CUDA graphs, Transformer Engine, overlapped grad reduce /

@@ -2,7 +2,7 @@
 step 1 on the DeepSpeed engine (ZeRO-2) and on the Megatron engine (TP 1) logs `term/del` equal to the
 float64 reference of DEL on a Hugging Face forward of the same weights and rows, and loss = CE + 0.01 x
 DEL; a recipe whose numeric policy cannot serve DEL is refused before any model is built. One gloo
-process (the engines' tiny Llama and digits tokenizer of tests/engine_megatron/engine_helpers.py)."""
+process (the engines' tiny Llama and digits tokenizer of tests/recipes/engines/megatron/engine_helpers.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def _ranks(rank, world, assets, out):
     import torch.distributed as dist
 
     from recipes.reliability.checkpoints import CheckpointDirs
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     rows = {}
@@ -61,7 +61,7 @@ def _reference(assets: dict) -> float:
     """DEL of step 1's global batch, from the definition (float64 loops) on the HF model's logits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     tok = AutoTokenizer.from_pretrained(assets["tokenizer"])
     model = AutoModelForCausalLM.from_pretrained(assets["model"], dtype=torch.float32)
@@ -75,7 +75,7 @@ def _reference(assets: dict) -> float:
 
 @pytest.mark.timeout(600)
 def test_del_in_a_recipe_on_both_engines(tmp_path):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     assets = H.make_assets(tmp_path)
     out = tmp_path / "out"

@@ -2,7 +2,7 @@
 megatron.core modules see the redirects), and megatron's own optimizer (Adam, fp32 grad-norm and clip,
 which assert CUDA tensors unshimmed) steps a GPTModel under megatron's DDP with full recompute.
 The multi-rank paths (TP, SP, 1F1B, interleaving, tied-embedding finalize, dist_checkpointing) are in
-test_parallel.py."""
+test_model.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import importlib.util
 import pytest
 import torch
 
-from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.recipes.engines.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 
 def _one_rank(rank, world, model_dir):

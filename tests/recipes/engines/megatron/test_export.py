@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.recipes.engines.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 
 def _perturb(chunks, tied: bool) -> None:
@@ -63,7 +63,7 @@ def _export_and_check(rank, path, model_dir, kind):
         build_model_chunks,
         initialize_model_parallel,
     )
-    from tests.engine_megatron.test_parallel import (
+    from tests.recipes.engines.megatron.test_model import (
         B,
         S,
         _batch,

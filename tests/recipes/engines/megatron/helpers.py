@@ -1,4 +1,4 @@
-"""Shared by tests/engine_megatron: tiny HF models saved to disk (fixed seeds, so every run starts from the same
+"""Shared by tests/recipes/engines/megatron: tiny HF models saved to disk (fixed seeds, so every run starts from the same
 weights), recipes that point at them, and a process spawner with a timeout."""
 
 from __future__ import annotations

@@ -55,9 +55,9 @@ import torch
 import yaml
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
-from tests.engine_megatron.test_moe import MIXTRAL, QWEN3_MOE, router_aux_reference, save_moe  # noqa: E402
+from tests.recipes.engines.megatron.test_moe import MIXTRAL, QWEN3_MOE, router_aux_reference, save_moe  # noqa: E402
 from tests.recipes.torchrun_helpers import launch, read_metrics  # noqa: E402
 
 TERMS = {"smmd": 3.0, "ntl_was": 0.3}  # weights: the logged loss is CE + Σ weight x term + router/aux

@@ -2,7 +2,7 @@
 hand-made tensors, the bit-exact round trip at TP 1 and 2 (x PP 1, 2 and 2 x VP 2) for a tied Llama and
 an untied Qwen2 with QKV bias, shapes and padding, TE names, the TransformerConfig, RoPE, refusals, and
 that a pipeline stage reads only the shards it needs and a TP rank only its slices (at a 128k vocabulary
-too, with its peak memory). Logits are checked in test_parallel.py."""
+too, with its peak memory). Logits are checked in test_model.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from recipes.engines.megatron.convert import (
     te_name,
     transformer_config_from_hf,
 )
-from tests.engine_megatron.helpers import VOCAB, save_tiny
+from tests.recipes.engines.megatron.helpers import VOCAB, save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.engine_megatron.helpers import VOCAB, run_ranks
+from tests.recipes.engines.megatron.helpers import VOCAB, run_ranks
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
@@ -142,7 +142,7 @@ def test_layouts_the_model_cannot_take_are_refused():
     from transformers import AutoConfig
 
     from recipes.engines.megatron.convert import transformer_config_from_hf
-    from tests.engine_megatron.helpers import QWEN3
+    from tests.recipes.engines.megatron.helpers import QWEN3
 
     with pytest.raises(ValueError, match="ep_size 3 does not divide the model's 4 experts"):
         transformer_config_from_hf(_config("mixtral"), ep_size=3)
@@ -313,7 +313,7 @@ def _against_hf(rank, world, paths, out):
     from megatron.core import parallel_state
 
     from recipes.engines.megatron.export import export_hf
-    from tests.engine_megatron.test_parallel import _batch, _check_logits, _gather_vocab, _hf
+    from tests.recipes.engines.megatron.test_model import _batch, _check_logits, _gather_vocab, _hf
 
     ids, _ = _batch()
     for name, path in paths.items():
@@ -356,7 +356,7 @@ def test_logits_loss_router_aux_and_gradients_equal_hf(spawned):
 def test_the_ep2_export_loads_in_transformers_with_the_megatron_logits(spawned, name):
     from transformers import AutoModelForCausalLM
 
-    from tests.engine_megatron.test_parallel import _batch
+    from tests.recipes.engines.megatron.test_model import _batch
 
     model = AutoModelForCausalLM.from_pretrained(spawned / name, dtype=torch.float32).eval()
     assert model.config.model_type == FAMILIES[name][0]

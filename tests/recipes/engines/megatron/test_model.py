@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.recipes.engines.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 B, S = 4, 24  # B micro-batches of one sequence each in the pipeline schedules
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -199,7 +199,7 @@ def _random_init_bf16(rank):
     from megatron.core import parallel_state
 
     from recipes.config import ModelConfig
-    from tests.engine_megatron.helpers import LLAMA
+    from tests.recipes.engines.megatron.helpers import LLAMA
 
     recipe = recipe_for("unused", tp=2)
     recipe.model = ModelConfig(config={"model_type": "llama", **LLAMA}, tokenizer="unused", dtype="bfloat16")

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.engine_megatron import engine_helpers as H
+from tests.recipes.engines.megatron import engine_helpers as H
 
 REPO = Path(__file__).resolve().parents[2]
 

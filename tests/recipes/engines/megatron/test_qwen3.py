@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_megatron.helpers import QWEN3, VOCAB, recipe_for, run_ranks, save_tiny
+from tests.recipes.engines.megatron.helpers import QWEN3, VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 TIED = {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
 
@@ -200,7 +200,7 @@ def test_a_tp_that_does_not_divide_the_kv_heads_is_refused(tmp_path):
 def _against_hf(rank, world, untied, tied):
     from megatron.core import parallel_state
 
-    from tests.engine_megatron.test_parallel import _batch, _check_logits, _hf, _train_step
+    from tests.recipes.engines.megatron.test_model import _batch, _check_logits, _hf, _train_step
 
     ids, _ = _batch()
     for name, path in (("untied", untied), ("tied", tied)):
@@ -229,8 +229,8 @@ def _engines(rank, world, assets, out):
     from recipes.engines.deepspeed.engine import DeepSpeedEngine
     from recipes.engines.megatron.engine import MegatronEngine
     from recipes.reliability.checkpoints import CheckpointDirs
-    from tests.engine_megatron import engine_helpers as H
-    from tests.engine_megatron.test_parallel import _batch, _gather_vocab
+    from tests.recipes.engines.megatron import engine_helpers as H
+    from tests.recipes.engines.megatron.test_model import _batch, _gather_vocab
 
     runtime, out = H.gloo_rank_runtime(rank, world), Path(out)
     recipe = H.make_recipe(assets, micro=2, accum=2, steps=1)
@@ -261,7 +261,7 @@ def _engines(rank, world, assets, out):
 
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
-    from tests.engine_megatron import engine_helpers as H
+    from tests.recipes.engines.megatron import engine_helpers as H
 
     root = tmp_path_factory.mktemp("qwen3_engines")
     tokenizer = H.digits_tokenizer(root)
@@ -288,7 +288,7 @@ def test_step_one_equals_the_deepspeed_engine_at_every_layout(engine_runs):
 def test_the_export_loads_in_transformers_with_the_megatron_logits(engine_runs):
     from transformers import AutoModelForCausalLM
 
-    from tests.engine_megatron.test_parallel import _batch
+    from tests.recipes.engines.megatron.test_model import _batch
 
     out, _ = engine_runs
     model = AutoModelForCausalLM.from_pretrained(out / "export", dtype=torch.float32).eval()

@@ -25,10 +25,10 @@ from recipes.engines.megatron.kernels import (
     TE_SPEC,
     plan_kernels,
 )
-from tests.engine_megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
+from tests.recipes.engines.megatron.helpers import VOCAB, recipe_for, run_ranks, save_tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/engine_megatron needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 ON_GPU = ("gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion", "apply_rope_fusion")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_megatron import engine_helpers as H
+from tests.recipes.engines.megatron import engine_helpers as H
 from tests.distributed import run_ranks
 
 TWO_RANK_RUNS = ("tp2", "pp2", "dp2", "tp2_sp_thd", "pp2_thd")
@@ -117,7 +117,7 @@ def _engine_for(recipe, rank: int, world: int, thd: bool = False):
     from recipes.engines.megatron.engine import MegatronEngine
     from recipes.engines.megatron.kernels import plan_kernels
     from recipes.training.runtime import Runtime
-    from tests.engine_megatron.thd_attention import PerSequenceAttention
+    from tests.recipes.engines.megatron.thd_attention import PerSequenceAttention
 
     kernels = None
     if thd:
