@@ -62,6 +62,7 @@ from .reliability.export_writer import export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.held_out import HeldOut
+from .reliability.launcher_watch import watch_launcher
 from .reliability.health import NonFiniteTraining, ZeroGradWatch, any_rank, weights_finite
 from .training.parallel import reduce_sum
 from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_signals
@@ -120,6 +121,8 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     preemption = PreemptionWatch(recipe.train.out_dir, runtime.rank, recipe.train.preempt_window_s)
     watchdog = start_watchdog(recipe.train.watchdog_s, runtime.rank, runtime.world_size,
                               Path(recipe.train.out_dir) / "checkpoints", EXIT_STALLED, before_exit=lock.release)
+    # torchrun's agent gone (it hosts the store): stop at the next step, saved (recipes.reliability.launcher_watch)
+    launcher = watch_launcher(lambda reason: (preemption.ask(reason), watchdog.abandon()), runtime.rank)
     try:
         # ---- reliability: static checks before anything is built or written (recipes.checks.preflight),
         # then one run per out_dir (recipes.reliability.run_lock) ----
@@ -147,6 +150,8 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption, plan)
     finally:
+        if launcher is not None:
+            launcher.close()
         watchdog.close()
         lock.release()
         teardown(engine)

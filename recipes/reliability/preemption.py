@@ -153,6 +153,11 @@ class PreemptionWatch:
               f"without saving (checkpoints/latest names the last complete checkpoint)", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def ask(self, reason: str) -> None:
+        """A stop request from this process itself (`recipes.reliability.launcher_watch`: the launcher is
+        gone): the same outcome as a signal, but, like the file, it starts no window."""
+        self.reason = self.reason or reason
+
     def clear_stale_file(self) -> None:
         """Rank 0 at start, holding the run lock: a PREEMPT file left by an earlier allocation is not for this run."""
         if self.is_main and self.file.exists():

@@ -195,6 +195,7 @@ class Watchdog:
         self.host, self.pid, self.process_start = socket.gethostname(), os.getpid(), process_start(os.getpid())
         self._phase, self._step, self._moves, self._beats = "start", 0, 0, 0
         self._stop = threading.Event()
+        self._abandoned = False
         self._thread: threading.Thread | None = None
         if watchdog_s <= 0 or world_size <= 1 or store is None:
             return
@@ -208,6 +209,12 @@ class Watchdog:
     def phase(self, phase: str, step: int) -> None:
         self._phase, self._step, self._moves = phase, step, self._moves + 1
 
+    def abandon(self) -> None:
+        """The store is gone with the launcher that hosted it (`recipes.reliability.launcher_watch`): stop
+        calling it, and do not wait for a call in flight at `close` (each would wait STORE_TIMEOUT_S)."""
+        self._abandoned = True
+        self._stop.set()
+
     def close(self) -> None:
         """Stop watching; the thread's last beat says this rank has left (monitors stop judging it)."""
         global _active
@@ -215,7 +222,7 @@ class Watchdog:
             _active = None
         if self._thread is not None:
             self._stop.set()
-            self._thread.join(timeout=self.period + STORE_TIMEOUT_S)
+            self._thread.join(timeout=0 if self._abandoned else self.period + STORE_TIMEOUT_S)
             self._thread = None
 
     # ---- the thread ------------------------------------------------------------------------------
@@ -235,6 +242,8 @@ class Watchdog:
         reported: str | None = None
         while True:
             try:
+                if self._abandoned:
+                    return
                 if self._stop.is_set():
                     self.store.set(self._key(self.rank), json.dumps(asdict(self._beat(closed=True))))
                     return
@@ -250,10 +259,12 @@ class Watchdog:
                 if verdict is not None:
                     self._act(verdict, mine)
             except (RuntimeError, OSError, ValueError) as err:  # the store: say so once, try again next period
-                if str(err) != reported:
-                    reported = str(err)
+                # torch's store errors carry their C++ stack after the first line: one line says what failed
+                said = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                if said != reported and not self._abandoned:
+                    reported = said
                     print(f"[numloss] rank {self.rank}: watchdog: the store did not answer ({type(err).__name__}: "
-                          f"{err}); trying again every {self.period:g} s", file=sys.stderr, flush=True)
+                          f"{said}); trying again every {self.period:g} s", file=sys.stderr, flush=True)
             self._stop.wait(self.period)
 
     def _verdict(self) -> Stall | None:
