@@ -253,7 +253,7 @@ def test_a_tp8_rank_of_a_128k_vocabulary_never_holds_the_whole_embedding(tmp_pat
               str(tmp_path / "model.safetensors"))
     matrix = vocab * hidden * 2
     done = subprocess.run([sys.executable, "-c", REAL_SIZE, str(tmp_path)], capture_output=True, text=True, check=False,
-                          timeout=300, cwd=str(Path(__file__).resolve().parents[2]))
+                          timeout=300, cwd=str(Path(__file__).resolve().parents[4]))
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     padded = padded_vocab_size(vocab, 8)

@@ -27,7 +27,7 @@ import torch
 from tests.distributed import run_ranks
 from tests.recipes.engines.megatron import engine_helpers as H
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 
 
 class _Position:

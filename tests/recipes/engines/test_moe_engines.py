@@ -1,7 +1,7 @@
 """The two engines on mixture-of-experts models: the same recipe's step 1 logs the same loss, CE, terms,
 router/aux and gradient norm (1e-5 relative) on the DeepSpeed engine (ZeRO-2, DP 2: the HF model, every
 expert on each rank) and on the Megatron engine at DP 2, at TP 1 / EP 2 (each rank holds half of the
-experts) and at TP 2 with sequence parallelism (each rank routes half of the tokens), for the tiny Qwen3-MoE and Mixtral of `test_deepspeed_moe` (router_aux_loss_coef 0.3, rows with
+experts) and at TP 2 with sequence parallelism (each rank routes half of the tokens), for the tiny Qwen3-MoE and Mixtral of `deepspeed/test_moe.py` (router_aux_loss_coef 0.3, rows with
 right padding, which router/aux leaves out on both engines). Two gloo processes.
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes.test_deepspeed_moe import FAMILIES, tiny
+from tests.recipes.engines.deepspeed.test_moe import FAMILIES, tiny
 
 if importlib.util.find_spec("megatron.core") is None:
-    raise ImportError("tests/recipes/test_moe_engines.py needs megatron-core (pip install -e '.[megatron]')")
+    raise ImportError("tests/recipes/engines/test_moe_engines.py needs megatron-core (pip install -e '.[megatron]')")
 
 # (name, engine, layout): every layout's micro-batches are the same pairs of rows (DP 2 x accumulation 2, or
 # DP 1 x accumulation 4), so router/aux, the mean of the micro-batches' values, is the same number

@@ -9,6 +9,9 @@ Before the fix DeepSpeed received the NumericCausalLM wrapper, which has no `con
 `loss_function`: DeepSpeed 0.19.8 refuses a vocab-parallel head on it ("requires a writable
 loss_function hook"); given the config, it would still split `model.lm_head` by KV heads (it knows the
 head by the name `lm_head`) and leave rank 1 without vocabulary.
+
+And the attention implementation a built model reports, in the log (a real fall-back from
+flash_attention_2 on a GPU without flash-attn is not reachable on CPU: the log line is what is checked).
 """
 
 from __future__ import annotations
@@ -151,3 +154,19 @@ def test_zero3_with_fewer_kv_heads_than_tp_is_refused_before_launch(tmp_path):
     with pytest.raises(ValueError, match="use deepspeed.zero_stage 2"):
         training_module(Stub(), _objective(), _recipe(tmp_path, 3, tp=2))
 
+
+def test_the_attention_actually_used_is_logged(capsys):
+    from recipes.config import recipe_from_dict
+    from recipes.engines.deepspeed.model import build_model, log_attention
+    from recipes.experiments.tiny import tiny_llama_config
+
+    base = {"model": {"config": tiny_llama_config(64, hidden=16, layers=1, heads=2, kv_heads=1), "tokenizer": "t",
+                      "dtype": "float32"}, "data": {"train": "d"}, "deepspeed": {"zero_stage": 0}}
+    recipe = recipe_from_dict(base, ["model.attn_implementation=eager"])
+    config = {"zero_optimization": {"stage": 0}}
+    model, _ = build_model(recipe, config, torch.device("cpu"))
+    assert capsys.readouterr().out.strip() == "[numloss] attention implementation: eager"
+    model, _ = build_model(recipe_from_dict(base), config, torch.device("cpu"))  # default on CPU: sdpa
+    assert capsys.readouterr().out.strip() == "[numloss] attention implementation: sdpa"
+    assert log_attention(model, "flash_attention_2") == "sdpa"
+    assert "(asked for flash_attention_2: WARNING, transformers fell back)" in capsys.readouterr().out

@@ -96,7 +96,7 @@ def test_zero3_lora_trains_the_adapter_only_and_exports_adapter_and_merged_model
     _check_merged_export(root, zero3_run)
     assert json.loads((zero3_run / "final" / "adapter" / "adapter_config.json").read_text())["r"] == R
     # every file of final/ (merged weights, config, tokenizer, adapter) has the default mode; safetensors
-    # alone would leave the weights 0600 (tests/recipes/training/test_export_modes.py)
+    # alone would leave the weights 0600 (tests/recipes/reliability/test_export_writer.py)
     from recipes.training.file_modes import default_file_mode
 
     modes = {p.relative_to(zero3_run): p.stat().st_mode & 0o777 for p in (zero3_run / "final").rglob("*") if p.is_file()}
@@ -157,7 +157,7 @@ def test_validate_counts_lora_memory_for_70b_on_one_node():
 
     from recipes.validation import validate as V
 
-    r70 = Path(__file__).resolve().parents[3] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
+    r70 = Path(__file__).resolve().parents[4] / "recipes" / "configs" / "scale" / "llama3-70b-4x8.yaml"
     one_node = ["cluster.nodes=1", "train.micro_batch_size=1", "train.grad_accum=8"]
     full = V.validate_recipe(r70, one_node, offline=True, seq_len=1024)
     lora = V.validate_recipe(r70, [*one_node, "model.lora={r: 16}"], offline=True, seq_len=1024)

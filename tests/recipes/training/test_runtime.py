@@ -1,0 +1,83 @@
+"""recipes.training.runtime: the process set-up and teardown.
+
+- train.dist_timeout_minutes reaches the process group recipes.train creates and Ray's TorchConfig.
+  The 10-minute default of torch would end a 70B job in its checkpoint save or export (every other rank
+  waits in a collective while shards are written). Not simulated: a real 141 GB export; the test reads
+  the timeout the group was created with.
+- setup_distributed silences torch's per-call deprecation warnings for the collectives DeepSpeed's ZeRO
+  uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.config import recipe_from_dict
+
+REPO = Path(__file__).resolve().parents[3]
+BASE = {"model": {"config": {"model_type": "llama"}, "tokenizer": "t"}, "data": {"train": "d"}}
+
+
+def test_the_process_group_gets_the_recipes_timeout():
+    code = ("import torch, torch.distributed as dist; from recipes.training.runtime import setup_distributed, teardown; "
+            "setup_distributed(timeout_minutes=61.5); "
+            "b = dist.distributed_c10d._get_default_group()._get_backend(torch.device('cpu')); "
+            "print('TIMEOUT', b.options._timeout.total_seconds()); teardown()")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TIMEOUT 3690.0" in out.stdout, out.stdout
+
+
+def test_default_is_60_minutes_and_ray_gets_it():
+    pytest.importorskip("ray")
+    from launch.ray import torch_config
+
+    recipe = recipe_from_dict(BASE)
+    assert recipe.train.dist_timeout_minutes == 60.0
+    assert torch_config(recipe).timeout_s == 3600
+    assert torch_config(recipe_from_dict(BASE, ["train.dist_timeout_minutes=90"])).timeout_s == 5400
+    with pytest.raises(ValueError, match="train.dist_timeout_minutes"):
+        recipe_from_dict(BASE, ["train.dist_timeout_minutes=0"])
+
+
+SCRIPT = """
+import sys, warnings, torch, torch.distributed as dist
+from recipes.training.runtime import free_port, setup_distributed, teardown
+if sys.argv[1] == "quiet":
+    setup_distributed()
+else:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+x, out = torch.ones(4), torch.empty(4)
+for _ in range(3):
+    with warnings.catch_warnings():  # as code elsewhere in a training step does: resets "shown once"
+        pass
+    dist.all_gather_into_tensor(out, x)
+    dist.reduce_scatter_tensor(out, x)
+warnings.warn("another FutureWarning", FutureWarning)
+teardown()
+"""
+
+
+def _stderr(mode: str) -> str:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stderr
+
+
+def test_zero_collectives_deprecations_are_silenced_and_other_warnings_are_not():
+    loud = _stderr("loud")
+    assert loud.count("is deprecated") >= 6  # without the filter: every call warns
+    quiet = _stderr("quiet")
+    assert "is deprecated" not in quiet and "another FutureWarning" in quiet
