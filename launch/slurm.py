@@ -53,6 +53,7 @@ from pathlib import Path
 from string import Template
 
 from recipes.config import load_recipe
+from recipes.planning.save_time import torchrun_shutdown_timeout_s
 from recipes.plugins import import_roots
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -132,8 +133,9 @@ def render(recipe_path: str | Path, mode: str, overrides: list[str] | tuple = ()
     env = [f"export NCCL_DEBUG={q(_check(c.nccl_debug, _WORD, 'cluster.nccl_debug'))}",
            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
            # torchrun passes a SIGTERM on to the ranks, then kills them after this many seconds (30 by
-           # default): long enough for them to save a checkpoint first
-           f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(notice, 300)}"]
+           # default): long enough for them to finish the step and save a checkpoint first (what a save of
+           # a given size needs, and validate's warning when it does not fit: recipes.planning.save_time)
+           f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={torchrun_shutdown_timeout_s(notice)}"]
     if c.nccl_socket_ifname:
         env.append(f"export NCCL_SOCKET_IFNAME={q(_check(c.nccl_socket_ifname, _IFNAME, 'cluster.nccl_socket_ifname'))}")
     if c.hf_home:

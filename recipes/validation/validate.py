@@ -68,8 +68,10 @@ from recipes.planning.backbones import KNOWN_BACKBONES, count_parameters, resolv
 from recipes.planning.device_memory import device_memory
 from recipes.planning.lora import adapter_parameters
 from recipes.planning.moe import imbalance_problem
+from recipes.planning.save_time import shutdown_warnings
 from recipes.planning.step_model import hardware as recipe_hardware, row_tokens
 from recipes.validation import deepspeed_report, megatron_report
+from recipes.validation.deepspeed_report import STORAGE_GBPS
 from recipes.validation.recommend import recommend as recommend_layout
 from recipes.validation.report import Report, params_text
 
@@ -195,8 +197,11 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
         if total is not None and m.lora is not None:  # a frozen base and a trainable adapter
             adapter = _report_lora(rep, cfg, m, total)
         if total is not None and cl.gpus_per_node > 0:
-            report.add_plan(rep, recipe, cfg, total, largest, hw=hw, rows=rows, adapter=adapter,
-                            moe_imbalance=moe_imbalance)
+            plan = report.add_plan(rep, recipe, cfg, total, largest, hw=hw, rows=rows, adapter=adapter,
+                                   moe_imbalance=moe_imbalance)
+            if plan is not None:  # a stop request's save against the shutdown time the cluster gives it
+                rep.warnings += shutdown_warnings(plan.checkpoint_bytes, plan.step_s, STORAGE_GBPS,
+                                                  cl.preempt_notice_s)
         if total is not None and cl.gpus_per_node > 0 and adapter is None and recommend and not rep.errors:
             dp = contract.parallel_dims(recipe, cl.nodes * cl.gpus_per_node).dp
             batch = tr.global_batch_size or tr.micro_batch_size * tr.grad_accum * dp
