@@ -224,7 +224,12 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
 
     # 6: the static checks recipes.train runs before its model (recipes.checks.preflight): objective,
     # model config, data and its statistics, run directory; the layout's world is section 5's
-    tokenizer = _tokenizer_identity(recipe, offline, rep) if _manifest(recipe.data.train) else None
+    # the tokenizer: compared with the data's, and asked for what the terms need of it (DEL's decimal point)
+    has_manifest = _manifest(recipe.data.train) is not None
+    loaded = _model_tokenizer(recipe, offline, rep) if has_manifest or checks.tokenizer_needs(recipe) else None
+    if loaded is not None:
+        rep.errors.extend(checks.tokenizer_problems(recipe, loaded))
+    tokenizer = checks.tokenizer_identity(loaded) if loaded is not None and has_manifest else None
     found = checks.static_checks(recipe, None, dp, tokenizer=tokenizer, config=cfg, offline=offline,
                                  missing_data_is_error=False, check_model=not (size and cfg is None))
     rep.errors.extend(found.errors)
@@ -281,13 +286,14 @@ def _report_lora(rep, cfg, model, total: int) -> int:
     return adapter
 
 
-def _tokenizer_identity(recipe, offline: bool, rep: Report) -> dict | None:
-    """The model tokenizer's fingerprint and size, when it can be loaded here (else a warning)."""
+def _model_tokenizer(recipe, offline: bool, rep: Report):
+    """The model's tokenizer, when it can be loaded here (else a warning: recipes.train checks it before training)."""
     try:
-        return checks.tokenizer_identity(checks.model_tokenizer(recipe, offline=offline))
+        return checks.model_tokenizer(recipe, offline=offline)
     except Exception as err:  # noqa: BLE001  (not cached offline, no fast version, ...)
-        rep.warnings.append(f"model.tokenizer: not loadable here ({type(err).__name__}), so the data's tokenizer "
-                            f"fingerprint was not compared with it (recipes.train compares it before training)")
+        rep.warnings.append(f"model.tokenizer: not loadable here ({type(err).__name__}), so neither the data's "
+                            f"tokenizer fingerprint nor what the objective's terms need of the tokenizer was checked "
+                            f"(recipes.train checks both before training)")
         return None
 
 

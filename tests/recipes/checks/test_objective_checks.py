@@ -115,3 +115,27 @@ def test_train_refuses_del_on_a_tokenizer_that_is_not_digit_level_before_anythin
     assert "cannot run (1 error):\n  loss.objective.terms.del: DEL needs a tokenizer that writes each digit" \
         in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()  # preflight runs before the run directory and the engine
+
+
+def test_validate_reports_what_the_terms_need_of_the_tokenizer(tokenizers, tmp_path):
+    """recipes.validate loads the model's tokenizer when a term needs something of it, data built or not,
+    and reports the same refusal recipes.train makes (exit 1: an error, not a layout)."""
+    from recipes.experiments.tiny import tiny_llama_config
+
+    root, tok = tokenizers
+    for name, terms, expected in (("groups3", {"del": {}}, "loss.objective.terms.del: DEL needs a tokenizer that"
+                                   " writes each digit"), ("digits", {"del": {}}, None)):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(yaml.safe_dump({
+            "model": {"config": tiny_llama_config(len(tok[name])), "tokenizer": str(root / name), "dtype": "float32"},
+            "data": {"train": str(tmp_path / "no-data")}, "loss": {"objective": {"terms": terms}},
+            "train": {"steps": 1, "micro_batch_size": 2, "out_dir": str(tmp_path / "out"), "progress": False}}))
+        proc = subprocess.run([sys.executable, "-m", "recipes.validate", str(recipe)], cwd=REPO,
+                              env={**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"},
+                              capture_output=True, text=True, timeout=300)
+        if expected is None:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert "DEL needs" not in proc.stdout + proc.stderr
+        else:
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert expected in proc.stdout + proc.stderr, proc.stdout + proc.stderr
