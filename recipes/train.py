@@ -11,7 +11,8 @@ gradient norms on 1 rank or 8, with or without accumulation, tensor parallelism 
 The run lives in `train.out_dir`: `recipe.yaml` (the resolved recipe in effect), `recipe_history.jsonl`
 (every recipe the run trained with, from which step), `metrics.jsonl` (one line per optimizer step),
 `tb/` (TensorBoard), `checkpoints/` (the engine's checkpoints + `latest`), `final/` (a Hugging Face
-safetensors model, sharded, with its index, and its tokenizer or processor).
+safetensors model, sharded, with its index, its tokenizer or processor, and `numloss_export.json`, the
+step and checkpoint it holds: `recipes.reliability.export_writer`).
 
 Batches become model inputs in `recipes.inputs.batches`: packed shards get block-diagonal attention and
 per-example positions. Vision-language recipes (`model.vision: true`) load AutoModelForImageTextToText
@@ -29,7 +30,8 @@ depends on is refused before any model is built).
 Reliability (docs/reliability.md): before anything is built the recipe and its data are checked
 (`recipes.checks.preflight`) and `train.out_dir` is locked for this run (`recipes.reliability.run_lock`);
 a NaN/inf step stops the run without saving (`recipes.reliability.health`); SIGTERM/SIGUSR1 save the
-current step and stop (`recipes.reliability.preemption`); checkpoints are checksummed and verified at
+current step and stop (`recipes.reliability.preemption`), as does the loss of torchrun's agent
+(`recipes.reliability.launcher_watch`); checkpoints are checksummed and verified at
 resume (`recipes.reliability.checkpoints`); a save that fails on any rank fails on all of them together
 (`recipes.reliability.checkpoint_writes`); a rank that stops answering is named and the job ends
 (`recipes.reliability.watchdog`). Exit status: 0 done, 2 refused, 3 non-finite, 4 a rank stalled, 74 a

@@ -5,7 +5,7 @@ global batch. The shared training loop drives it (the DeepSpeed engine has the s
     engine = MegatronEngine(recipe, runtime)   # collective: every rank of the world
     reader shards rows by engine.dp.rank / engine.dp.size
     row = engine.train_step(window)             # this rank's share of the logged values + grad_norm
-    engine.lr(); engine.save_state(d); engine.load_state(d); engine.export(path, tokenizer); engine.close()
+    engine.lr(); engine.save_state(d); engine.load_state(d); engine.export(path, record); engine.close()
 
 Ranks are ordered TP fastest, then DP, then PP (`MegatronSection`); the TP and PP ranks of one
 data-parallel replica read the same rows. Devices: CUDA uses megatron-core's optimizer (DistributedOptimizer
