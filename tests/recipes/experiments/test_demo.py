@@ -1,7 +1,7 @@
 """`make demo` (recipes/experiments/demo.py) at a tiny size: disjoint data, the 2-rank DeepSpeed runs, the table
 and the plots. The tiny random-weight path (`--tiny`) is what runs here; the SmolLM2 path is the same
 code with the backbone directory in place of the tiny model and tokenizer (tests stay offline and small;
-tests/recipes/test_backbone.py covers the conversion)."""
+tests/recipes/experiments/test_backbone.py covers the conversion)."""
 
 from __future__ import annotations
 
