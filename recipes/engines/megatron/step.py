@@ -31,7 +31,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from numloss import Objective
+from numloss import LossCounts, Objective
 from numloss.adapters.megatron import numeric_loss_func
 from numloss.diagnostics import sum_keys
 from recipes.config import Recipe
@@ -259,24 +259,12 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
     joins the step (see the module docstring); "router/aux" is this rank's share of the step's value
     (a SUM over data parallel gives it) and is included in "loss"."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     config = model_chunks[0].config
     if not config.calculate_per_token_loss or parallel_state.get_context_parallel_world_size() != 1:
         raise ValueError("the numloss step needs calculate_per_token_loss=True and no context parallelism")
-    ignore = objective.config.ignore_index
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    batches = prepare_window(window, pad_multiple=math.lcm(pad_multiple, tp if sequence_parallel else 1),
-                             ignore_index=ignore,
-                             packing=packing, one_length=len(model_chunks) > 1)
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        batches = _same_lengths_over_ep(window, batches, math.lcm(pad_multiple, tp if sequence_parallel else 1),
-                                        ignore, packing)
-    for m in batches:
-        check_attention(m, te, packing)
-    dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                      parallel_state.get_data_parallel_group())
-    counts = step_counts(objective.counts, batches, dp)  # the step's global counts, as the DeepSpeed engine
+    batches, dp, counts = _prepare_window(model_chunks, objective, window, sequence_parallel=sequence_parallel,
+                                          packing=packing, te=te, pad_multiple=pad_multiple)
     if aux is not None:  # finalize_model_grads divides by the step's label count: what the loss_func returns
         aux.begin_step(len(batches), dp.size, float(counts.denominator(objective.denominator_keys()["ce"])))
     moe = {} if aux is None else {"padding_mask": None}
@@ -291,18 +279,8 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
                                sequence_ids=m.get("sequence_ids"), group="megatron", real_vocab_size=real_vocab_size,
                                diagnostics=diagnostics)
 
-    shapes = {tuple(m["input_ids"].shape) for m in batches}
-    if len({b for b, _ in shapes}) > 1:
-        raise ValueError("every micro-batch of a step must have the same number of rows")
-    b, s = batches[0]["input_ids"].shape[0], max(length for _, length in shapes)
-    for chunk in model_chunks:  # read by the schedule's p2p: exchange shapes only when they differ
-        chunk.config.variable_seq_lengths = len(shapes) > 1
-    # Interleaved 1F1B: one iterator per model chunk, each walking the whole window.
-    iterators = [iter(batches) for _ in model_chunks]
     started = time.perf_counter()
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=False)
+    reports = _run_schedule(model_chunks, batches, forward_step, forward_only=False)
     _synchronize()
     schedule_done = time.perf_counter()
     grad_norm = optimizer.step()
@@ -341,17 +319,10 @@ def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, s
     of the vocabulary-parallel logits (padded columns left out) at each label position. The last pipeline
     stage computes both and sends them over the pipeline group, so every rank returns the same."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     ignore = objective.config.ignore_index
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    batches = prepare_window(window, pad_multiple=math.lcm(pad_multiple, tp if sequence_parallel else 1),
-                             ignore_index=ignore, packing=packing, one_length=len(model_chunks) > 1)
-    for m in batches:
-        check_attention(m, te, packing)
-    dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                      parallel_state.get_data_parallel_group())
-    counts = step_counts(objective.counts, batches, dp)
+    batches, _, counts = _prepare_window(model_chunks, objective, window, sequence_parallel=sequence_parallel,
+                                         packing=packing, te=te, pad_multiple=pad_multiple)
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_and_answers(labels, sequence_ids, logits):
@@ -366,14 +337,7 @@ def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, s
                        packed_seq_params=m.get("packed_seq_params"))
         return output, partial(loss_and_answers, m["labels"], m.get("sequence_ids"))
 
-    shapes = {tuple(m["input_ids"].shape) for m in batches}
-    b, s = batches[0]["input_ids"].shape[0], max(length for _, length in shapes)
-    for chunk in model_chunks:
-        chunk.config.variable_seq_lengths = len(shapes) > 1
-    iterators = [iter(batches) for _ in model_chunks]
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=True)
+    reports = _run_schedule(model_chunks, batches, forward_step, forward_only=True)
     keys = log_keys(objective)
     payload = [None]
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -383,6 +347,48 @@ def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, s
         dist.broadcast_object_list(payload, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
     return payload[0]
+
+
+def _prepare_window(model_chunks: list, objective: Objective, window: list[dict], *, sequence_parallel: bool,
+                    packing: str, te: bool, pad_multiple: int) -> tuple[list[dict], DataParallel, LossCounts]:
+    """This replica's `window` as the schedule takes it, the same for a training and an evaluation forward:
+    each micro-batch in the model's `packing` at its own length (one length under interleaving), padded to
+    a multiple of `pad_multiple` and of TP under sequence parallelism, and to the EP group's longest
+    micro-batch under expert parallelism (`_same_lengths_over_ep`); its attention checked against the
+    layer spec (`te`). Returns the micro-batches, the data-parallel group and the window's global counts
+    (`step_counts`: one SUM all-reduce over it, as the DeepSpeed engine counts a step)."""
+    from megatron.core import parallel_state
+
+    ignore = objective.config.ignore_index
+    multiple = math.lcm(pad_multiple, parallel_state.get_tensor_model_parallel_world_size() if sequence_parallel else 1)
+    batches = prepare_window(window, pad_multiple=multiple, ignore_index=ignore, packing=packing,
+                             one_length=len(model_chunks) > 1)
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        batches = _same_lengths_over_ep(window, batches, multiple, ignore, packing)
+    for m in batches:
+        check_attention(m, te, packing)
+    dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                      parallel_state.get_data_parallel_group())
+    return batches, dp, step_counts(objective.counts, batches, dp)
+
+
+def _run_schedule(model_chunks: list, batches: list[dict], forward_step, forward_only: bool) -> list:
+    """megatron's pipeline schedule over the prepared `batches` (`forward_only`: no backward); returns the
+    loss function's reports, one per micro-batch, on the last pipeline stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    shapes = {tuple(m["input_ids"].shape) for m in batches}
+    if len({b for b, _ in shapes}) > 1:
+        raise ValueError("every micro-batch of a step must have the same number of rows")
+    b, s = batches[0]["input_ids"].shape[0], max(length for _, length in shapes)
+    for chunk in model_chunks:  # read by the schedule's p2p: exchange shapes only when they differ
+        chunk.config.variable_seq_lengths = len(shapes) > 1
+    # Interleaved 1F1B: one iterator per model chunk, each walking the whole window.
+    iterators = [iter(batches) for _ in model_chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=model_chunks, num_microbatches=len(batches), seq_length=s, micro_batch_size=b,
+        forward_only=forward_only)
 
 
 def _same_lengths_over_ep(window: list[dict], batches: list[dict], pad_multiple: int, ignore_index: int,
