@@ -334,11 +334,6 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
         raise ResumeRefused(f"cannot resume {where} (step {step}) with this recipe: a resume cannot change what "
                             f"the checkpoint means:\n" + "\n".join(lines)
                             + "\nResume with the old values, or start a new run in another train.out_dir")
-    if data_parallel is not None:
-        saved_dp = (saved_layout or {}).get("data_parallel")
-        problem = global_batch_problem(recipe, saved, saved_dp, data_parallel, f"{where} (step {step})")
-        if problem:
-            raise ResumeRefused(problem)
     done = step >= recipe.train.steps
     training = [c for c in changes if c.kind == TRAINING and c.key != "train.steps"]
     exported = not recipe.train.export or export_holds(out, tag)
@@ -359,6 +354,11 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
                         + "; nothing to do (raise train.steps to train further)"
                         + (f". Ignored: {'; '.join(c.describe() for c in changes)}" if changes else ""))
         return plan
+    if data_parallel is not None:  # a start that loads the checkpoint: the reader takes the same global batch only
+        saved_dp = (saved_layout or {}).get("data_parallel")
+        problem = global_batch_problem(recipe, saved, saved_dp, data_parallel, f"{where} (step {step})")
+        if problem:
+            raise ResumeRefused(problem)
     plan.changes = changes
     if changes:
         plan.lr_first_step = (Schedule.of_dict(saved).lr_of_step(step + 1), Schedule.of(recipe).lr_of_step(step + 1))

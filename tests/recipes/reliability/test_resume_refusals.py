@@ -108,3 +108,23 @@ def test_the_stage_deepspeed_runs_is_what_a_resume_compares():
     moved = {"deepspeed": {"zero_stage": 2, "overrides": {}}}  # the same stage 2, written in the section
     assert recipe_changes(_zero_stage_resolved({"deepspeed": {"zero_stage": 3, "overrides": {
         "zero_optimization": {"stage": 2}}}}), _zero_stage_resolved(moved)) == []
+
+
+def test_the_global_batch_is_compared_across_layouts_and_splits():
+    from types import SimpleNamespace
+
+    from recipes.reliability.resume_policy import global_batch_problem
+
+    saved = {"train": {"micro_batch_size": 2, "grad_accum": 2}}  # on 2 data-parallel ranks: 8 rows
+
+    def recipe(micro, accum):
+        return SimpleNamespace(train=SimpleNamespace(micro_batch_size=micro, grad_accum=accum))
+
+    assert global_batch_problem(recipe(1, 4), saved, 2, 2, "ckpt") is None  # another split of the same 8
+    assert global_batch_problem(recipe(2, 1), saved, 2, 4, "ckpt") is None  # 4 ranks x 2: the same 8
+    assert global_batch_problem(recipe(2, 2), saved, None, 4, "ckpt") is None  # the layout not recorded
+    problem = global_batch_problem(recipe(2, 2), saved, 2, 4, "ckpt")  # 16 rows
+    assert "= 16 rows, the checkpoint trained with 2 x 2 x 2 = 8" in problem
+    assert "e.g. train.micro_batch_size=2 train.grad_accum=1 on these 4 data-parallel ranks" in problem
+    assert "no split reaches 8 rows on 3 data-parallel ranks: resume on 2" in global_batch_problem(
+        recipe(1, 1), saved, 2, 3, "ckpt")
