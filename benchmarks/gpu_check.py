@@ -11,7 +11,7 @@
    missing is skipped with the reason (gpu_check_requirements.py), so a bare image measures what it can.
    Then DeepSpeed's FusedAdam JIT build starts in the background (gpu_check_runs.Prebuild); the DeepSpeed
    runs wait on it with a timeout.
-1. `kernels`: tests/losses/test_fused_pass.py's CUDA checks of the fused pass at [2048, 128256] bf16, case by
+1. `kernels`: tests/numloss/test_fused_pass.py's CUDA checks of the fused pass at [2048, 128256] bf16, case by
    case (gpu_check_kernels.py).
 2. `losses`: part 1 of bench_gpu_losses.py, logits [4, 2048, 128256] bf16, numloss's objective (eager,
    fused, gradient in place; CE alone and each term at N = 10 and 1000) beside torch's eager and compiled

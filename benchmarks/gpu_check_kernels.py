@@ -1,10 +1,10 @@
 """The GPU check's loss-pass sections: `kernels` (is the fused pass right at real sizes?) and `losses`
 (how fast is it, beside the eager pass and torch's cross-entropy?).
 
-- `kernels` runs tests/losses/test_fused_pass.py's own CUDA checks (`-k cuda`: the compiled kernels
+- `kernels` runs tests/numloss/test_fused_pass.py's own CUDA checks (`-k cuda`: the compiled kernels
   against the eager path on logits [2048, 128256] bf16 for CE and four terms at N = 10 and 1000, and the
   gradient in place allocating no second [T, V]) with pytest in a subprocess under a timeout, and reports
-  each case from pytest's JUnit XML. On `--smoke` (CPU) it runs three of tests/losses/fused_interpreted.py's
+  each case from pytest's JUnit XML. On `--smoke` (CPU) it runs three of tests/numloss/fused_interpreted.py's
   cases under Triton's interpreter instead: the same reporting path, real checks.
 - `losses` runs part 1 of `bench_gpu_losses.py` (`losses_table`) in a subprocess of this file under a
   timeout, so a kernel fault or a hang costs that section, not the check. When the kernel check failed (or
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from gpu_check_runs import REPO, Sizes, child_env, kill_group
 
-GPU_KERNEL_CASES = ["tests/losses/test_fused_pass.py", "-k", "cuda"]
-SMOKE_KERNEL_CASES = ["tests/losses/fused_interpreted.py", "-k", "fp32 and (None or in_place_aliases)"]
+GPU_KERNEL_CASES = ["tests/numloss/test_fused_pass.py", "-k", "cuda"]
+SMOKE_KERNEL_CASES = ["tests/numloss/fused_interpreted.py", "-k", "fp32 and (None or in_place_aliases)"]
 
 
 def _run(cmd: list[str], env: dict, timeout_s: float, log: Path) -> tuple[int | None, str]:

@@ -8,7 +8,7 @@ check. A bare GPU image (torch, triton, pytest) still runs `kernels` and `losses
 
 Required vs optional:
 - required, by section: `kernels` needs CUDA (on `--smoke`: triton's interpreter on CPU), triton and
-  pytest (the checks are tests/losses/test_fused_pass.py's own, run by pytest); `losses` needs CUDA only
+  pytest (the checks are tests/numloss/test_fused_pass.py's own, run by pytest); `losses` needs CUDA only
   (without triton its fused rows say so and the eager ones are measured); the DeepSpeed rows need
   deepspeed, transformers, tokenizers and pyarrow (the data shards); the Megatron rows megatron.core and
   the same three.
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = {
     "torch": ("torch", "everything"),
     "triton": ("triton", "kernels; the fused rows of losses"),
-    "pytest": ("pytest", "kernels (runs tests/losses/test_fused_pass.py -k cuda)"),
+    "pytest": ("pytest", "kernels (runs tests/numloss/test_fused_pass.py -k cuda)"),
     "transformers": ("transformers", "DeepSpeed and Megatron rows (packing, steps)"),
     "tokenizers": ("tokenizers", "DeepSpeed and Megatron rows (the workspace's tokenizer)"),
     "pyarrow": ("pyarrow", "DeepSpeed and Megatron rows (data shards)"),

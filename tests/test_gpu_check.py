@@ -2,7 +2,7 @@
 has not rotted, and its correctness sections hold here too.
 
 - The whole smoke run (one subprocess): the requirements table first; `kernels` runs three of
-  tests/losses/fused_interpreted.py's cases under Triton's interpreter through the same pytest/JUnit path
+  tests/numloss/fused_interpreted.py's cases under Triton's interpreter through the same pytest/JUnit path
   the GPU's `-k cuda` cases take, and all pass; `losses` has its fused rows (the interpreter) beside the
   eager and torch ones; `packing` is a real check on both engines (one step over the same 24 examples as
   unpacked and as packed rows logs the same loss and gradient norm, rel 1e-4; a packed row that attended

@@ -12,7 +12,7 @@ import torch
 
 from numloss import NumericVocab, Objective, ObjectiveConfig
 from numloss.scale_check import SCALE_LIMIT, scale_lines, scale_table
-from tests.losses.tokenizers_fixture import as_fast, digit_tokenizer, llama3_tokenizer
+from tests.numloss.tokenizers_fixture import as_fast, digit_tokenizer, llama3_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from numloss import NumericVocab, Objective, count_comm
 from numloss.chunked_head import chunk_columns, chunked_logit_stats
 from numloss.logit_stats import compute_logit_stats
 from tests.distributed import run_ranks
-from tests.parallel.test_vocab_parallel import forced_route, shard_bounds
+from tests.numloss.test_parallel import forced_route, shard_bounds
 
 V, H = 37, 12
 VOCAB = ([1, 5, 12, 19, 22, 25, 30, 33, 35, 36], [3, 0, 9, 1, 4, 7, 2, 8, 6, 5])

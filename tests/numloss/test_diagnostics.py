@@ -7,9 +7,9 @@ numeric positions x numeric columns. Its norms, shares and cosines with CE's gra
 the objective reports, at TP 1 and TP 2 (gloo, 2 processes), from logits and from hidden states (the
 chunked head), for CE + SMMD + NTL-WAS + DIST2 + GCE (+ z-loss), for the full-vocabulary options, and
 for plain CE (whose pass reads the numeric block only for the diagnostics). Also: a weight-0 term's norm
-is 0; the sums of 2 data-parallel ranks x 2 micro-batches, added and finalised as the loop does, equal
-the global batch's reference; turning diagnostics on changes neither the loss nor any gradient (to the
-bit, NTIL's random noise included); the Megatron loss_func reports exactly the keys its step broadcasts.
+is 0; turning diagnostics on changes neither the loss nor any gradient (to the bit, NTIL's random noise
+included); the Megatron loss_func reports exactly the keys its step broadcasts. The loop's side (which
+steps, the data-parallel sums finished into a row): tests/recipes/training/test_diagnostics.py.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from numloss import NumericVocab, Objective, ObjectiveConfig, reduce_counts
+from numloss import NumericVocab, Objective, ObjectiveConfig
 from numloss.diagnostics import finalize, sum_keys
-from recipes.training.diagnostics import finish_row
-from recipes.training.parallel import reduce_sum
 from tests.distributed import run_ranks
 from tests.losses import numeric_reference as R
-from tests.parallel.test_vocab_parallel import VOCABS, V, make_labels, shard_bounds
+from tests.numloss.test_parallel import VOCABS, V, make_labels, shard_bounds
 
 H = 16
 REFERENCE_TERMS = {"smmd": R.smmd, "ntl_was": R.ntl_was, "dist2": R.dist2, "gce": R.gce}
@@ -184,7 +182,7 @@ def test_megatron_loss_func_reports_the_broadcast_keys():
     assert_matches(finalize(report), reference(hidden @ weight.t(), labels, "spread", CONFIGS["mixed"]), "megatron")
 
 
-# ---- TP 2 and DP 2, real gloo processes --------------------------------------------------------------------
+# ---- TP 2, real gloo processes ------------------------------------------------------------------------
 
 
 def _tensor_parallel(rank, world):
@@ -212,56 +210,6 @@ def _tensor_parallel(rank, world):
 
 def test_tensor_parallel_matches_the_reference():
     run_ranks(2, _tensor_parallel)
-
-
-def _data_parallel(rank, world):
-    """2 ranks x 2 micro-batches of 2 rows: the loop's sums (micro-batches, then the SUM over ranks,
-    then `finish_row`) against the reference on the whole global batch of 8 rows."""
-    config = CONFIGS["mixed"]
-    vocab, hidden, weight, labels = inputs("spread", rows=8)
-    logits = hidden @ weight.t()
-    want = reference(logits, labels, "spread", config)
-    objective = Objective(vocab, config, diagnostics=True)
-    window = [(logits[r:r + 2], labels[r:r + 2]) for r in (4 * rank, 4 * rank + 2)]
-    step = reduce_counts([objective.counts(lab) for _, lab in window], group=dist.group.WORLD)
-    sums: dict[str, float] = {}
-    for mb_logits, mb_labels in window:
-        for key, value in objective(mb_logits, mb_labels, counts=step).log_dict().items():
-            sums[key] = sums.get(key, 0.0) + value
-    row = finish_row({**reduce_sum(sums, torch.device("cpu"), dist.group.WORLD), "grad_norm": 2.5}, grad_clip=1.0)
-    assert_matches(row, want, f"DP 2 rank {rank}")
-    assert row["clipped"] == 1 and not any(k.startswith("grad_sums/") for k in row)
-
-
-def test_data_parallel_micro_batches_match_the_global_batch():
-    run_ranks(2, _data_parallel)
-
-
-# ---- the loop's side ---------------------------------------------------------------------------------------
-
-
-def test_which_steps_are_diagnosed_and_how_a_row_is_finished():
-    from recipes.config import Recipe
-    from recipes.training.diagnostics import diagnosed
-
-    recipe = Recipe()
-    recipe.train.steps, recipe.train.log_every = 9, 2
-    steps = lambda: [s for s in range(1, 10) if diagnosed(recipe, s)]  # noqa: E731
-    assert steps() == [2, 4, 6, 8, 9]  # default: every logged step, the last included
-    recipe.train.grad_diagnostics_every = 4
-    assert steps() == [4, 8, 9]
-    recipe.train.grad_diagnostics_every = 3  # only logged steps: 6, and the last
-    assert steps() == [6, 9]
-    recipe.train.grad_diagnostics_every = 0
-    assert steps() == []
-    plain = {"step": 1, "loss": 2.0, "grad_norm": 3.0}
-    assert finish_row(dict(plain), grad_clip=1.0) == plain  # no sums: no diagnostics keys, no `clipped`
-    sums = {"grad_sums/ce/sq": 9.0, "grad_sums/ce/ref_sq": 9.0, "grad_sums/smmd/sq": 16.0, "grad_sums/smmd/dot_ce": -6.0}
-    row = finish_row({**plain, **sums, "grad_norm": None}, grad_clip=1.0)
-    assert row == {"step": 1, "loss": 2.0, "grad_norm": None, "clipped": None, "grad/ce/norm": 3.0,
-                   "grad/ce/share": 3 / 7, "grad/smmd/norm": 4.0, "grad/smmd/share": 4 / 7, "grad/smmd/cos_ce": -0.5}
-    assert finish_row({**plain, **sums, "grad_norm": 0.5}, grad_clip=1.0)["clipped"] == 0
-    assert finish_row({**plain, **sums}, grad_clip=0.0)["clipped"] == 0  # no clipping configured
 
 
 # ---- a Llama-3-sized vocabulary ----------------------------------------------------------------------------

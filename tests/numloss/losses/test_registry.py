@@ -25,11 +25,11 @@ BUILT_IN = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del"]
 @pytest.fixture
 def user_terms():
     """Import the user's module (it registers its terms), and take them out again afterwards."""
-    module = importlib.import_module("tests.losses.user_terms")
+    module = importlib.import_module("tests.numloss.user_terms")
     yield module
     for name in module.NAMES:
         numloss.unregister_term(name)
-    sys.modules.pop("tests.losses.user_terms", None)
+    sys.modules.pop("tests.numloss.user_terms", None)
 
 
 @pytest.fixture
@@ -174,13 +174,13 @@ def test_from_dict_checks_a_users_term_as_a_built_in(user_terms):
 
 
 def test_an_unregistered_term_is_unknown_again(dig):
-    importlib.import_module("tests.losses.user_terms")
+    importlib.import_module("tests.numloss.user_terms")
     try:
         ObjectiveConfig.from_dict({"terms": {"expected_error": {}}})
     finally:
-        for name in sys.modules["tests.losses.user_terms"].NAMES:
+        for name in sys.modules["tests.numloss.user_terms"].NAMES:
             numloss.unregister_term(name)
-        sys.modules.pop("tests.losses.user_terms", None)
+        sys.modules.pop("tests.numloss.user_terms", None)
     with pytest.raises(ValueError, match="terms.expected_error: unknown term"):
         ObjectiveConfig.from_dict({"terms": {"expected_error": {}}})
 

@@ -2,7 +2,7 @@
 
 Importable from any test module:
 
-    from tests.losses.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, as_fast, ...
+    from tests.numloss.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, as_fast, ...
 
 Every builder is cached (`functools.lru_cache`): a tokenizer is trained at most once per process. The
 `tokenizers.Tokenizer` objects are not mutated by numloss; do not mutate them in a test either.

@@ -9,7 +9,7 @@ import torch
 
 from numloss import NumericVocab, functional
 from numloss.vocab import parse_numeric_token, squash_distances
-from tests.losses.tokenizers_fixture import (
+from tests.numloss.tokenizers_fixture import (
     UNK,
     as_fast,
     byte_level_tokenizer,

@@ -2,8 +2,8 @@
 reference written from the definition (`numeric_reference.digit_entropy`, loops), the common contract
 (no digit position: a finite 0 with a zero gradient; weight 0: CE exactly; bf16 at a 151k vocabulary),
 the vocabularies it refuses, and the same value on the chunked head and over micro-batches x
-data-parallel ranks with the step's counts. Tensor-parallel: tests/parallel/test_vocab_parallel.py; the
-fused pass: tests/losses/fused_interpreted.py."""
+data-parallel ranks with the step's counts. Tensor-parallel: tests/numloss/test_parallel.py; the
+fused pass: tests/numloss/fused_interpreted.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from numloss.logit_stats import compute_logit_stats
 from numloss.losses.digit_entropy import digit_places
 from tests.distributed import run_ranks
 from tests.losses import numeric_reference as R
-from tests.losses.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, word_level
+from tests.numloss.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, word_level
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

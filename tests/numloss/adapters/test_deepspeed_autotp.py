@@ -29,7 +29,7 @@ from tests.distributed import run_ranks
 # imported into the pytest process: the ranks import them).
 for _package in ("deepspeed", "transformers", "accelerate"):
     if importlib.util.find_spec(_package) is None:
-        raise ImportError(f"tests/parallel/test_adapter_deepspeed_autotp.py needs {_package}")
+        raise ImportError(f"tests/numloss/adapters/test_deepspeed_autotp.py needs {_package}")
 
 V = 101  # odd: AutoTP splits it unevenly (51 + 50)
 DIGIT_IDS = [3, 11, 24, 38, 47, 52, 60, 77, 85, 99]  # numeric tokens on both ranks' slices

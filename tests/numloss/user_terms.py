@@ -1,6 +1,6 @@
 """A user's own terms, registered when the module is imported, as a plugin module registers its terms.
 
-Imported by `test_term_registry.py` inside a fixture that unregisters them afterwards (never at the top
+Imported by `losses/test_registry.py` inside a fixture that unregisters them afterwards (never at the top
 of a test module: the registry is global to the process).
 """
 

@@ -1,7 +1,7 @@
 """The fused pass over the logits (`numloss.fused_pass`): its dispatch here, the interpreter checks in a
 process of their own, and on a GPU the kernels at Llama-3 sizes.
 
-- `tests/losses/fused_interpreted.py` (fused == eager for every term at N = 10 and 1000 with ignored
+- `tests/numloss/fused_interpreted.py` (fused == eager for every term at N = 10 and 1000 with ignored
   labels, the gradient in place, a strided slice, the chunked head, vocab-parallel on 2 gloo ranks) runs in
   a fresh pytest process with TRITON_INTERPRET=1: the variable must be set before triton is first imported,
   and in this process megatron-core may already have imported it.
@@ -33,7 +33,7 @@ def test_fused_kernels_equal_eager_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("NUMLOSS_FUSED", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/losses/fused_interpreted.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "tests/numloss/fused_interpreted.py"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=540)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
