@@ -286,7 +286,7 @@ def test_eval_problems_are_made_again_and_checked_against_the_kept_copy(folders)
 
 def test_the_seed_table_plans_from_the_per_seed_differences_and_the_mean_run_time():
     """A loss 1.0 point above CE on average with per-seed SD 1.8 (points) needs 15 seeds
-    (`seeds_to_exclude_zero`, checked by hand in test_report_intervals.py): 12 more seeds of it and of CE,
+    (`seeds_to_exclude_zero`, checked by hand in evaluation/test_stats.py): 12 more seeds of it and of CE,
     24 runs, at the mean of the records' training times (1,800 and 3,600 s: 0.75 h) 18 hours. A loss with
     2 seeds, or CE itself, has no row."""
     found = [{"train_seconds": 1800.0}, {"train_seconds": 3600.0}, {}]

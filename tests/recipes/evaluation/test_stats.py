@@ -1,5 +1,5 @@
-"""recipes.evaluation.report's intervals against hand computations: the Wilson interval of one run's exact match
-and the paired bootstrap of two runs' difference over the same problems."""
+"""recipes.evaluation.stats, the intervals the report prints, against hand computations: the Wilson interval of
+one run's exact match and the paired bootstrap of two runs' difference over the same problems."""
 
 from __future__ import annotations
 
