@@ -91,6 +91,9 @@ class DeepSpeedEngine:
                               "max_length": recipe.data.seq_len}
 
     def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
+        # every submodule in train mode: from_pretrained returns the model in eval mode, where HF skips its
+        # dropout and its gradient checkpointing (the Megatron engine trains its chunks in train mode too)
+        self.engine.module.train()
         counts = step_counts(self.wrapper.counts, window, self.dp)
         scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
         sums: dict[str, float] = {}
