@@ -25,14 +25,19 @@ def term_weight(config: ObjectiveConfig, name: str) -> float:
     return float(DEFAULT_WEIGHTS.get(name, 1.0) if weight is None else weight)
 
 
+def checked_terms(config: ObjectiveConfig) -> list[str]:
+    """The terms of `config` whose scale can be named: those entering with a weight other than 0 and not
+    as `rescale_to_ce` (their value pinned to CE's)."""
+    return [name for name, term in config.terms.items() if not term.rescale_to_ce and term_weight(config, name) != 0]
+
+
 def scale_table(config: ObjectiveConfig, ce: float, terms: dict[str, float]) -> list[dict]:
     """Per term of `config` found in `terms` (its unweighted value on one batch): name, value, weight,
-    weighted value, its ratio to `ce` and the weight at which it would equal `ce`. Terms entering as
-    `rescale_to_ce` (their value pinned to CE's) are left out."""
+    weighted value, its ratio to `ce` and the weight at which it would equal `ce`, for the `checked_terms`."""
     rows = []
+    checked = checked_terms(config)
     for name, value in terms.items():
-        term = config.terms.get(name)
-        if term is None or term.rescale_to_ce or value is None or not math.isfinite(value):
+        if name not in checked or value is None or not math.isfinite(value):
             continue
         weight = term_weight(config, name)
         weighted = weight * value

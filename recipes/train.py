@@ -37,6 +37,10 @@ resume (`recipes.reliability.checkpoints`); a save that fails on any rank fails 
 (`recipes.reliability.watchdog`). Exit status: 0 done, 2 refused, 3 non-finite, 4 a rank stalled, 74 a
 checkpoint could not be written, 75 preempted.
 
+Before step 1 of a run (not of a resume) each term's value against CE on that step's rows at the starting
+weights, from the engine's forward without an update; a term more than 5x CE at its weight is named with
+the weight that would make it equal CE (`recipes.training.scale_check`), and nothing is refused.
+
 This file is the loop, the same for every engine (`recipes.training.engine.Engine` is what it calls);
 its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 """
@@ -71,8 +75,9 @@ from .reliability.preemption import Preempted, PreemptionWatch, ignore_stop_sign
 from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fallback
 from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .reliability.run_lock import RunLock, RunLocked
-from .training.run_log import MetricsLog, nonfinite_keys, progress_bar, scale_advice
+from .training.run_log import MetricsLog, nonfinite_keys, progress_bar
 from .training.runtime import Runtime, setup_distributed, teardown
+from .training.scale_check import first_step_scale, scale_advice
 from .training.throughput import StepMeter
 from .reliability.watchdog import mark_phase, start_watchdog
 
@@ -195,6 +200,7 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
     stream = batches(dataset)
     last: dict = {}
     zero_grad = ZeroGradWatch()
+    say_scale = step == 0  # each term's scale against CE: a run's first start says it, a resume does not
     try:
         while step < recipe.train.steps:
             mark_phase("data", step + 1)  # where this rank is, for the watchdog (recipes.reliability.watchdog)
@@ -208,6 +214,14 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                 tokens_run += int(inputs["input_ids"].numel())  # padding included
             meter.data_read(started)
             mark_phase("train_step", step + 1)
+            if say_scale:  # on step 1's own rows at the starting weights, before the first update
+                checking = time.perf_counter()
+                advice = first_step_scale(recipe, engine, window, runtime.device)  # a collective
+                say_scale = advice is None  # None: the engine has no forward without an update: step 1's row says it
+                if runtime.is_main:
+                    for line in advice or []:
+                        print(f"[numloss] {line}", file=sys.stderr, flush=True)
+                started += time.perf_counter() - checking  # not part of step 1's time
             sums = engine.train_step(window, diagnostics=diagnosed(recipe, step + 1))
             step += 1
             mark_phase("collective", step)
@@ -220,9 +234,11 @@ def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDir
                    "lr": lr, "grad_norm": engine.grad_norm(), "tokens_per_s": reduced["tokens"] / elapsed,
                    **meter.row(reduced, elapsed)}
             row = finish_row(row, recipe.optim.grad_clip)  # gradient diagnostics: global-batch values
-            if step == first_step and runtime.is_main:  # a term many times CE at its weight, named once
-                for line in scale_advice(recipe, row):
-                    print(f"[numloss] {line}", file=sys.stderr, flush=True)
+            if say_scale:  # from step 1's logged values, the forward at its starting weights
+                if runtime.is_main:
+                    for line in scale_advice(recipe, row, "step 1's global batch (its starting weights)"):
+                        print(f"[numloss] {line}", file=sys.stderr, flush=True)
+                say_scale = False
             # ---- reliability: every rank agrees on non-finite values and on a stop request
             # (recipes.reliability.health, recipes.reliability.preemption): one all-reduce ----
             nonfinite, stop = any_rank([bool(nonfinite_keys(row)), preemption.requested()], runtime.device)

@@ -36,11 +36,17 @@ class Engine(Protocol):
         `numloss.diagnostics`): their SUM over the data-parallel group is the global batch's value."""
         ...
 
-    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
-        """Optional (`eval.every`, `recipes.training.held_out`): the forward of `train_step` without gradients or
-        update, in eval mode, the training mode restored after: this rank's share of the logged values over
-        `window` (normalised over the window's global counts), and per row of the window, in order, the
-        argmax token at each of its label positions (the teacher-forced answer)."""
+    def eval_step(self, window: list[dict], answers: bool = True) -> tuple[dict[str, float], list[list[int]]]:
+        """Optional (`eval.every`, `recipes.training.held_out`; the terms' scale before step 1,
+        `recipes.training.scale_check`): the forward of `train_step` without gradients or update, in eval
+        mode, the training mode restored after: this rank's share of the logged values over `window`
+        (normalised over the window's global counts), and per row of the window, in order, the argmax token
+        at each of its label positions (the teacher-forced answer; with `answers` False none: [])."""
+        ...
+
+    def eval_problem(self) -> str | None:
+        """Optional, with `eval_step`: why `eval_step` cannot run for this model (None: it can). Known on
+        every rank alike, before any collective."""
         ...
 
     def lr(self) -> float:

@@ -94,6 +94,9 @@ class HeldOut:
             raise ValueError("eval.every: needs held-out data: set eval.data (or data.eval) to a data_prep build")
         if not callable(getattr(engine, "eval_step", None)):
             raise ValueError(f"eval.every: the {engine.name} engine has no eval_step")
+        problem = engine.eval_problem()
+        if problem is not None:  # before the first step, not at the first evaluation
+            raise ValueError(f"eval.every: {problem}; set eval.every: 0")
         dp = engine.dp
         per_step = recipe.train.micro_batch_size * dp.size
         self.dataset = ShardDataset(path, batch_size=recipe.train.micro_batch_size, rank=dp.rank, world_size=dp.size,

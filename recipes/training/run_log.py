@@ -1,5 +1,5 @@
 """What a run reports while it trains: metrics.jsonl, TensorBoard, the trackers (Weights & Biases, MLflow:
-`recipes.training.tracking`), a progress bar, and at its first step each term's scale against CE."""
+`recipes.training.tracking`) and a progress bar."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-from numloss.scale_check import scale_lines
 from recipes.config import Recipe
 
 from .runtime import Runtime
@@ -97,13 +96,3 @@ def progress_bar(recipe: Recipe, runtime: Runtime, start: int):
     from tqdm import tqdm
 
     return tqdm(total=recipe.train.steps, initial=start, desc=recipe.name, unit="step", file=sys.stderr)
-
-
-def scale_advice(recipe: Recipe, row: dict) -> list[str]:
-    """Each term of a step's row (the global batch's values, from the forward at the weights the step
-    started from) against its CE, for a term many times CE at its weight (`numloss.scale_check`)."""
-    config = recipe.loss.objective
-    terms = {name: row[f"term/{name}"] for name in config.terms if isinstance(row.get(f"term/{name}"), float)}
-    if not isinstance(row.get("ce"), float) or not terms:
-        return []
-    return scale_lines(config, row["ce"], terms, where=f"step {row['step']}'s global batch (its starting weights)")

@@ -133,16 +133,17 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def save_tiny_llama(tokenizer_dir: Path, out_dir: Path, hidden: int = 32, seed: int = 0):
+def save_tiny_llama(tokenizer_dir: Path, out_dir: Path, hidden: int = 32, seed: int = 0, **config):
     """A random-weight tiny Llama sized to the tokenizer at `tokenizer_dir`, saved with that tokenizer
-    into `out_dir` (fixed seed: every run of a test starts from the same weights). Returns the tokenizer."""
+    into `out_dir` (fixed seed: every run of a test starts from the same weights). `config`: entries of
+    its Hugging Face config to set (e.g. attention_dropout). Returns the tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from recipes.experiments.tiny import tiny_llama_config
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    cfg = dict(tiny_llama_config(len(tok), hidden=hidden))
+    cfg = {**tiny_llama_config(len(tok), hidden=hidden), **config}
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg)).save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))

@@ -120,28 +120,34 @@ class DeepSpeedEngine:
         self.timings = {"fwd_bwd_s": backward_done - started, "optimizer_s": time.perf_counter() - backward_done}
         return sums
 
-    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
+    def eval_step(self, window: list[dict], answers: bool = True) -> tuple[dict[str, float], list[list[int]]]:
         """`recipes.training.engine.Engine.eval_step`: the wrapper's forward for the logged values (no gradient,
-        no step), the HF model's logits for the teacher-forced answers (argmax over the vocabulary, across the
-        AutoTP group where the head leaves the logits split)."""
+        no step), and with `answers` a second forward, the HF model's logits, for the teacher-forced answers
+        (argmax over the vocabulary, across the AutoTP group where the head leaves the logits split)."""
         counts = step_counts(self.wrapper.counts, window, self.dp)
         module = self.engine.module
         training = module.training
         module.eval()
         sums: dict[str, float] = {}
-        answers: list[list[int]] = []
+        tokens: list[list[int]] = []
         try:
             with torch.no_grad():
                 for inputs in window:
                     for key, value in self.engine(**inputs, loss_counts=counts).log_dict().items():
                         sums[key] = sums.get(key, 0.0) + value
+                    if not answers:
+                        continue
                     logits = self.model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
                     split = logits.shape[-1] < self.hf_config.vocab_size
                     predicted = vocab_parallel_argmax(logits, group=_tensor_parallel_group() if split else None)
-                    answers += answer_tokens(predicted[:, :-1], inputs["labels"][:, 1:])  # logits at i: token i+1
+                    tokens += answer_tokens(predicted[:, :-1], inputs["labels"][:, 1:])  # logits at i: token i+1
         finally:
             module.train(training)
-        return sums, answers
+        return sums, tokens
+
+    def eval_problem(self) -> str | None:
+        """`recipes.training.engine.Engine.eval_problem`: every model this engine trains evaluates."""
+        return None
 
     def lr(self) -> float:
         """The rate the next update uses: the optimizer's own group lr, as the schedule set it."""

@@ -147,23 +147,32 @@ class MegatronEngine:
         self.timings = {key: sums.pop(key) for key in ("fwd_bwd_s", "optimizer_s")}  # recipes.training.throughput
         return sums
 
-    def eval_step(self, window: list[dict]) -> tuple[dict[str, float], list[list[int]]]:
+    def eval_step(self, window: list[dict], answers: bool = True) -> tuple[dict[str, float], list[list[int]]]:
         """`recipes.training.engine.Engine.eval_step` (`step.eval_step`): in eval mode, the training mode
-        restored after. A mixture-of-experts model is refused: its routers' aux loss counts each step's
-        micro-batches (`moe.AuxLossScale`), which a forward outside a step would disturb."""
-        if self.aux is not None:
-            raise ValueError("eval.every: a Megatron mixture-of-experts model has no held-out evaluation yet "
-                             "(its router aux loss is counted per training step); set eval.every: 0")
+        restored after; refused where `eval_problem` says why."""
+        problem = self.eval_problem()
+        if problem is not None:
+            raise ValueError(problem)
         for chunk in self.model:
             chunk.eval()
         try:
             return step.eval_step(self.model, self.objective, window,
                                   sequence_parallel=self.recipe.megatron.sequence_parallel,
                                   real_vocab_size=self.real_vocab_size, packing=self.kernels.packing,
-                                  te=self.kernels.te, pad_multiple=self.recipe.data.pad_to_multiple_of)
+                                  te=self.kernels.te, pad_multiple=self.recipe.data.pad_to_multiple_of,
+                                  answers=answers)
         finally:
             for chunk in self.model:
                 chunk.train()
+
+    def eval_problem(self) -> str | None:
+        """`recipes.training.engine.Engine.eval_problem`: a mixture-of-experts model has no forward outside a
+        training step: its routers' aux loss counts each step's micro-batches (`moe.AuxLossScale`), which such
+        a forward would disturb."""
+        if self.aux is not None:
+            return ("a Megatron mixture-of-experts model has no forward outside a training step yet (its router "
+                    "aux loss is counted per training step)")
+        return None
 
     def grad_norm(self) -> float | None:
         """The last step's global gradient norm before clipping (every rank holds the same)."""

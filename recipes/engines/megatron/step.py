@@ -312,12 +312,13 @@ def train_step(model_chunks: list, optimizer, objective: Objective, window: list
 
 def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, sequence_parallel: bool = False,
               real_vocab_size: int | None = None, packing: str = "mask", te: bool = False,
-              pad_multiple: int = 1) -> tuple[dict[str, float], list[list[int]]]:
+              pad_multiple: int = 1, answers: bool = True) -> tuple[dict[str, float], list[list[int]]]:
     """The forward of `train_step` only (megatron's schedule with forward_only: no gradient, no update) over
     this replica's `window`: this rank's share of the logged values (`log_keys`, normalised over the window's
     global counts, summed over its micro-batches) and, per row in order, the teacher-forced answer: the argmax
-    of the vocabulary-parallel logits (padded columns left out) at each label position. The last pipeline
-    stage computes both and sends them over the pipeline group, so every rank returns the same."""
+    of the vocabulary-parallel logits (padded columns left out) at each label position (with `answers`
+    False none: []). The last pipeline stage computes both and sends them over the pipeline group, so every
+    rank returns the same."""
     from megatron.core import parallel_state
 
     ignore = objective.config.ignore_index
@@ -326,10 +327,11 @@ def eval_step(model_chunks: list, objective: Objective, window: list[dict], *, s
     tp_group = parallel_state.get_tensor_model_parallel_group()
 
     def loss_and_answers(labels, sequence_ids, logits):
-        predicted = vocab_parallel_argmax(logits.detach(), group=tp_group, real_vocab_size=real_vocab_size)
+        predicted = (vocab_parallel_argmax(logits.detach(), group=tp_group, real_vocab_size=real_vocab_size)
+                     if answers else None)
         loss, n, report = numeric_loss_func(objective, counts, labels, logits, sequence_ids=sequence_ids,
                                             group="megatron", real_vocab_size=real_vocab_size)
-        return loss, n, {**report, "answers": answer_tokens(predicted, labels, ignore)}
+        return loss, n, {**report, "answers": answer_tokens(predicted, labels, ignore) if answers else []}
 
     def forward_step(data_iterator, model):
         m = next(data_iterator)

@@ -1,8 +1,7 @@
 """The run's trackers (`recipes.training.tracking`, through `MetricsLog`): W&B in offline mode and MLflow on
 a file store get the rows metrics.jsonl gets; the ids are made once per run directory and kept in
 tracking.json, so a resume logs into the same runs (and never sends a step twice) while another run
-directory of the same recipe name gets runs of its own; entity/project/group/tags come from the recipe.
-And the first step's scale advice (`run_log.scale_advice`)."""
+directory of the same recipe name gets runs of its own; entity/project/group/tags come from the recipe."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from recipes.config import Recipe, TrackingSection
-from recipes.training.run_log import MetricsLog, scale_advice
+from recipes.training.run_log import MetricsLog
 from recipes.training.runtime import Runtime
 
 MAIN = Runtime(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -159,18 +158,6 @@ def test_settings_fold_in_wandb_project_and_refuse_bad_values():
         TrackingSection(backends=["comet"])
     with pytest.raises(ValueError, match="train.tracking.mode"):
         TrackingSection(mode="sometimes")
-
-
-def test_scale_advice_names_a_term_many_times_ce_on_the_first_row():
-    recipe = Recipe(name="r")
-    from numloss import ObjectiveConfig
-
-    recipe.loss.objective = ObjectiveConfig.from_dict({"terms": {"ntl_was": {}, "smmd": {}}})
-    row = {"step": 1, "ce": 10.0, "term/ntl_was": 200.0, "term/smmd": 1.0}
-    lines = scale_advice(recipe, row)
-    assert len(lines) == 1 and "term ntl_was = 200 x weight 0.3 = 60 is 6.0x CE (10)" in lines[0]
-    assert "weight 0.05 would make it equal CE" in lines[0] and "step 1's global batch" in lines[0]
-    assert scale_advice(recipe, {**row, "term/ntl_was": 100.0}) == []
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_any_model(monkeypatch):
