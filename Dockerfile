@@ -84,8 +84,9 @@ assert ops['fused_adam'] and ops['cpu_adam'] and acc == 'cuda', (acc, ops)"
 # image can be a cluster's head: `python -m launch.ray submit` and the SLURM template use them.
 RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 
-# The project, installed the way the README says: `pip install -e ".[train,ray,megatron,hf]"` (hf: TRL and
-# PEFT, for NumericSFTTrainer and the recipes' LoRA). Its deepspeed
+# The project, installed the way the README says: `pip install -e ".[train,ray,megatron,hf,eval]"` (hf: TRL
+# and PEFT, for NumericSFTTrainer and the recipes' LoRA; eval: lm-evaluation-harness, for
+# `python -m recipes.evaluate harness`, which uses the vllm package where an image has one). Its deepspeed
 # and ray pins are already satisfied by the layers above, so this only adds the light dependencies
 # (transformers, tokenizers, datasets, pyarrow, ..., megatron-core, whose GPU kernels come from the base
 # image: apex and Transformer Engine, which the Megatron engine uses when they import). The GPU defaults for DeepSpeed apply here: the
@@ -93,8 +94,8 @@ RUN pip install "ray[train]==${RAY_VERSION}" "ray[default]==${RAY_VERSION}"
 WORKDIR /workspace/numloss
 COPY . /workspace/numloss
 # hadolint ignore=DL3013
-RUN pip install -e ".[train,ray,megatron,hf]" \
- && python -c "import torch, numloss, deepspeed, ray, transformers, trl, peft, megatron.core; \
+RUN pip install -e ".[train,ray,megatron,hf,eval]" \
+ && python -c "import torch, numloss, deepspeed, ray, transformers, trl, peft, megatron.core, lm_eval; \
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.distributed.is_nccl_available()); \
 print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ray.__version__)" \
  && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \

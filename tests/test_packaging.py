@@ -75,7 +75,8 @@ def test_makefile_installs_what_the_readme_and_dockerfile_install():
     docker_installs = [ln for ln in dockerfile_logical_lines() if re.search(r'pip install -e "\.\[', ln)]
     assert len(docker_installs) == 1, docker_installs
     docker_extras = set(re.search(r'\.\[([\w,]+)\]', docker_installs[0]).group(1).split(","))
-    assert docker_extras == readme_extras == {"train", "ray", "megatron", "hf"}  # hf: NumericSFTTrainer, LoRA
+    # hf: NumericSFTTrainer, LoRA; eval: lm-evaluation-harness (python -m recipes.evaluate harness)
+    assert docker_extras == readme_extras == {"train", "ray", "megatron", "hf", "eval"}
     # `make test` installs dev, which must include everything the README and the image install
     assert readme_extras <= extras_closure(makefile_extras)
 
