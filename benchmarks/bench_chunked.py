@@ -41,7 +41,7 @@ the weight's gradient, [V, H], which both paths must produce):
 per variant, run alternately (logits, chunked, logits, ...) so load that comes and goes hits both alike;
 each process times its first full-size step (first touch of every buffer included), or with `--steps K`
 the fastest of K steps (the steady state a training loop sees).
-Targets (issue 14): chunked peak below the logits path's at every shape, at most 0.25x from T = 4096 up;
+Targets: chunked peak below the logits path's at every shape, at most 0.25x from T = 4096 up;
 time at most 1.3x. With d W counted, a ratio below (d W) / (logits path peak) ≈ H / (5 T) is impossible
 for any head; the table prints that bound.
 """

@@ -1,4 +1,4 @@
-"""The loss pass on one GPU (issue 41): numloss's eager and fused passes beside torch's cross-entropy.
+"""The loss pass on one GPU: numloss's eager and fused passes beside torch's cross-entropy.
 
     python benchmarks/bench_gpu_losses.py [--out runs/bench_gpu_losses]   # one GPU, ~1-3 min
     python benchmarks/bench_gpu_losses.py --smoke                         # CPU, tiny: the code paths only

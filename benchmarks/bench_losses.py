@@ -12,12 +12,12 @@ divided by the median for CE alone, the two timed alternately:
   against torch's cross-entropy alone: a term called on its own, as users of the papers' packages do.
   Terms renormalised over the numeric tokens read only the numeric columns; the rows marked "full pass"
   (GCE, DIST2 paper mode, NTL reweigh) need the full-vocabulary normaliser and are shown without target.
-Targets (issues 2 and 14): at most 1.10 at N = 10 and 1.25 at N = 1000 for every term (standalone: every
-term that needs no full pass); DEL (issue 48): 1.10 standalone, 1.25 in the objective. `--terms` limits
+Targets: at most 1.10 at N = 10 and 1.25 at N = 1000 for every term (standalone: every
+term that needs no full pass); DEL: 1.10 standalone, 1.25 in the objective. `--terms` limits
 the rows to those terms (DEL's line: `--terms del --dtype bf16 --vocab 151936`, docs/benchmarks.md).
 `--table diagnostics` (not part of "both"): the same objective with and without the per-term gradient
 diagnostics (`numloss.diagnostics`), for CE, CE + SMMD and CE + SMMD + NTL-WAS + DIST2 + GCE: what a
-logged step's diagnostics add to the loss's forward + backward (issue 24; no target).
+logged step's diagnostics add to the loss's forward + backward (no target).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ Contenders, each a real `trainer.train()` (forward, backward, AdamW step, TRL's 
 - `numeric ce`: NumericSFTTrainer with no term (the integration's own cost: full logits, numloss's pass
   over them, TRL's metrics from them);
 - `numeric ntl_was`: NumericSFTTrainer with the README's SFT objective (CE + 0.3 NTL-WAS);
-- `sft + compute_loss_func`: SFTTrainer given a CE `compute_loss_func`, TRL's deprecated path the
-  integration used before (a second forward per micro-batch for TRL's metrics).
+- `sft + compute_loss_func`: SFTTrainer given a CE `compute_loss_func`, TRL's deprecated path for a
+  custom loss (a second forward per micro-batch for TRL's metrics).
 The ratio of each to `sft` (CPU time; each round's medians divided, then the median over rounds) is
-the number to read; target (issue 40): numeric ntl_was <= 1.10.
+the number to read; target: numeric ntl_was <= 1.10.
 
 Models (random weights from a config: a step's cost does not depend on the weights' values):
 - `smollm2` (default): SmolLM2-135M-Instruct's shape (30 layers, hidden 576, V = 49,152, tied embeddings);

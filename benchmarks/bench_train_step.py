@@ -7,7 +7,7 @@
 Two models:
 - default: the model of `recipes/configs/demo.yaml` (a tiny Llama, vocab 64, N = 10 digit tokens) on
   random batches whose labels are 25% digits and 25% ignored prompt; CE against CE + SMMD.
-  Target (issue 6): at most 1.05 at N = 10. `--numeric N`: N numeric tokens (the vocabulary grows to N + 64).
+  Target: at most 1.05 at N = 10. `--numeric N`: N numeric tokens (the vocabulary grows to N + 64).
 - `--diagnostics`: each objective (CE, CE + SMMD, CE + SMMD + NTL-WAS + DIST2 + GCE) also runs with the
   per-term gradient diagnostics on (`numloss.diagnostics`, "+diag"); the ratio is the cost of a step
   that computes them (`recipes.train` does so on logged steps only: every `train.grad_diagnostics_every`).

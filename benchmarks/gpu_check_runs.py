@@ -75,7 +75,7 @@ class Sizes:
             # CPU: every run of a section at once (they are tiny; the test's time is mostly imports and start-up)
             return cls("cpu", torch.float32, (2, 16, 1200), 2, TINY, TINY_MOE, 2, 2, 600.0, 0.0, 4, 4,
                        {"requirements": 120, "kernels": 300, "losses": 300, "packing": 600, "steps": 600})
-        # One H200 (issue 42): ~7 min in all with a cold FusedAdam build (docs/benchmarks.md, the GPU check)
+        # One H200: ~7 min in all with a cold FusedAdam build (docs/benchmarks.md, the GPU check)
         return cls("cuda", torch.bfloat16, (4, 2048, 128256), 5, LLAMA3_8B, QWEN3_30B_A3B, layers, steps, 240.0,
                    45.0, 1, 4, {"requirements": 90, "kernels": 150, "losses": 180, "packing": 150, "steps": 330})
 

@@ -2,7 +2,7 @@
 (`python -m recipes.convert`), and a run's start from it (`megatron.load_converted`).
 
 Without it every rank of every start converts its share of the HF checkpoint again (the whole 140 GB
-read at 70B, at each start and before this change at each resume too). The converted directory holds
+read at 70B at each start; a resume reads only the run's checkpoint). The converted directory holds
 the model's weights in `megatron.core.dist_checkpointing` form (the same sharded tensors as a run
 checkpoint's model part: global layer numbers, full shapes), so it loads at any TP / PP / VP layout,
 whatever layout converted it; the vocabulary padding, which depends on TP, reshards as in a run
