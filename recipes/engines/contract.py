@@ -131,6 +131,15 @@ def _yaml(value) -> str:
     return str(value)
 
 
+# ---- resume rules: what a resumed run may change (recipes.reliability.resume_policy) ----------------------
+
+# the kinds of a recipe key on resume: what the updates depend on, changed on purpose (applied from the next
+# step); how the run is driven and laid out (applied from the next step); what the checkpoint means only
+# with (refused, exit 2)
+TRAINING, RUN, REFUSED = "training", "run", "refused"
+ResumeRule = tuple[str, str]  # (kind, what the key is: said in a refusal)
+
+
 # ---- the contract --------------------------------------------------------------------------------------
 
 
@@ -209,6 +218,16 @@ class EngineContract(Protocol):
     def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         """Why the checkpoint saved at layout `saved` (in `where`) cannot resume this recipe on
         `data_parallel` data-parallel ranks (None: it can)."""
+
+    def resume_rules(self) -> dict[str, ResumeRule]:
+        """What a resume may change in this engine's section: {dotted key under `section`: (kind, what it
+        is)}, kind one of TRAINING, RUN, REFUSED; the longest matching key decides (the resume policy
+        merges these with its engine-neutral rows; a key of the section in neither is refused)."""
+
+    def resume_view(self, section: dict) -> dict:
+        """This engine's section of a recipe (a plain dict, as `Recipe.to_dict()` gives it, saved or
+        running) in the form a resume compares: the settings the engine runs, where a raw setting of the
+        engine's library overrides one of the section's keys."""
 
     def distributed_setup(self) -> dict:
         """What `recipes.training.runtime.setup_distributed` needs for this engine (keyword arguments)."""

@@ -2,7 +2,9 @@
 
 A run resumes from its checkpoint with the recipe it is started with, compared key by key with the
 recipe that checkpoint was trained with (its `recipe.json`, `recipes.reliability.checkpoints`). Every key
-of the recipe is one of three kinds (`POLICY`, longest prefix first; a key not in it is refused):
+of the recipe is one of three kinds (`POLICY`, longest prefix first; a key not in it is refused): the
+engine-neutral keys are classified here, each engine's section by its contract (`resume_rules`, in
+recipes/engines/<engine>/contract.py), which also says how its section is compared (`resume_view`):
 
 - training: what the updates depend on and a user changes on purpose: the optimizer and its schedule
   (`optim.*`: a lower lr after a loss spike, another warmup, schedule or floor), `train.steps`, the
@@ -46,16 +48,16 @@ from data_prep.shards import sha256_file
 from numloss import ObjectiveConfig
 from recipes.config import Recipe
 from recipes.engines import ENGINES, engine_contract
+from recipes.engines.contract import REFUSED, RUN, TRAINING, ResumeRule
 
 from .checkpoints import MANIFEST, CheckpointDirs, tag_step
 from .export_writer import clean_leftovers, read_record
 from recipes.training.runtime import Runtime
 from recipes.training.schedule import Schedule
 
-TRAINING, RUN, REFUSED = "training", "run", "refused"
-
 # dotted key prefix -> (kind, what it is). The longest matching prefix decides; see the module docstring.
-POLICY: dict[str, tuple[str, str]] = {
+# The engine-neutral rows; each engine's section's rows are its contract's (`resume_rules`), added below.
+POLICY: dict[str, ResumeRule] = {
     "name": (RUN, "the run's display name"),
     # the model: what the checkpoint's tensors are
     "model.name_or_path": (REFUSED, "the model the weights started from"),
@@ -89,28 +91,6 @@ POLICY: dict[str, tuple[str, str]] = {
     "loss.chunk_size": (RUN, "how the logits are computed (the same loss)"),
     "loss.router_aux_coeff": (TRAINING, "the router load-balancing loss's weight"),
     "optim": (TRAINING, "the optimizer's hyperparameters and LR schedule"),
-    # the engines
-    # compared as the stage DeepSpeed runs: deepspeed.overrides.zero_optimization.stage where set (`_resolved`)
-    "deepspeed.zero_stage": (REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it; the stage is "
-                                      "deepspeed.overrides.zero_optimization.stage where that is set"),
-    "deepspeed.tp_size": (REFUSED, "DeepSpeed loads AutoTP state at the size that saved it"),
-    "deepspeed.offload_optimizer": (REFUSED, "where ZeRO keeps the optimizer state (not tested across a resume)"),
-    "deepspeed.offload_params": (REFUSED, "where ZeRO keeps the parameters (not tested across a resume)"),
-    "deepspeed.reduce_dtype": (RUN, "the gradient reduction's dtype"),
-    "deepspeed.overrides": (RUN, "extra DeepSpeed settings (DeepSpeed refuses what it cannot load)"),
-    "megatron.distributed_optimizer": (REFUSED, "the optimizer state's checkpoint format"),
-    "megatron.tp_size": (RUN, "the layout (the checkpoint reshards)"),
-    "megatron.pp_size": (RUN, "the layout (the checkpoint reshards)"),
-    "megatron.virtual_pp_size": (RUN, "the layout (the checkpoint reshards)"),
-    "megatron.sequence_parallel": (RUN, "the layout"),
-    # the experts' checkpoint keys are global expert numbers: a resume at another EP size reshards them
-    "megatron.ep_size": (RUN, "the layout (the checkpoint reshards the experts)"),
-    "megatron.moe_token_dispatcher": (RUN, "how tokens reach their experts (the same routing and loss)"),
-    "megatron.overlap_grad_reduce": (RUN, "communication overlap"),
-    "megatron.overlap_param_gather": (RUN, "communication overlap"),
-    "megatron.recompute": (RUN, "activation recomputation"),
-    "megatron.transformer_impl": (RUN, "the layer kernels"),
-    "megatron.load_converted": (RUN, "where a fresh run's weights come from (a resume reads the checkpoint)"),
     # the loop
     "train.engine": (REFUSED, "the checkpoint's format"),
     "train.seed": (REFUSED, "the data order and every rank's random state"),
@@ -136,7 +116,23 @@ POLICY: dict[str, tuple[str, str]] = {
     "eval": (RUN, "evaluation"),
     "cluster": (RUN, "where and how the run is launched"),
 }
-UNCLASSIFIED = (REFUSED, "not yet classified as resumable (recipes/reliability/resume_policy.py)")
+
+
+def _engine_rules() -> dict[str, ResumeRule]:
+    """Every engine's resume rules (`EngineContract.resume_rules`), each key inside its own section."""
+    rules: dict[str, ResumeRule] = {}
+    for contract in ENGINES.values():
+        for key, rule in contract.resume_rules().items():
+            if key.split(".")[0] != contract.section:
+                raise ValueError(f"{contract.name}'s resume_rules: {key} is not a key of its own section "
+                                 f"{contract.section!r}")
+            rules[key] = rule
+    return rules
+
+
+POLICY.update(_engine_rules())
+UNCLASSIFIED = (REFUSED, "not yet classified as resumable (recipes/reliability/resume_policy.py; an engine's "
+                          "section: its contract's resume_rules)")
 
 
 class ResumeRefused(ValueError):
@@ -207,11 +203,11 @@ def recipe_changes(old: dict, new: dict, path: str = "") -> list[Change]:
 def _resolved(recipe: dict, objective: ObjectiveConfig | None = None) -> dict:
     """The recipe (as `Recipe.to_dict()` gives it) with its objective as numloss resolves it (default
     weights filled in, options under `options`), so that `smmd: {}` and `smmd: {weight: 3.0}` are the same
-    recipe, and with the ZeRO stage DeepSpeed runs (`deepspeed.overrides` is merged last, so its stage wins)
-    as `deepspeed.zero_stage`. `objective`: the running recipe's, typed when it loaded; None: a saved
-    recipe's, read here. A saved objective that no longer resolves (the library changed) is compared as
-    written."""
-    recipe = _zero_stage_resolved(recipe)
+    recipe, and each engine's section as that engine runs it (`_engine_views`: DeepSpeed's ZeRO stage is
+    the one in `deepspeed.overrides` where set, as it merges those last). `objective`: the running recipe's,
+    typed when it loaded; None: a saved recipe's, read here. A saved objective that no longer resolves (the
+    library changed) is compared as written."""
+    recipe = _engine_views(recipe)
     if objective is None:
         try:
             objective = ObjectiveConfig.from_dict(recipe.get("loss", {}).get("objective"), root="loss.objective")
@@ -220,17 +216,11 @@ def _resolved(recipe: dict, objective: ObjectiveConfig | None = None) -> dict:
     return {**recipe, "loss": {**recipe["loss"], "objective": dataclasses.asdict(objective)}}
 
 
-def _zero_stage_resolved(recipe: dict) -> dict:
-    """`deepspeed.overrides.zero_optimization.stage`, where set, moved to `deepspeed.zero_stage`."""
-    ds = recipe.get("deepspeed")
-    zero = ((ds or {}).get("overrides") or {}).get("zero_optimization")
-    if not isinstance(zero, dict) or "stage" not in zero:
-        return recipe
-    rest = {k: v for k, v in zero.items() if k != "stage"}
-    overrides = {**ds["overrides"], "zero_optimization": rest}
-    if not rest:
-        del overrides["zero_optimization"]
-    return {**recipe, "deepspeed": {**ds, "zero_stage": zero["stage"], "overrides": overrides}}
+def _engine_views(recipe: dict) -> dict:
+    """The recipe with each engine's section in the form its contract compares (`resume_view`)."""
+    views = {contract.section: contract.resume_view(recipe[contract.section]) for contract in ENGINES.values()
+             if isinstance(recipe.get(contract.section), dict)}
+    return {**recipe, **views}
 
 
 def global_batch_problem(recipe: Recipe, saved: dict, saved_dp: int | None, data_parallel: int, where: str) -> str | None:

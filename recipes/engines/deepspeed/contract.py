@@ -93,6 +93,33 @@ def resume_problem(saved: dict, layout: dict, where) -> str | None:
     return None
 
 
+# What a resume may change in the deepspeed section (recipes.reliability.resume_policy). The ZeRO stage is
+# compared as DeepSpeed runs it: `resume_view` moves a stage set in the overrides (a recipe saved before
+# such overrides were refused at load) onto deepspeed.zero_stage
+RESUME_RULES: dict[str, c.ResumeRule] = {
+    "deepspeed.zero_stage": (c.REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it; the stage is "
+                                        "deepspeed.overrides.zero_optimization.stage where that is set"),
+    "deepspeed.tp_size": (c.REFUSED, "DeepSpeed loads AutoTP state at the size that saved it"),
+    "deepspeed.offload_optimizer": (c.REFUSED, "where ZeRO keeps the optimizer state (not tested across a resume)"),
+    "deepspeed.offload_params": (c.REFUSED, "where ZeRO keeps the parameters (not tested across a resume)"),
+    "deepspeed.reduce_dtype": (c.RUN, "the gradient reduction's dtype"),
+    "deepspeed.overrides": (c.RUN, "extra DeepSpeed settings (DeepSpeed refuses what it cannot load)"),
+}
+
+
+def resume_view(section: dict) -> dict:
+    """The deepspeed section (a dict) with `overrides.zero_optimization.stage`, where set, moved to
+    `zero_stage`: DeepSpeed merges the overrides last, so that is the stage it runs."""
+    zero = (section.get("overrides") or {}).get("zero_optimization")
+    if not isinstance(zero, dict) or "stage" not in zero:
+        return section
+    rest = {k: v for k, v in zero.items() if k != "stage"}
+    overrides = {**section["overrides"], "zero_optimization": rest}
+    if not rest:
+        del overrides["zero_optimization"]
+    return {**section, "zero_stage": zero["stage"], "overrides": overrides}
+
+
 # How DeepSpeed adopts another engine's intents (docs/reliability.md, "Settings the engine ignores").
 ADOPTIONS = {
     c.TENSOR_PARALLEL: c.Adoption("deepspeed.tp_size", note="AutoTP splits every layer over as many ranks"),
@@ -238,6 +265,12 @@ class DeepSpeedContract:
 
     def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         return resume_problem(saved, run_layout(recipe, data_parallel), where)
+
+    def resume_rules(self) -> dict[str, c.ResumeRule]:
+        return RESUME_RULES
+
+    def resume_view(self, section: dict) -> dict:
+        return resume_view(section)
 
     # ---- the runtime ----
 

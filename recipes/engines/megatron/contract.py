@@ -60,6 +60,24 @@ def checkpoint_layout(megatron: MegatronSection, data_parallel: int) -> dict:
             "expert_parallel": megatron.ep_size}
 
 
+# What a resume may change in the megatron section (recipes.reliability.resume_policy): its distributed
+# checkpoints reshard onto any layout; the optimizer state's format is fixed
+RESUME_RULES: dict[str, c.ResumeRule] = {
+    "megatron.distributed_optimizer": (c.REFUSED, "the optimizer state's checkpoint format"),
+    "megatron.tp_size": (c.RUN, "the layout (the checkpoint reshards)"),
+    "megatron.pp_size": (c.RUN, "the layout (the checkpoint reshards)"),
+    "megatron.virtual_pp_size": (c.RUN, "the layout (the checkpoint reshards)"),
+    "megatron.sequence_parallel": (c.RUN, "the layout"),
+    # the experts' checkpoint keys are global expert numbers: a resume at another EP size reshards them
+    "megatron.ep_size": (c.RUN, "the layout (the checkpoint reshards the experts)"),
+    "megatron.moe_token_dispatcher": (c.RUN, "how tokens reach their experts (the same routing and loss)"),
+    "megatron.overlap_grad_reduce": (c.RUN, "communication overlap"),
+    "megatron.overlap_param_gather": (c.RUN, "communication overlap"),
+    "megatron.recompute": (c.RUN, "activation recomputation"),
+    "megatron.transformer_impl": (c.RUN, "the layer kernels"),
+    "megatron.load_converted": (c.RUN, "where a fresh run's weights come from (a resume reads the checkpoint)"),
+}
+
 # How Megatron adopts another engine's intents (docs/reliability.md, "Settings the engine ignores").
 ADOPTIONS = {
     c.TENSOR_PARALLEL: c.Adoption("megatron.tp_size", note="Megatron splits every layer over as many ranks"),
@@ -242,6 +260,12 @@ class MegatronContract:
 
     def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         return None  # megatron's distributed checkpoints reshard onto any TP / PP / DP / EP layout
+
+    def resume_rules(self) -> dict[str, c.ResumeRule]:
+        return RESUME_RULES
+
+    def resume_view(self, section: dict) -> dict:
+        return section  # every setting is its own key
 
     # ---- the runtime ----
 

@@ -195,3 +195,24 @@ def test_each_engine_recognises_only_its_own_checkpoints():
     layouts = {name: contract.checkpoint_layout(recipe, 4) for name, contract in ENGINES.items()}
     for name, contract in ENGINES.items():
         assert [other for other, layout in layouts.items() if contract.saved_by(layout)] == [name]
+
+
+def test_each_engine_declares_the_resume_rules_of_its_own_section(monkeypatch):
+    """What a resume may change in an engine's section is that engine's contract's word (`resume_rules`),
+    in the resume policy's kinds; the policy adds no row of its own there, and refuses a contract's rule
+    for a key outside its section. The kinds below are docs/reliability.md's table, written out."""
+    from recipes.reliability import resume_policy as policy
+
+    for contract in ENGINES.values():
+        rules = contract.resume_rules()
+        assert rules and all(key.split(".")[0] == contract.section for key in rules)
+        assert all(kind in ("training", "run", "refused") and why for kind, why in rules.values())
+        assert {k: v for k, v in policy.POLICY.items() if k.split(".")[0] == contract.section} == rules
+    refused = {"deepspeed.zero_stage", "deepspeed.tp_size", "deepspeed.offload_optimizer", "deepspeed.offload_params",
+               "megatron.distributed_optimizer"}
+    for key in ("deepspeed.reduce_dtype", "deepspeed.overrides.zero_optimization.overlap_comm", "megatron.tp_size",
+                "megatron.pp_size", "megatron.ep_size", "megatron.recompute", *refused):
+        assert policy.classify(key)[0] == ("refused" if key in refused else "run"), key
+    monkeypatch.setattr(ENGINES["megatron"], "resume_rules", lambda: {"train.steps": ("run", "a loop key")})
+    with pytest.raises(ValueError, match="megatron's resume_rules: train.steps is not a key of its own section"):
+        policy._engine_rules()

@@ -97,17 +97,17 @@ def test_a_damaged_shard_is_named_before_the_engine_and_before_anything_is_rewri
 
 
 def test_the_stage_deepspeed_runs_is_what_a_resume_compares():
-    from recipes.reliability.resume_policy import _zero_stage_resolved, recipe_changes
+    from recipes.reliability.resume_policy import _engine_views, recipe_changes
 
     saved = {"deepspeed": {"zero_stage": 3, "overrides": {}}}
     by_override = {"deepspeed": {"zero_stage": 3, "overrides": {"zero_optimization": {"stage": 2, "overlap_comm": False}}}}
-    changes = recipe_changes(_zero_stage_resolved(saved), _zero_stage_resolved(by_override))
+    changes = recipe_changes(_engine_views(saved), _engine_views(by_override))
     assert [(c.key, c.old, c.new, c.kind) for c in changes] == [
         ("deepspeed.overrides.zero_optimization", "(absent)", {"overlap_comm": False}, "run"),
         ("deepspeed.zero_stage", 3, 2, "refused")]
     moved = {"deepspeed": {"zero_stage": 2, "overrides": {}}}  # the same stage 2, written in the section
-    assert recipe_changes(_zero_stage_resolved({"deepspeed": {"zero_stage": 3, "overrides": {
-        "zero_optimization": {"stage": 2}}}}), _zero_stage_resolved(moved)) == []
+    assert recipe_changes(_engine_views({"deepspeed": {"zero_stage": 3, "overrides": {
+        "zero_optimization": {"stage": 2}}}}), _engine_views(moved)) == []
 
 
 def test_the_global_batch_is_compared_across_layouts_and_splits():
