@@ -3,8 +3,8 @@
 Most of the suite's time is real launches (torchrun ranks, Ray workers) whose imports run on one core,
 so a single pytest process leaves the second core idle much of the time. Two workers fill it, with a
 unit of work that is a whole file, except tests/cluster, which is one unit:
-- a file runs whole on one worker: module fixtures (test_layouts' runs, a tiny model saved once) are
-  built once, not once per worker;
+- a file runs whole on one worker: module fixtures (test_train_layouts' runs, a tiny model saved once)
+  are built once, not once per worker;
 - every test under tests/cluster runs on the same worker: they share one simulated Ray cluster
   (package fixture), and two Ray instances on one host confuse Ray's address discovery ("Found multiple
   active Ray instances") and collide on a head's fixed default ports.
@@ -16,15 +16,16 @@ The longest units are handed out first (a long one started last leaves the other
 runs); xdist's own order, the units with the most tests first, is turned off for this one, since the
 count of tests says little about their time (tests/cluster has fewer tests than several unit-test
 files and the most CPU time). Measured 2026-12-03, CPU seconds of the whole process tree (cgroup
-cpuacct) in one serial run beside a 2-rank training job: tests/cluster 660, test_layouts.py 437, the
-next file 111, the suite 2,510. Without xdist (`pytest tests/...`) nothing here applies.
+cpuacct) in one serial run beside a 2-rank training job: tests/cluster 660, test_train_layouts.py 437
+(with three Megatron runs; it keeps one), the next file 111, the suite 2,510. Without xdist
+(`pytest tests/...`) nothing here applies.
 """
 
 from __future__ import annotations
 
 import pytest
 
-LONGEST_FIRST = ("tests/cluster", "tests/recipes/training/test_layouts.py")
+LONGEST_FIRST = ("tests/cluster", "tests/recipes/test_train_layouts.py")
 
 
 def unit_of(nodeid: str) -> str:

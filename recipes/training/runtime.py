@@ -126,8 +126,8 @@ def teardown(engine=None) -> None:
     and module-level state of DeepSpeed and megatron-core that keep them (`engine.close` drops them,
     `clear_method_caches`), and `torch.distributed.nn.functional` imported after the world group
     existed (`setup_distributed` imports it first). The collection then frees the groups, joining their
-    threads, while the interpreter is whole. `test_layouts` checks every layout's ranks, both engines,
-    for gloo threads at exit."""
+    threads, while the interpreter is whole. `test_train_layouts` checks every layout's ranks, both
+    engines, for gloo threads at exit."""
     if engine is not None:
         engine.close()
     if torch.distributed.is_initialized():

@@ -1,7 +1,7 @@
 """The Megatron-core engine at a real vocabulary size: a Qwen2.5-sized tokenizer (151,665 tokens,
 assembled offline, every digit a token) under a tiny random Llama, trained by `recipes.train` at TP 2
 with sequence parallelism, must log the DeepSpeed single-rank run's values at every step (1e-4
-relative), as test_layouts.py checks at 300 tokens.
+relative), as test_train_layouts.py checks at 300 tokens.
 
 What the size changes: Megatron pads the vocabulary to a multiple of 128 x TP, here 151,665 -> 151,808,
 so TP rank 1's shard ends in 143 zero rows whose logit-0 columns would enter every softmax unless the
@@ -70,7 +70,7 @@ def test_megatron_tp2_at_151k_tokens_logs_the_deepspeed_reference(workspace):
     # CE over 151,665 classes starts near ln(151,665) = 11.93 (random weights, logits near 0). The 143
     # padded logit-0 columns, left in the softmax, would add about 143 / 151,665 to its partition
     # function: CE up by ~9e-4, 8e-5 relative. So CE and the loss are held to 1e-5 relative (the engines
-    # sum in different orders and agree within ~1e-6), the rest to test_layouts.py's 1e-4.
+    # sum in different orders and agree within ~1e-6), the rest to test_train_layouts.py's 1e-4.
     assert reference[0]["ce"] == pytest.approx(11.93, abs=0.3)
     for rows in (reference, megatron):  # both engines split the step's time (recipes.training.throughput)
         assert all(r["fwd_bwd_s"] > 0 and r["optimizer_s"] > 0 and

@@ -6,6 +6,7 @@
   the timeout the group was created with.
 - setup_distributed silences torch's per-call deprecation warnings for the collectives DeepSpeed's ZeRO
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
+- clear_method_caches frees the instances a method's `lru_cache` keeps.
 """
 
 from __future__ import annotations
@@ -81,3 +82,45 @@ def test_zero_collectives_deprecations_are_silenced_and_other_warnings_are_not()
     assert loud.count("is deprecated") >= 6  # without the filter: every call warns
     quiet = _stderr("quiet")
     assert "is deprecated" not in quiet and "another FutureWarning" in quiet
+
+
+def test_clear_method_caches_frees_what_a_method_cache_keeps():
+    """An `lru_cache` on a method, under a decorator that hides it in a closure (as DeepSpeed's NVTX
+    wrapper does), keeps every instance alive until `clear_method_caches` is given the class or a
+    subclass; a cache on an unrelated class stays. Two such caches (ZeRO-3's parameter coordinator,
+    megatron-core's RotaryEmbedding) held process groups past a run's end
+    (tests/recipes/test_train_layouts.py, test_no_process_group_outlives_a_run)."""
+    import functools
+    import gc
+    import weakref
+
+    from recipes.training.runtime import clear_method_caches
+
+    def hide(fn):
+        def wrapper(*args):
+            return fn(*args)
+        return wrapper
+
+    class Base:
+        @hide
+        @functools.lru_cache(maxsize=None)
+        def cached(self, x):
+            return x + 1
+
+    class Child(Base):
+        pass
+
+    class Other:
+        @functools.lru_cache(maxsize=None)
+        def cached(self, x):
+            return x
+
+    child, other = Child(), Other()
+    assert child.cached(1) == 2 and other.cached(3) == 3
+    child_ref, other_ref = weakref.ref(child), weakref.ref(other)
+    del child, other
+    gc.collect()
+    assert child_ref() is not None and other_ref() is not None  # the caches keep both
+    clear_method_caches([Child])
+    gc.collect()
+    assert child_ref() is None and other_ref() is not None

@@ -2,7 +2,7 @@
 format in a subprocess with its own timeout, keeps a failed attempt's partial output, and the other ranks
 wait on the process group's store (not in a collective that times out after train.dist_timeout_minutes)
 and fail with rank 0's message. 2 gloo ranks; the converter is a stand-in command (the real
-ds_to_universal conversion is tested by tests/recipes/training/test_layouts.py's DP-change resume)."""
+ds_to_universal conversion is tested by tests/recipes/test_train_layouts.py's DP-change resume)."""
 
 from __future__ import annotations
 

@@ -137,22 +137,27 @@ def packed_and_unpacked(tokenizer_dir: str) -> dict[str, list[dict]]:
             "unpacked": [{k: torch.stack([row[k] for row in unpacked]) for k in unpacked[0]}]}
 
 
-def run_steps(engine, assets: dict, first: int, last: int) -> list[dict[str, float]]:
+def run_steps(engine, assets: dict, first: int, last: int, diagnostics: bool = False) -> list[dict[str, float]]:
     """Train steps `first..last`; returns each step's logged row (summed over the data-parallel group,
-    as the loop logs it) with its grad_norm and the lr it used."""
+    as the loop logs it) with its grad_norm and the lr it used. `diagnostics`: the step also computes the
+    per-term gradient sums, finished into the row's grad/<part>/* values and `clipped` as the loop does
+    (`recipes.training.diagnostics.finish_row`)."""
     import torch.distributed as dist
+
+    from recipes.training.diagnostics import finish_row
 
     rows = []
     for s in range(first, last + 1):
         lr = engine.lr()
         window = replica_window(s, assets["tokenizer"], engine.dp.rank, engine.dp.size,
                                 engine.recipe.train.micro_batch_size)
-        out = engine.train_step(window)
+        out = engine.train_step(window, diagnostics=diagnostics)
         norm = engine.grad_norm()
         keys = sorted(out)
         total = torch.tensor([out[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(total, group=engine.dp.group)
-        rows.append({**dict(zip(keys, total.tolist())), "grad_norm": norm, "lr": lr})
+        row = {**dict(zip(keys, total.tolist())), "grad_norm": norm, "lr": lr}
+        rows.append(finish_row(row, engine.recipe.optim.grad_clip) if diagnostics else row)
     return rows
 
 
