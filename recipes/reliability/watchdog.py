@@ -58,8 +58,9 @@ from .run_lock import process_start
 from recipes.training.runtime import side_store
 
 # The phases in the order a rank passes them within one step (a later phase of the same step is further on).
-PHASES = ("start", "data", "train_step", "collective", "log", "save", "export")
-STEP_PHASES = frozenset({"data", "train_step", "collective", "log"})  # the step's rhythm: judged as stuck
+# `eval`: the held-out rows every eval.every steps (a collective forward on every rank, like a step's).
+PHASES = ("start", "data", "train_step", "collective", "eval", "log", "save", "export")
+STEP_PHASES = frozenset({"data", "train_step", "collective", "eval", "log"})  # the step's rhythm: judged as stuck
 KEY = "numloss/watchdog"
 STORE_TIMEOUT_S = 30.0  # one store call on the side connection (a live store answers in milliseconds)
 

@@ -60,6 +60,11 @@ def test_the_rule_names_silent_and_stuck_ranks_and_leaves_long_phases_alone():
     assert find_stall({0: _seen(1, "data", 0, 600), 1: _seen(0, "start", 0.5, 600)}, 1000.0, w) is None
     assert find_stall({0: _seen(5, "data", 0, 600), 1: _seen(4, "save", 0.5, 600)}, 1000.0, w) is None
     assert find_stall({0: _seen(9, "export", 0, 600), 1: _seen(9, "export", 0.5, 600)}, 1000.0, w) is None
+    # the held-out evaluation (eval.every) is a phase of the step: a rank stuck in it while another is on the
+    # next step is named, and a rank still evaluating step 6 is behind one that logs it (eval comes first)
+    stall = find_stall({0: _seen(8, "data", 0, 6), 1: _seen(7, "eval", 0.5, 6)}, 1000.0, w)
+    assert (stall.rank, stall.kind, stall.waiting) == (1, "stuck", (0,))
+    assert find_stall({0: _seen(6, "eval", 0, 6), 1: _seen(6, "log", 0, 6)}, 1000.0, w).rank == 0
     # a rank that left training (done, failed, preempted) is not watched
     assert find_stall({0: _seen(7, "log", 0, 0), 1: _seen(7, "log", 60, 60, closed=True)}, 1000.0, w) is None
 
