@@ -31,7 +31,7 @@ demo-tiny: $(STAMP)
 
 # --durations: the slowest tests in every log, CI's included (the suite's budget is well under 30 min on 2 cores).
 # Two xdist workers (a serial run leaves a core idle about a third of the time); a file stays on one
-# worker and tests/cluster on one (tests/conftest.py). TEST_WORKERS=0 runs serially (docs/benchmarks.md).
+# worker and tests/launch on one (tests/conftest.py). TEST_WORKERS=0 runs serially (docs/benchmarks.md).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

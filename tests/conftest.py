@@ -2,10 +2,10 @@
 
 Most of the suite's time is real launches (torchrun ranks, Ray workers) whose imports run on one core,
 so a single pytest process leaves the second core idle much of the time. Two workers fill it, with a
-unit of work that is a whole file, except tests/cluster, which is one unit:
+unit of work that is a whole file, except tests/launch, which is one unit:
 - a file runs whole on one worker: module fixtures (test_train_layouts' runs, a tiny model saved once)
   are built once, not once per worker;
-- every test under tests/cluster runs on the same worker: they share one simulated Ray cluster
+- every test under tests/launch runs on the same worker: they share one simulated Ray cluster
   (package fixture), and two Ray instances on one host confuse Ray's address discovery ("Found multiple
   active Ray instances") and collide on a head's fixed default ports.
 xdist's `loadgroup` mode would express the second rule with marks, but it renames node ids through an
@@ -14,9 +14,9 @@ instead (`pytest_xdist_make_scheduler`, a documented xdist hook).
 
 The longest units are handed out first (a long one started last leaves the other worker idle while it
 runs); xdist's own order, the units with the most tests first, is turned off for this one, since the
-count of tests says little about their time (tests/cluster has fewer tests than several unit-test
+count of tests says little about their time (tests/launch has fewer tests than several unit-test
 files and the most CPU time). Measured 2026-12-03, CPU seconds of the whole process tree (cgroup
-cpuacct) in one serial run beside a 2-rank training job: tests/cluster 660, test_train_layouts.py 437
+cpuacct) in one serial run beside a 2-rank training job: tests/launch 660, test_train_layouts.py 437
 (with three Megatron runs; it keeps one), the next file 111, the suite 2,510. Without xdist
 (`pytest tests/...`) nothing here applies.
 """
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import pytest
 
-LONGEST_FIRST = ("tests/cluster", "tests/recipes/test_train_layouts.py")
+LONGEST_FIRST = ("tests/launch", "tests/recipes/test_train_layouts.py")
 
 
 def unit_of(nodeid: str) -> str:
-    """The unit of work a test belongs to: its file, or tests/cluster for every test under it."""
+    """The unit of work a test belongs to: its file, or tests/launch for every test under it."""
     path = nodeid.split("::", 1)[0]
-    return "tests/cluster" if path.startswith("tests/cluster/") else path
+    return "tests/launch" if path.startswith("tests/launch/") else path
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,5 +1,5 @@
 """tests/conftest.py: under two xdist workers (`make test`) a file runs whole on one worker and every
-file of tests/cluster on the same one (one simulated Ray cluster at a time). Run on a small tree of its
+file of tests/launch on the same one (one simulated Ray cluster at a time). Run on a small tree of its
 own with a copy of the conftest: xdist's `loadgroup` marks silently grouped nothing under pytest 9,
 so the split is checked where it happens, in real worker processes."""
 
@@ -32,13 +32,13 @@ def _write_test_file(path: Path, n: int) -> None:
     path.write_text(RECORD.format(tests="\n".join(f"def test_{i}():\n    _record({i})\n" for i in range(n))))
 
 
-def test_a_file_and_the_cluster_folder_each_run_on_one_worker(tmp_path):
+def test_a_file_and_the_launch_folder_each_run_on_one_worker(tmp_path):
     root = tmp_path / "tree"
     (root / "tests").mkdir(parents=True)
     shutil.copy(Path(__file__).with_name("conftest.py"), root / "tests" / "conftest.py")
     (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    # more tests in test_a and test_b than in the cluster folder: xdist's own order would start those two
-    sizes = {"cluster/test_ray.py": 3, "cluster/test_slurm.py": 3, "test_a.py": 8, "test_b.py": 8, "test_c.py": 2}
+    # more tests in test_a and test_b than in the launch folder: xdist's own order would start those two
+    sizes = {"launch/test_ray.py": 3, "launch/test_slurm.py": 3, "test_a.py": 8, "test_b.py": 8, "test_c.py": 2}
     for name, n in sizes.items():
         _write_test_file(root / "tests" / name, n)
     log = tmp_path / "split.jsonl"
@@ -52,8 +52,8 @@ def test_a_file_and_the_cluster_folder_each_run_on_one_worker(tmp_path):
     for row in rows:
         workers.setdefault(row["file"], set()).add(row["worker"])
     assert all(len(w) == 1 for w in workers.values()), workers  # a file whole on one worker
-    assert workers["cluster/test_ray.py"] == workers["cluster/test_slurm.py"], workers  # the cluster folder together
-    # the cluster folder is handed out first (the longest unit): its worker starts with it
-    (cluster_worker,) = workers["cluster/test_ray.py"]
-    assert next(r for r in rows if r["worker"] == cluster_worker)["file"].startswith("cluster/"), rows
+    assert workers["launch/test_ray.py"] == workers["launch/test_slurm.py"], workers  # the launch folder together
+    # the launch folder is handed out first (the longest unit): its worker starts with it
+    (launch_worker,) = workers["launch/test_ray.py"]
+    assert next(r for r in rows if r["worker"] == launch_worker)["file"].startswith("launch/"), rows
     assert {w for ws in workers.values() for w in ws} == {"gw0", "gw1"}  # and both workers had work

@@ -1,5 +1,5 @@
 """Issue 27, preemption on SLURM: the rendered torchrun script under a fake srun/scontrol
-(tests/cluster/fake_slurm.py) and a fake `torchrun` that trains until `<out_dir>/PREEMPT` appears, as
+(tests/launch/fake_slurm.py) and a fake `torchrun` that trains until `<out_dir>/PREEMPT` appears, as
 rank 0 of recipes.train does (the real run's side is tests/recipes/reliability/test_reliability_preemption.py).
 
 SIGUSR1 to the batch shell (what `#SBATCH --signal=B:USR1@N` sends N seconds before the time limit):

@@ -148,7 +148,7 @@ def test_the_result_is_found_where_ray_glued_another_line_to_it():
 
 
 def test_a_head_started_by_the_job_settles_ray_auth_for_all_its_processes(tmp_path):
-    """launch.ray_head.settle_auth: the same decisions as the SLURM template (tests/cluster/test_slurm.py)."""
+    """launch.ray_head.settle_auth: the same decisions as the SLURM template (tests/launch/test_slurm.py)."""
     from launch.ray_head import settle_auth
 
     env = {}

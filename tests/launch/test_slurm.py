@@ -95,7 +95,7 @@ def test_user_input_is_validated_or_quoted(recipe, tmp_path):
 
 @pytest.mark.parametrize("mode", ["ray", "torchrun"])
 def test_every_step_gets_cpus_kill_on_bad_exit_env_mounts_and_the_head_ip(recipe, tmp_path, mode):
-    """The rendered script run under a fake srun that only logs its steps (tests/cluster/fake_slurm.py;
+    """The rendered script run under a fake srun that only logs its steps (tests/launch/fake_slurm.py;
     nodes are names, nothing trains): what each step is given. Not simulated: whether a real Slurm
     honours the flags (cgroups, killing the other steps), pyxis' mount semantics."""
     from . import fake_slurm

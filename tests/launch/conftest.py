@@ -1,4 +1,4 @@
-"""Shared set-up for the launch tests: tiny data and recipe (built with recipes.experiments.tiny, like tests/recipes/training/test_train.py)
+"""Shared set-up for the launch tests: tiny data and recipe (built with recipes.experiments.tiny, like tests/recipes/test_train.py)
 and one simulated 2-node Ray cluster (ray.cluster_utils.Cluster) on loopback in its own temp dir, shared
 by every test in the session (starting one costs seconds; `ray stop` is never used)."""
 

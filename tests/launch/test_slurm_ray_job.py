@@ -1,5 +1,5 @@
 """The rendered Ray batch script runs end to end under a fake SLURM whose container steps do not share
-/tmp (tests/cluster/fake_slurm.py: each `srun --container-image` step gets its own mount namespace with
+/tmp (tests/launch/fake_slurm.py: each `srun --container-image` step gets its own mount namespace with
 a private tmpfs on /tmp, as pyxis/enroot containers do).
 
 Before the fix the head, the wait-for-nodes step and the driver were three steps: the driver could not
@@ -8,7 +8,7 @@ runs with a HOME that holds ~/.ray/auth_token: before the script settled Ray's t
 step, its head turned token auth on from that file and refused its own driver ("InvalidAuthToken").
 
 Not simulated here (no CPU test reaches them): several real hosts (every "node" is this host, so the
-job runs on one Ray node; worker nodes joining over TCP are covered by tests/cluster/test_ray.py's
+job runs on one Ray node; worker nodes joining over TCP are covered by tests/launch/test_ray.py's
 simulated cluster), a real image, cgroup limits, NCCL.
 """
 
