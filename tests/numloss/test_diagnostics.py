@@ -21,7 +21,7 @@ import torch.distributed as dist
 from numloss import NumericVocab, Objective, ObjectiveConfig
 from numloss.diagnostics import finalize, sum_keys
 from tests.distributed import run_ranks
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 from tests.numloss.test_parallel import VOCABS, V, make_labels, shard_bounds
 
 H = 16

@@ -16,7 +16,7 @@ import torch.nn.functional as TF
 from numloss import NumericVocab, functional
 from numloss.logit_stats import compute_logit_stats
 from numloss.losses import TERMS
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 
 V = 29
 DIGIT_IDS = [13, 4, 18, 6, 15, 7, 11, 8, 19, 10]  # DIGIT_IDS[d] is digit d; not contiguous, not sorted

@@ -13,7 +13,7 @@ from numloss import NumericVocab, Objective, compute_logit_stats
 from numloss.losses import ntl_mse_term, ntl_was_term
 from numloss.normalization import LossCounts, batch_counts, reduce_counts
 from tests.distributed import run_ranks
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

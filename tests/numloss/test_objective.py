@@ -10,7 +10,7 @@ import torch
 
 from numloss import DEFAULT_WEIGHTS, NumericVocab, Objective, ObjectiveConfig, TermConfig
 from numloss import functional as F
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

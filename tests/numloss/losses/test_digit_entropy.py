@@ -17,7 +17,7 @@ from numloss import functional as F
 from numloss.logit_stats import compute_logit_stats
 from numloss.losses.digit_entropy import digit_places
 from tests.distributed import run_ranks
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 from tests.numloss.tokenizers_fixture import digit_tokenizer, llama3_tokenizer, word_level
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")

@@ -11,7 +11,7 @@ import torch
 
 from numloss import NumericVocab
 from numloss import functional as F
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 
 pytestmark = pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.losses import numeric_reference as R
+from tests.numloss import numeric_reference as R
 
 ENGINES = ["deepspeed"] + (["megatron"] if importlib.util.find_spec("megatron.core") else [])
 

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.integrations import hf_trainer_helpers as H  # noqa: E402
+from tests.numloss.integrations import hf_trainer_helpers as H  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 TRL_METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")

@@ -23,8 +23,8 @@ import torch
 pytest.importorskip("trl")
 
 from tests.distributed import run_ranks  # noqa: E402
-from tests.integrations import hf_trainer_helpers as H  # noqa: E402
-from tests.integrations.hf_trainer_ranks import layout_rank  # noqa: E402
+from tests.numloss.integrations import hf_trainer_helpers as H  # noqa: E402
+from tests.numloss.integrations.hf_trainer_ranks import layout_rank  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -90,7 +90,7 @@ def test_deepspeed_through_the_trainer_trains_the_global_batch_and_its_accumulat
     from transformers import AutoTokenizer, DataCollatorForSeq2Seq
 
     from numloss import NumericVocab
-    from tests.integrations.hf_trainer_ranks import deepspeed_rank
+    from tests.numloss.integrations.hf_trainer_ranks import deepspeed_rank
 
     run_ranks(1, deepspeed_rank, str(tok_dir), str(tmp_path), timeout=240)
     result = json.loads((tmp_path / "deepspeed.json").read_text())

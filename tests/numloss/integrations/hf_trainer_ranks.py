@@ -1,10 +1,10 @@
-"""The 2-process Trainer runs of tests/integrations/test_hf_trainer.py and test_hf_trainer_layout.py.
+"""The 2-process Trainer runs of tests/numloss/integrations/test_hf_trainer.py and test_hf_trainer_layout.py.
 
 As torchrun runs it (CPU, gloo): the README's Trainer snippet at micro-batch 1 x gradient accumulation 2
 per rank, one optimizer step over 4 rows, then an evaluation of 5 rows at batch 1 per rank (accelerate
 repeats a row to even out the last batch).
 
-    torchrun --nproc_per_node 2 tests/integrations/hf_trainer_ranks.py TOKENIZER_DIR OUT_DIR
+    torchrun --nproc_per_node 2 tests/numloss/integrations/hf_trainer_ranks.py TOKENIZER_DIR OUT_DIR
 
 Rank 0 writes the initial and the trained weights (`init.pt`, `trained.pt`), the Trainer's log history
 (`log_history.json`) and the evaluation's metrics (`eval.json`).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.integrations import hf_trainer_helpers as H
+from tests.numloss.integrations import hf_trainer_helpers as H
 
 
 def _train(tok_dir: str, out_dir: Path):

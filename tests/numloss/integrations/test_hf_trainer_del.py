@@ -1,6 +1,6 @@
 """DEL through the Trainer integration with no code of its own: `NumericTrainer` and `NumericSFTTrainer`
 given `{"terms": {"del": {}}}` log `term/del` equal to the float64 reference of the definition
-(`tests/losses/numeric_reference.digit_entropy`) on the whole global batch at the initial weights, and
+(`tests/numloss/numeric_reference.digit_entropy`) on the whole global batch at the initial weights, and
 loss = CE + 0.01 x DEL; the decimal point comes from the tokenizer (CPU, fp32, a tiny random Llama)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.integrations import hf_trainer_helpers as H  # noqa: E402
-from tests.losses import numeric_reference as R  # noqa: E402
+from tests.numloss.integrations import hf_trainer_helpers as H  # noqa: E402
+from tests.numloss import numeric_reference as R  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 SPEC = {"terms": {"del": {}}}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # 1, 6, 2, 2, 3 and 4 answer digits: micro-batches of these rows hold very different numeric counts
 PROBLEMS = [("3+4=", "7"), ("123456+654321=", "777777"), ("12+30=", "42"), ("9*9=", "81"),
             ("500+499=", "999"), ("1000+2345=", "3345"), ("2+2=", "4"), ("40+2=", "42")]

@@ -16,8 +16,8 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
 from tests.distributed import run_ranks  # noqa: E402
-from tests.integrations import hf_trainer_helpers as H  # noqa: E402
-from tests.integrations.hf_trainer_ranks import zero3_rank  # noqa: E402
+from tests.numloss.integrations import hf_trainer_helpers as H  # noqa: E402
+from tests.numloss.integrations.hf_trainer_ranks import zero3_rank  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
