@@ -3,8 +3,9 @@ model is built. DEL (the ten digits, the decimal point) and NTIL (digits) agains
 digit-level with a "." token, digit-level without one, Llama-3-style groups of three digits (its
 vocabulary holds the ten digits, so the digits policy finds them, but numbers are written in groups), and
 one that merges a digit with the point ("5."); a user's term that needs digits is judged by its
-registration alike. `python -m recipes.train` refuses DEL on the groups-of-three tokenizer with exit 2
-before anything is built or written."""
+registration alike; a numeric policy that cannot serve DEL is refused by the recipe alone.
+`python -m recipes.train` refuses DEL on the groups-of-three tokenizer with exit 2 before anything is
+built or written."""
 
 from __future__ import annotations
 
@@ -139,3 +140,26 @@ def test_validate_reports_what_the_terms_need_of_the_tokenizer(tokenizers, tmp_p
         else:
             assert proc.returncode == 1, proc.stdout + proc.stderr
             assert expected in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_a_policy_that_cannot_serve_del_is_refused_before_any_model():
+    from recipes.checks import preflight
+    from recipes.config import recipe_from_dict
+
+    recipe = recipe_from_dict({
+        "name": "del-test",
+        "model": {"name_or_path": "unused", "tokenizer": "unused", "dtype": "float32"},
+        "data": {"train": "unused"},
+        "optim": {"lr": 1e-3, "warmup_steps": 1},
+        "deepspeed": {"zero_stage": 2},
+        "megatron": {"distributed_optimizer": False},
+        "train": {"engine": "deepspeed", "steps": 1, "micro_batch_size": 2, "grad_accum": 4, "out_dir": "unused",
+                  "export": False},
+    }, ["loss.objective={terms: {del: {}}}"])
+    recipe.loss.numeric_policy = "integers"
+    assert preflight.objective_problems(recipe) == [
+        "loss.objective.terms.del: DEL needs loss.numeric_policy digits, got 'integers'"]
+    recipe.loss.numeric_policy, recipe.loss.space_variants = "digits", True
+    assert preflight.objective_problems(recipe) == [
+        "loss.objective.terms.del: DEL needs the ten digit tokens alone; loss.space_variants adds a second"
+        " token per digit"]

@@ -1,8 +1,9 @@
 """`loss.objective.terms.del` in a recipe, with no other key (the decimal point comes from the tokenizer):
 step 1 on the DeepSpeed engine (ZeRO-2) and on the Megatron engine (TP 1) logs `term/del` equal to the
 float64 reference of DEL on a Hugging Face forward of the same weights and rows, and loss = CE + 0.01 x
-DEL; a recipe whose numeric policy cannot serve DEL is refused before any model is built. One gloo
-process (the engines' tiny Llama and digits tokenizer of tests/recipes/engines/megatron/engine_helpers.py)."""
+DEL. One gloo process (the engines' tiny Llama and digits tokenizer of
+tests/recipes/engines/megatron/engine_helpers.py). A recipe whose numeric policy cannot serve DEL:
+tests/recipes/checks/test_objective_checks.py."""
 
 from __future__ import annotations
 
@@ -88,16 +89,3 @@ def test_del_in_a_recipe_on_both_engines(tmp_path):
         assert row["term/del"] == pytest.approx(want, rel=1e-5), (kind, row["term/del"], want)
         assert row["loss"] == pytest.approx(row["ce"] + 0.01 * row["term/del"], rel=1e-6), kind
     assert set(rows) == set(ENGINES)
-
-
-def test_a_policy_that_cannot_serve_del_is_refused_before_any_model(tmp_path):
-    from recipes.checks import preflight
-
-    recipe = _recipe({"model": "unused", "tokenizer": "unused"}, "deepspeed")
-    recipe.loss.numeric_policy = "integers"
-    assert preflight.objective_problems(recipe) == [
-        "loss.objective.terms.del: DEL needs loss.numeric_policy digits, got 'integers'"]
-    recipe.loss.numeric_policy, recipe.loss.space_variants = "digits", True
-    assert preflight.objective_problems(recipe) == [
-        "loss.objective.terms.del: DEL needs the ten digit tokens alone; loss.space_variants adds a second"
-        " token per digit"]
