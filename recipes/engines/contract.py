@@ -154,8 +154,9 @@ class EngineContract(Protocol):
     Section: type  # that section's dataclass (its settings and their defaults)
 
     def recipe_problems(self, recipe) -> list[str]:
-        """Refusals when the recipe loads (`Recipe.validate`), each naming its key: what this engine
-        cannot train at all (a model kind, a head, LoRA), whatever the other settings."""
+        """Refusals when the recipe loads (`Recipe.validate`; again after `adopt_settings`), each naming its
+        key: what this engine cannot train at all (a model kind, a head, LoRA), and settings that contradict
+        a key it reads (DeepSpeed's raw overrides)."""
 
     def section_problems(self, section) -> list[str]:
         """Errors of this engine's own section, checked for every recipe whichever engine it trains on

@@ -14,6 +14,8 @@ that number only for its own sample counters. The recipe's `train.global_batch_s
 
 from __future__ import annotations
 
+import json
+
 from recipes.parallel_dims import ParallelDims
 
 
@@ -51,6 +53,99 @@ def deepspeed_config(recipe, world_size: int, pin_memory: bool = False) -> dict:
     if ds.tp_size > 1:
         config["tensor_parallel"] = {"autotp_size": ds.tp_size, "vocab_parallel_lm_head": True}
     return _merge(config, ds.overrides)
+
+
+# What the generated config sets from a recipe key that the engine, its plan or the loop also read themselves:
+# an override there would run one value while they decide by the other. (path in the config, the recipe key,
+# its value, the value it gives at that path, who else reads the key.) Overrides elsewhere (bucket sizes,
+# overlap_comm, hpZ, an offload's pin_memory or NVMe path, ...) refine what the keys say and are merged as
+# they are.
+_FROM_KEYS = (
+    (("zero_optimization", "stage"), "deepspeed.zero_stage", lambda r: r.deepspeed.zero_stage,
+     lambda r: r.deepspeed.zero_stage, "the engine's checkpoint layout, the export's gathers and the memory plan"),
+    (("tensor_parallel", "autotp_size"), "deepspeed.tp_size", lambda r: r.deepspeed.tp_size,
+     lambda r: r.deepspeed.tp_size, "the engine's rank groups, checkpoint layout and export, and the memory plan"),
+    (("communication_data_type",), "deepspeed.reduce_dtype", lambda r: r.deepspeed.reduce_dtype,
+     lambda r: r.deepspeed.reduce_dtype if r.model.dtype == "bfloat16" else None, "the traffic plan"),
+    (("train_micro_batch_size_per_gpu",), "train.micro_batch_size", lambda r: r.train.micro_batch_size,
+     lambda r: r.train.micro_batch_size, "the loop (the rows of its micro-batches)"),
+    (("gradient_accumulation_steps",), "train.grad_accum", lambda r: r.train.grad_accum,
+     lambda r: r.train.grad_accum, "the loop (micro-batches per step) and the loss's scaling"),
+    (("gradient_clipping",), "optim.grad_clip", lambda r: r.optim.grad_clip,
+     lambda r: r.optim.grad_clip, "the logged `clipped`"),
+    (("bf16", "enabled"), "model.dtype", lambda r: r.model.dtype,
+     lambda r: r.model.dtype == "bfloat16", "the model's load and the memory plan"),
+    (("fp16", "enabled"), "model.dtype", lambda r: r.model.dtype,
+     lambda r: False, "the model's load and the memory plan"),
+)
+# (the ZeRO offload in the config, the recipe key that turns it on, what it keeps off the GPU, who reads the key)
+_OFFLOADS = (("offload_optimizer", "deepspeed.offload_optimizer", "the optimizer state",
+              "the engine's optimizer choice and the memory plan"),
+             ("offload_param", "deepspeed.offload_params", "the parameters",
+              "the model's load placement and the memory plan"))
+# settings DeepSpeed ignores or checks against what the recipe derives
+_NOT_OVERRIDDEN = {
+    "train_batch_size": "it is derived: train.micro_batch_size x train.grad_accum x the ranks (DeepSpeed refuses "
+                        "any other value when it starts; train.global_batch_size checks the global batch)",
+    "optimizer": "the optim section sets the optimizer; DeepSpeed ignores a config optimizer when it is given the "
+                 "engine's",
+    "scheduler": "the optim section sets the LR schedule; DeepSpeed ignores a config scheduler when it is given the "
+                 "engine's",
+}
+
+
+def override_problems(recipe) -> list[str]:
+    """Where `deepspeed.overrides` contradicts a recipe key the engine reads itself (`_FROM_KEYS`, the
+    offloads), or sets what the recipe derives or DeepSpeed ignores (`_NOT_OVERRIDDEN`): each names the
+    override and the key. Refused when the recipe loads, before a model is built on a config that says
+    one thing while the engine decides by another (e.g. ZeRO-2 run, ZeRO-3 gathers at export)."""
+    overrides = recipe.deepspeed.overrides or {}
+    problems = [f"deepspeed.overrides.{key}: {why}: remove it" for key, why in _NOT_OVERRIDDEN.items()
+                if key in overrides]
+    for section in ("zero_optimization", "tensor_parallel", "bf16", "fp16"):
+        if section in overrides and not isinstance(overrides[section], dict):
+            problems.append(f"deepspeed.overrides.{section}: {_shown(overrides[section])} is not a mapping: it would "
+                            f"replace what the recipe's keys set there; give the settings to change inside it")
+    for path, key, value, gives, reads in _FROM_KEYS:
+        found, set_to = _at(overrides, path)
+        implied = gives(recipe)
+        if found and implied is not None and set_to != implied:
+            sets = f", which sets {_shown(implied)} there" if implied != value(recipe) else ""
+            problems.append(f"deepspeed.overrides.{'.'.join(path)}: {_shown(set_to)} contradicts {key}: "
+                            f"{_shown(value(recipe))}{sets} (read by {reads}): set {key} instead and remove it from "
+                            f"deepspeed.overrides")
+    zero = overrides.get("zero_optimization")
+    for name, key, what, reads in _OFFLOADS:
+        if not isinstance(zero, dict) or name not in zero:
+            continue
+        on = getattr(recipe.deepspeed, key.split(".")[1])
+        value = zero[name]
+        if value is not None and not isinstance(value, dict):
+            continue  # not an offload config: DeepSpeed's own check names it
+        device = (value or {}).get("device", "cpu" if on else "none") if value is not None else "none"
+        if (device not in (None, "none")) == on:
+            continue
+        said = f"deepspeed.overrides.zero_optimization.{name}: {_shown(value)}"
+        if on:
+            problems.append(f"{said} keeps {what} on the GPU, while {key} is true (read by {reads}): set {key}: "
+                            f"false and remove it from deepspeed.overrides")
+        else:
+            problems.append(f"{said} offloads {what}, while {key} is false (read by {reads}): set {key}: true "
+                            f"(the override may still refine the offload: an NVMe device, pin_memory)")
+    return problems
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> tuple[bool, object]:
+    """(whether `tree` sets `path`, the value there)."""
+    for name in path:
+        if not isinstance(tree, dict) or name not in tree:
+            return False, None
+        tree = tree[name]
+    return True, tree
+
+
+def _shown(value) -> str:
+    return json.dumps(value)
 
 
 def zero_comm_settings(recipe, world_size: int) -> dict:

@@ -16,6 +16,7 @@ from recipes.parallel_dims import ParallelDims
 from recipes.planning.moe import MoEShape
 
 from . import plan as engine_plan
+from .config import override_problems
 
 
 @dataclass
@@ -29,7 +30,9 @@ class DeepSpeedSection:
     # depend on its layout through that rounding) | bf16 (half the gradient traffic; the rounding then
     # differs with the data-parallel size: compare losses only between runs with the same setting)
     reduce_dtype: str = "fp32"
-    overrides: dict = field(default_factory=dict)  # merged last into the generated DeepSpeed config
+    # merged last into the generated DeepSpeed config; one that contradicts a key the engine reads is refused
+    # when the recipe loads (config.override_problems)
+    overrides: dict = field(default_factory=dict)
 
 
 # the recipe key behind each entry of layout.json, for the messages
@@ -156,10 +159,12 @@ class DeepSpeedContract:
     # ---- the recipe ----
 
     def recipe_problems(self, recipe) -> list[str]:
+        problems = []
         if recipe.model.lora is not None and recipe.deepspeed.tp_size > 1:
-            return ["model.lora is not supported with deepspeed.tp_size > 1 (AutoTP does not split PEFT's adapter "
-                    "layers)"]
-        return []
+            problems.append("model.lora is not supported with deepspeed.tp_size > 1 (AutoTP does not split PEFT's "
+                            "adapter layers)")
+        # asked again after adopt_settings has written the section's keys
+        return problems + override_problems(recipe)
 
     def section_problems(self, ds: DeepSpeedSection) -> list[str]:
         errors = []

@@ -1,6 +1,7 @@
 """What needs only the recipe, the checkpoint's records and the data's manifest is refused before any model
 is built, and before anything in the run directory is rewritten (recipe.yaml, recipe_history.jsonl):
-recipes/reliability/resume_policy.py (global batch, the ZeRO stage however it is set) and
+recipes/reliability/resume_policy.py (global batch, the ZeRO stage; a stage `deepspeed.overrides` sets against
+`deepspeed.zero_stage` is refused when the recipe loads: recipes/engines/deepspeed/config.py) and
 recipes/checks/preflight.py (every shard's size, or sha256 with `data.verify: full`).
 
 Before: a global batch changed on resume was accepted, the engine built, then the reader raised a plain
@@ -66,9 +67,14 @@ def test_a_global_batch_and_a_zero_stage_the_checkpoint_cannot_take_are_refused_
             "the checkpoint trained with 2 x 1 x 1 = 2") in err, err[-3000:]
     assert "e.g. train.micro_batch_size=2 train.grad_accum=1" in err
 
+    # a stage the overrides set against deepspeed.zero_stage is refused when the recipe loads (the engine
+    # decides by the key); a stage changed in the key (and the overrides), by the checkpoint's layout
     err = _refused_before_the_engine(_start(recipe, out, more, "deepspeed.overrides={zero_optimization: {stage: 2}}"),
                                      out, before)
-    assert "deepspeed.zero_stage: 3 -> 2 (DeepSpeed loads ZeRO state at the stage that saved it" in err, err[-3000:]
+    assert "deepspeed.overrides.zero_optimization.stage: 2 contradicts deepspeed.zero_stage: 3" in err, err[-3000:]
+    err = _refused_before_the_engine(_start(recipe, out, more, "deepspeed.zero_stage=2",
+                                            "deepspeed.overrides={zero_optimization: {stage: 2}}"), out, before)
+    assert "deepspeed.zero_stage: " in err and "was saved with zero_stage=3; this run has 2" in err, err[-3000:]
 
     # the same global batch split otherwise, and the same stage written in the overrides: accepted (the run
     # is finished: nothing to do)
