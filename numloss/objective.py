@@ -220,20 +220,25 @@ class Objective:
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
                     vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                     counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                    diagnostics: bool | None = None) -> ObjectiveOutput:
+                    diagnostics: bool | None = None, logit_transform=None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed one vocabulary chunk at a time and never for the whole vocabulary at once
         (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
-        collectives as the logits path, plus d hidden's all-reduce in backward under TP."""
+        collectives as the logits path, plus d hidden's all-reduce in backward under TP.
+        `logit_transform`: the model's logit scale / soft cap (`numloss.logit_transform.LogitTransform`)."""
         stats = chunked_logit_stats(hidden, weight, labels, self.vocab, group, vocab_start,
                                     self.config.ignore_index, numeric=bool(self.config.terms), chunk_size=chunk_size,
-                                    fused=self.fused)
+                                    fused=self.fused, logit_transform=logit_transform)
         probe = None
         if self._diagnosing(diagnostics):
             flat = hidden.detach().reshape(-1, hidden.shape[-1])
+
+            def block(rows, cols):
+                x = flat[rows] @ weight.detach()[cols].t()
+                return x if logit_transform is None else logit_transform.apply(x).to(x.dtype)
+
             probe = stats if self.config.terms else with_numeric_block(
-                stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index,
-                lambda rows, cols: flat[rows] @ weight.detach()[cols].t())
+                stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index, block)
         return self._output(stats, counts, sequence_ids, probe)
 
     @property
