@@ -16,13 +16,17 @@ Who gives that time, and what happens when it is too short:
 - SLURM, on a preemption, a time limit or `scancel`, signals every process and SIGKILLs after KillWait
   (30 s by default) or the partition's GraceTime, whatever torchrun waits; with `--signal=B:USR1@N`
   (`cluster.preempt_notice_s` = N) the request comes N s before the time limit, so the save has N s.
-Pure arithmetic on numbers the planner gives (`Plan.checkpoint_bytes`, `Plan.step_s`).
+Pure arithmetic on numbers the planner gives (`Plan.checkpoint_bytes`, `Plan.step_s`) and an assumed storage
+bandwidth (`STORAGE_GBPS`).
 """
 
 from __future__ import annotations
 
 import math
 
+# GB/s of aggregate checkpoint writes and reads (an assumption, not measured: a parallel file system's rate);
+# validate prices every save with it (the stop's here, the cadence's in the DeepSpeed report)
+STORAGE_GBPS = 10.0
 TEARDOWN_S = 30.0  # the process groups, the engine and the interpreter's exit (a margin, not measured at scale)
 TORCHRUN_DEFAULT_SHUTDOWN_S = 30  # torch's own TORCH_ELASTIC_SHUTDOWN_TIMEOUT
 TEMPLATE_MIN_SHUTDOWN_S = 300

@@ -15,7 +15,8 @@ e); otherwise each rank streams it a checkpoint shard (~5 GB) at a time (ZeRO-3 
 TP 1 straight onto its GPU, recipes.engines.deepspeed.model.load_placement). At export
 (recipes.engines.deepspeed.export) each rank holds its share, P x e / world + the largest module.
 Checkpoint cadence: a save every train.save_every steps is that many predicted step times of training;
-it writes the checkpoint at STORAGE_GBPS (an assumption: a parallel file system's aggregate write rate).
+it writes the checkpoint at recipes.planning.save_time.STORAGE_GBPS (an assumption: a parallel file system's
+aggregate write rate).
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from recipes.engines.deepspeed.contract import autotp_problem
 from recipes.planning import deepspeed_costs, step_model
 from recipes.planning.lora import lora_memory_estimate
 from recipes.planning.plan import Plan
+from recipes.planning.save_time import STORAGE_GBPS
 from recipes.planning.shape import Shape
 from recipes.planning.step_model import GiB
 from recipes.validation import recommend
 from recipes.validation.report import gib
-
-STORAGE_GBPS = 10.0  # GB/s of aggregate checkpoint writes (an assumption, not measured)
 
 
 def add_plan(rep, recipe, cfg, total: int, largest: int, *, hw: step_model.Hardware, rows: step_model.Rows,

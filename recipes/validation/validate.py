@@ -68,10 +68,9 @@ from recipes.planning.backbones import KNOWN_BACKBONES, count_parameters, resolv
 from recipes.planning.device_memory import device_memory
 from recipes.planning.lora import adapter_parameters
 from recipes.planning.moe import imbalance_problem
-from recipes.planning.save_time import shutdown_warnings
+from recipes.planning.save_time import STORAGE_GBPS, shutdown_warnings
 from recipes.planning.step_model import hardware as recipe_hardware, row_tokens
 from recipes.validation import deepspeed_report, megatron_report
-from recipes.validation.deepspeed_report import STORAGE_GBPS
 from recipes.validation.recommend import recommend as recommend_layout
 from recipes.validation.report import Report, params_text
 
