@@ -23,8 +23,11 @@ SWEEP.yaml:
 
 Job J = `<backbone>-<loss>-s<seed>`, trained with overrides base < sweep `overrides` < backbone < loss <
 `train.seed=S`, `train.out_dir=<out_dir>/J`, `name=J`. Jobs run one after another (each takes the whole
-allocation); a finished job (its `final/` or its last step logged) is skipped when the sweep is run
-again, and an interrupted one resumes from its own checkpoints. `--collect` only rebuilds the table.
+allocation); a finished job (its last checkpoint at `train.steps` and, when it exports, a `final/` that
+records that checkpoint: `recipes.reliability.resume_policy.run_finished`) is skipped when the sweep is run
+again, with its evaluation if it has one; an interrupted one resumes from its own checkpoints, and one whose
+`final/` is missing or holds an earlier step is started again (its start exports the last checkpoint) and
+evaluated again. `--collect` only rebuilds the table.
 Before the first job trains, every job's recipe is loaded as its run will load it (`job_recipes`): a loss
 whose objective or `loss.plugins` cannot load stops the sweep there (exit 2) naming the job. A loss of the
 user's own is a loss like the others: `mine: ["loss.plugins=[mypkg.terms]", "loss.objective={terms: {my_term: {}}}"]`.
@@ -60,6 +63,7 @@ from recipes.config import load_recipe
 from recipes.evaluation.evaluate import evaluate
 from recipes.evaluation.placement import local_gpus, plan_placement
 from recipes.evaluation.stats import MIN_SEEDS, seed_differences, two_level_bootstrap, versus_cells
+from recipes.reliability.resume_policy import run_finished
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 SWEEP_KEYS = {"name", "base", "out_dir", "overrides", "backbones", "losses", "seeds", "launcher",
@@ -138,14 +142,6 @@ def load_sweep(path: str | Path) -> Sweep:
 # ---- running ------------------------------------------------------------------------------------------
 
 
-def _finished(job: Job, steps: int) -> bool:
-    metrics = job.out_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return False
-    rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-    return bool(rows) and rows[-1]["step"] >= steps and (job.out_dir / "checkpoints" / "latest").is_file()
-
-
 def run_job(sweep: Sweep, job: Job, address: str | None = None) -> None:
     if sweep.launcher == "ray":
         from launch.ray import run
@@ -211,14 +207,16 @@ def run_sweep(sweep: Sweep, address: str | None = None, only: list[str] | None =
     for job in sweep.jobs:
         if only and job.name not in only:
             continue
-        steps = recipes[job.name].train.steps
-        if _finished(job, steps):
-            print(f"[launch.sweep] {job.name}: done already", flush=True)
-        else:
+        # the resume policy's rule: its last checkpoint at train.steps and, when it exports, final/ holding
+        # that checkpoint (an export cut short leaves an earlier model there: the job's own start exports it)
+        ran = not run_finished(recipes[job.name], job.out_dir)
+        if ran:
             print(f"[launch.sweep] {job.name}: training in {job.out_dir}", flush=True)
             run_job(sweep, job, address)
-        if sweep.evaluate and not (job.out_dir / "eval_results.json").is_file():
-            EVALUATE(sweep, job)
+        else:
+            print(f"[launch.sweep] {job.name}: done already", flush=True)
+        if sweep.evaluate and (ran or not (job.out_dir / "eval_results.json").is_file()):
+            EVALUATE(sweep, job)  # a job that ran again has a new final/: an earlier evaluation is of another model
     return collect(sweep)
 
 

@@ -50,7 +50,7 @@ from recipes.config import Recipe
 from recipes.engines import ENGINES, engine_contract
 from recipes.engines.contract import REFUSED, RUN, TRAINING, ResumeRule
 
-from .checkpoints import MANIFEST, CheckpointDirs, tag_step
+from .checkpoints import LATEST, MANIFEST, STEP_DIR, CheckpointDirs, tag_step
 from .export_writer import clean_leftovers, read_record
 from recipes.training.runtime import Runtime
 from recipes.training.schedule import Schedule
@@ -353,6 +353,22 @@ def decide(recipe: Recipe, tag: str | None, saved: dict | None, out: Path, saved
     if changes:
         plan.lr_first_step = (Schedule.of_dict(saved).lr_of_step(step + 1), Schedule.of(recipe).lr_of_step(step + 1))
     return plan
+
+
+def run_finished(recipe: Recipe, out: Path) -> bool:
+    """Whether the run in `out` is finished by the rule of the module docstring, read from its files alone
+    (no collective; nothing verified or recovered, which a start of the run does): `latest` names a
+    checkpoint at `train.steps` or past it and, when the recipe exports, `final/` records that checkpoint.
+    For a caller outside the run (launch.sweep): a run it calls unfinished is started, and that start
+    decides (`plan_resume`), exporting a last checkpoint `final/` does not hold."""
+    marker = out / "checkpoints" / LATEST
+    try:
+        tag = marker.read_text().strip() if marker.is_file() else None
+    except (OSError, UnicodeDecodeError):
+        return False
+    if tag is None or not STEP_DIR.fullmatch(tag) or tag_step(tag) < recipe.train.steps:
+        return False
+    return not recipe.train.export or export_holds(out, tag)
 
 
 def export_holds(out: Path, tag: str) -> bool:

@@ -162,3 +162,47 @@ def test_jobs_of_del_and_of_a_users_term_build_and_a_bad_loss_stops_the_sweep_be
         assert not (tmp_path / "sweep").exists()
     finally:
         P.forget_package()
+
+
+def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluated_again(tmp_path, monkeypatch):
+    """Every job of this sweep logged and saved its last step (6) and was evaluated; `final/` records step 6
+    (the checkpoint's checkpoint.json by its sha256) for seed 0, step 4 for seed 1 (an export cut short
+    after the last save), and step 6 of an earlier save of that step (another checkpoint.json) for seed 2.
+    The sweep asks the resume policy: seed 0 is done; seeds 1 and 2 are started again (their start exports
+    the last checkpoint) and their earlier evaluations, of another model, are redone."""
+    import hashlib
+    from dataclasses import asdict
+
+    import launch.sweep as S
+    from recipes.reliability.export_writer import RECORD, ExportRecord
+
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
+                                    "data": {"train": "data"}, "train": {"steps": 6, "export": True}}))
+    spec = {"name": "stale", "base": str(base), "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1, 2],
+            "backbones": {"tiny": []}, "losses": {"ce": []}}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
+    sweep = S.load_sweep(tmp_path / "sweep.yaml")
+    for job, (step, same_save) in zip(sweep.jobs, [(6, True), (4, True), (6, False)]):
+        checkpoint = job.out_dir / "checkpoints" / "step_00000006"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "checkpoint.json").write_text(json.dumps({"files": {"model.pt": "a"}}))
+        (job.out_dir / "checkpoints" / "latest").write_text("step_00000006")
+        sha = hashlib.sha256((checkpoint / "checkpoint.json").read_bytes()).hexdigest()
+        record = ExportRecord(step, f"step_{step:08d}", sha if same_save else hashlib.sha256(b"earlier").hexdigest(),
+                              "recipe", "deepspeed")
+        (job.out_dir / "final").mkdir()
+        (job.out_dir / "final" / RECORD).write_text(json.dumps(asdict(record)))
+        (job.out_dir / "metrics.jsonl").write_text(json.dumps({"step": 6, "loss": 1.0, "ce": 1.0}) + "\n")
+        (job.out_dir / "eval_results.json").write_text(json.dumps({"metrics": {"n": 10, "exact_match": 0.1}}))
+    ran, evaluated = [], []
+    monkeypatch.setattr(S, "run_job", lambda sweep, job, address=None: ran.append(job.name))
+    monkeypatch.setattr(S, "EVALUATE", lambda sweep, job: evaluated.append(job.name))
+    S.run_sweep(sweep)
+    assert ran == evaluated == ["tiny-ce-s1", "tiny-ce-s2"]
+    # without export, the last checkpoint alone finishes a job
+    monkeypatch.setattr(S, "job_recipes", lambda sweep, only=None: {
+        job.name: S.load_recipe(base, [*job.overrides, "train.export=false"]) for job in sweep.jobs})
+    ran.clear()
+    S.run_sweep(sweep)
+    assert ran == []
