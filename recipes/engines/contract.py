@@ -202,14 +202,6 @@ class EngineContract(Protocol):
         """Changes of the recipe's own layout (`now`, its plan) that shorten its step or cost fewer
         GPU-seconds and fit, each a `recipes.planning.plan.Candidate` (validate's advice)."""
 
-    def layout_candidates(self, recipe, model_cfg, **options) -> list:
-        """The layouts of this engine the recommender weighs for the recipe's model and cluster, each a
-        `recipes.planning.plan.Candidate` that fits (`plan.py`'s `layout_candidates`)."""
-
-    def layout_changes(self, recipe, model_cfg, **options) -> list:
-        """Changes of the recipe's own layout the cost model says are faster or cheaper (Candidates; an
-        engine whose candidates already span every layout it runs returns none)."""
-
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
         """What a checkpoint records of the layout that saved it (`layout.json`)."""
 
