@@ -1,6 +1,6 @@
-"""Issue 27, preemption on SLURM: the rendered torchrun script under a fake srun/scontrol
+"""Preemption on SLURM: the rendered torchrun script under a fake srun/scontrol
 (tests/launch/fake_slurm.py) and a fake `torchrun` that trains until `<out_dir>/PREEMPT` appears, as
-rank 0 of recipes.train does (the real run's side is tests/recipes/reliability/test_reliability_preemption.py).
+rank 0 of recipes.train does (the real run's side is tests/recipes/reliability/test_preemption.py).
 
 SIGUSR1 to the batch shell (what `#SBATCH --signal=B:USR1@N` sends N seconds before the time limit):
 its trap writes PREEMPT while the step goes on, the run stops, and the script requeues the job and

@@ -1,11 +1,10 @@
 """Preemption on a real 2-rank torchrun job (tiny Llama, DeepSpeed ZeRO-3, gloo), save_every 0 and 400
-steps, so nothing is saved unless the stop request saves it. Issues 27 and 38.
+steps, so nothing is saved unless the stop request saves it (recipes/reliability/preemption.py).
 
-Issue 38: SLURM signals every process of the job step, and torchrun forwards its own SIGTERM to the
-ranks, so each rank gets two SIGTERMs milliseconds apart; the second used to kill the rank. Signalling
-torchrun and its ranks together, 2 of 4 tries ended in under 1 s with no checkpoint; two SIGTERMs 50 ms
-apart to a rank killed both ranks (-15), nothing saved. The earlier test signalled torchrun alone, the
-one delivery a SLURM cluster never makes. One run directory, five starts, each resuming the last:
+SLURM signals every process of the job step, and torchrun forwards its own SIGTERM to the ranks, so each
+rank gets two SIGTERMs milliseconds apart; a second SIGTERM that reached Python's default handler would
+kill the rank (-15) before it saved, and its peer with it. Signalling torchrun alone, the one delivery a
+SLURM cluster never makes, would not show that. One run directory, five starts, each resuming the last:
 
 1. `<out_dir>/PREEMPT` appears (the SLURM template's trap). Only rank 0 looks for it; rank 1 learns of
    it through the step's all-reduce. Both save the step and exit 75; the file is gone.
@@ -17,7 +16,7 @@ one delivery a SLURM cluster never makes. One run directory, five starts, each r
 5. SIGTERM to both ranks while they start (handlers installed, engine not yet built): both exit 75
    before their first step; nothing new is trained or saved, `latest` is unchanged.
 After each: `latest` names the step, the next start resumes from it, and metrics.jsonl holds every step
-once. The racy deliveries (2-4) are three chances for the old 50% failure.
+once. The racy deliveries (2-4) are three chances for a second signal to land before the first is handled.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Issue 27: checkpoints are verified (recipes.reliability.checkpoints), on 2 real gloo ranks with a stand-in
+"""Checkpoints are verified (recipes.reliability.checkpoints), on 2 real gloo ranks with a stand-in
 engine that writes one state file per rank, as DeepSpeed writes its shards.
 
-- a truncated file in the newest checkpoint (before: `PytorchStreamReader failed reading zip archive`
-  from inside DeepSpeed, naming no file, no fallback): the run names the file, warns, resumes from the
-  previous intact checkpoint (and keeps the corrupt one aside); with `resume_fallback: false` it refuses
-  and prints the command that falls back;
+- a truncated file in the newest checkpoint (unverified, DeepSpeed would fail with `PytorchStreamReader
+  failed reading zip archive`, naming no file, with no fallback): the run names the file, warns, resumes
+  from the previous intact checkpoint (and keeps the corrupt one aside); with `resume_fallback: false` it
+  refuses and prints the command that falls back;
 - a planted `rank_00000.pt` that would run code when unpickled (a shared run directory; its entry in
   checkpoint.json rewritten to match): refused by `torch.load(weights_only=True)`, nothing runs;
 - every save wrote checkpoint.json (size and sha256 of every file) before `latest` named it;
@@ -139,7 +139,8 @@ def _failed_and_unfinished_saves(rank, world, root: str):
     dirs.save(2, data, _engine_writing(rank, 64), {})
 
     # rank 1's shard of step 4 passes its file-size limit: the kernel refuses the write (EFBIG) and torch's
-    # writer raises "unexpected pos ..." naming no file; before, rank 0 then waited in the engine's barrier
+    # writer raises "unexpected pos ..." naming no file; a failure not shared would leave rank 0 waiting in
+    # the engine's barrier
     if rank == 1:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -196,8 +197,8 @@ def test_a_failed_save_fails_on_every_rank_and_leftovers_never_shadow_a_good_che
     """A write that fails on rank 1 (a real kernel refusal) fails the save on both ranks with the file, the
     rank and the free space; `latest` stays on step 2. Leftovers of saves killed half-way are cleared at
     the next start (the complete one `latest` never named kept aside), and pruning with keep_last 1 and 2
-    keeps the newest intact checkpoints. Before: rank 0 hung in the barrier, and pruning by name deleted
-    the checkpoint just saved while keeping the partial step 5."""
+    keeps the newest intact checkpoints: rank 0 does not hang in the barrier, and pruning by name would
+    delete the checkpoint just saved while keeping the partial step 5."""
     run_ranks(2, _failed_and_unfinished_saves, str(tmp_path), timeout=120)
     err = capfd.readouterr().err
     assert f"removed {tmp_path / 'step_00000005'}: newer than step_00000002" in err, err[-3000:]
@@ -251,8 +252,8 @@ def _resume(rank, world, root: str, expected: int, marker: str | None):
 
 
 def test_a_verified_save_cut_short_is_committed_and_a_lost_latest_resumes_the_newest(tmp_path, capfd):
-    """Before: a missing `latest` renamed every checkpoint `skipped_step_*` and the run started at step 0,
-    and a staging directory with its checkpoint.json was thrown away the same way."""
+    """A missing `latest` does not set every checkpoint aside as `skipped_step_*` (the run would start at
+    step 0), and a staging directory with its checkpoint.json is committed, not thrown away."""
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     with pytest.raises((ProcessExitedException, ProcessRaisedException)):  # rank 0 killed, rank 1 left alone

@@ -1,9 +1,9 @@
 """A rank whose launcher is gone stops at the next step boundary with its step saved (recipes/reliability/
 launcher_watch.py). A real 2-rank torchrun job (tiny Llama, DeepSpeed ZeRO-3, save_every 0, 400 steps, the
-watchdog on); after 3 logged steps only torchrun's agent is SIGKILLed. Before: its ranks trained on to the
-last step, printed ~500 C++ stack frames (each failed call to the agent's store) and waited up to 40 s at
-exit. Now each rank says its launcher is gone, both save the same step and exit within seconds, no
-frame is printed, and the same command resumes from that step.
+watchdog on); after 3 logged steps only torchrun's agent is SIGKILLed. Unwatched, its ranks would train on
+to the last step, print ~500 C++ stack frames (each failed call to the agent's store) and wait up to 40 s
+at exit. Each rank says its launcher is gone, both save the same step and exit within seconds, no frame
+is printed, and the same command resumes from that step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Issue 38: a frozen rank held the job for `train.dist_timeout_minutes` (60 min) and nobody named it.
+"""The watchdog (recipes/reliability/watchdog.py): without it a frozen rank holds the job for
+`train.dist_timeout_minutes` (60 min) and nobody names it.
 
 - The rule (`find_stall`), by hand: silent ranks, stuck ranks that others wait for, and what is never
   judged (the start, a save, ranks all in one place, ranks that left).
