@@ -2,7 +2,10 @@
 format in a subprocess with its own timeout, keeps a failed attempt's partial output, and the other ranks
 wait on the process group's store (not in a collective that times out after train.dist_timeout_minutes)
 and fail with rank 0's message. 2 gloo ranks; the converter is a stand-in command (the real
-ds_to_universal conversion is tested by tests/recipes/test_train_layouts.py's DP-change resume)."""
+ds_to_universal conversion is tested by tests/recipes/test_train_layouts.py's DP-change resume).
+
+`load_failure_hint`: the advice of a checkpoint that does not load sends the user to an older checkpoint
+("point latest at ...") only when the checkpoint may be damaged, never when it holds another model."""
 
 from __future__ import annotations
 
@@ -10,7 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from recipes.engines.deepspeed import checkpoints as C
+from recipes.engines.deepspeed.checkpoints import load_failure_hint
 from tests.distributed import run_ranks
 
 FAKE = ("import os, sys, time; out, mode = sys.argv[1], sys.argv[2]; os.makedirs(out, exist_ok=True); "
@@ -61,3 +68,15 @@ def test_the_deadline_scales_with_the_checkpoint_and_several_workers_convert(tmp
     assert C.conversion_timeout_s(850e9) > 2 * C.conversion_timeout_s(100e9) > 600
     cmd = C.ds_to_universal_command(tmp_path / "a", tmp_path / "b", 8)
     assert cmd[cmd.index("--num_extract_workers") + 1] == "8" and cmd[cmd.index("--num_merge_workers") + 1] == "4"
+
+
+def test_a_checkpoint_of_another_model_is_not_sent_to_an_older_checkpoint(tmp_path):
+    wider = torch.nn.Linear(4, 8).state_dict()
+    with pytest.raises(RuntimeError) as mismatch:  # torch's own error for another width
+        torch.nn.Linear(4, 4).load_state_dict(wider)
+    step = tmp_path / "checkpoints" / "step_00000004"
+    hint = load_failure_hint(mismatch.value, step)
+    assert "holds another model than this recipe builds" in hint and "latest" not in hint
+    assert str(tmp_path / "recipe.yaml") in hint
+    damaged = load_failure_hint(RuntimeError("PytorchStreamReader failed reading zip archive"), step)
+    assert f"echo step_XXXXXXXX > {tmp_path / 'checkpoints' / 'latest'}" in damaged

@@ -1,8 +1,7 @@
-"""Issue 27: one run per train.out_dir (recipes.reliability.run_lock) and a metrics.jsonl that a restart
-trims instead of duplicating (recipes.training.run_log).
-
-A second run used to start in a used out_dir without a word: both exited 0, the second resumed from the
-first's checkpoint, both wrote the same step directories, and metrics.jsonl ended with steps twice."""
+"""One run per train.out_dir (recipes.reliability.run_lock): a second run in a used out_dir is refused naming
+the holder; unlocked, both would exit 0, the second resuming from the first's checkpoint, both writing the
+same step directories and metrics.jsonl ending with steps twice. A dead holder's lock is removed; one from
+another host is refused unless it is this run's own (the same job, requeued)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from recipes.reliability.run_lock import LOCK, RunLock, RunLocked
-from recipes.training.run_log import append_row, truncate_rows
 
 REPO = Path(__file__).resolve().parents[3]
 HOLD = ("import sys, time; from recipes.reliability.run_lock import RunLock; "
@@ -79,15 +77,3 @@ def test_train_refuses_a_used_out_dir_before_building_anything(tmp_path, holder,
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [LOCK]  # nothing else written
     assert time.time() - started < 120
 
-
-def test_metrics_rows_are_appended_whole_and_a_restart_drops_the_rows_past_its_checkpoint(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    for step in (1, 2, 3, 4, 3):  # a duplicate of step 3 from an earlier, unlocked run
-        append_row(path, {"step": step, "loss": float("nan") if step == 4 else 1.0 / step})
-    with path.open("a") as f:
-        f.write('{"step": 5, "lo')  # torn by a crash mid-write
-    truncate_rows(path, 3)  # resuming from the checkpoint of step 3
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    truncate_rows(path, 0)  # no checkpoint: nothing logged before counts
-    assert path.read_text() == ""
