@@ -1,19 +1,19 @@
 """A run is finished only when `final/` holds its last step; an interrupted save or export is finished by the
 same command (recipes/reliability/export_writer.py, resume_policy.py, checkpoints.py). Real torchrun jobs
-of `recipes.train` on a tiny Llama, faults injected by tests/recipes/reliability/faults (a sitecustomize),
+of `recipes.train` on a tiny Llama, faults injected by tests/recipes/faults (a sitecustomize),
 one run directory per engine, in order:
 
 1. 4 steps with export: `final/` records step 4.
 2. The same run for 6 steps; SIGTERM to torchrun and the rank while step 6's save is staged (SLURM's
    delivery): the save completes, exit 75 with the export not started; `final/` is still step 4's, whole.
-   Before: the next start said "already finished ... final is there", exit 0, and `final/` kept the 4-step
-   weights for good.
+   A start that judged the run by `final/`'s presence alone would say "already finished", exit 0, and
+   `final/` would keep the 4-step weights for good.
 3. The same command: exports step 6; `final/` loads with from_pretrained (weights and tokenizer) and its
    weights are step 6's checkpoint read independently.
 4. DeepSpeed only (2 ranks): 8 steps; at step 8's commit, after its checkpoint.json, SIGTERM and rank 0
    stalls; torchrun's shutdown timeout (3 s) SIGKILLs the ranks mid-commit. `latest` still names step 6.
 5. The same command, with rank 1 (Megatron: rank 0) SIGKILLed right after writing its export shard: the
-   start commits the verified step 8 (it was thrown away before: the run resumed from 6), trains nothing,
+   start commits the verified step 8 (not thrown away: the run would resume from 6), trains nothing,
    and dies mid-export: `final/` is step 6's, whole, and loads.
 6. The same command: `final/` holds step 8's weights and loads.
 """
