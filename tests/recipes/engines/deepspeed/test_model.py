@@ -92,7 +92,7 @@ def _rank(rank, world, root: str, stages: tuple, expected: list):
     for stage in stages:
         recipe = _recipe(root, stage, tp=world)
         ds_config = deepspeed_config(recipe, world)
-        ds_config.pop("train_batch_size")  # DeepSpeed derives it (its AutoTP bookkeeping is issue 12's)
+        ds_config.pop("train_batch_size")  # DeepSpeed derives it (its count under AutoTP: deepspeed/config.py)
         model, live = build_model(recipe, ds_config, torch.device("cpu"))
         wrapper = training_module(model, _objective(), recipe)
         assert wrapper is model and wrapper.config.num_key_value_heads == 1
