@@ -22,6 +22,14 @@ def rec_data_dir(tmp_path_factory, rec_tokenizer_dir):
     return out
 
 
+@pytest.fixture(scope="module")
+def demo_on_test_data(rec_data_dir, rec_tokenizer_dir):
+    """The demo recipe's overrides onto the 24-row test data: 2 ranks x 4 rows = a global batch of 8, 3 steps an
+    epoch; the model's vocabulary sized to the test tokenizer (388 tokens)."""
+    return [f"data.train={rec_data_dir}", f"model.tokenizer={rec_tokenizer_dir}", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "train.steps=3", "data.eval=null", "model.config.vocab_size=512"]
+
+
 @pytest.fixture(scope="session")
 def rec_model_dir(tmp_path_factory, rec_tokenizer_dir):
     """A tiny random Llama saved with its tokenizer, as recipes/train.py exports `final/`."""

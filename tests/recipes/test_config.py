@@ -4,6 +4,7 @@
 - `loss.objective` is numloss's typed `ObjectiveConfig` from the moment the recipe loads, read once and
   carried as it is to the resume policy and the engine; the recipe's dump still writes it as the file
   wrote it, so recipe.yaml and a checkpoint's recipe.json hold the same mapping as before.
+- Non-finite and negative optimizer settings and bad term weights and options do not load.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import yaml
 
 from numloss import ObjectiveConfig
 from recipes.config import Recipe, dump_recipe, load_recipe, recipe_from_dict
+from recipes.validation.validate import validate_recipe
 from tests.distributed import run_ranks
 
 CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
@@ -141,6 +143,22 @@ def test_the_objective_is_typed_once_when_the_recipe_loads(tmp_path, monkeypatch
 def test_strict_errors_name_the_key_under_loss_objective(override, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         recipe_from_dict(RECIPE, [override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("optim.lr=.inf", "optim.lr: must be a finite number"),
+    ("optim.lr=.nan", "optim.lr: must be a finite number"),
+    ("optim.eps=0", "optim.eps: must be > 0"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas"),
+    ("loss.objective={terms: {smmd: -3}}", "loss.objective.terms.smmd.weight: must be >= 0"),
+    ("loss.objective={terms: {smmd: {sigmas: [0]}}}", "loss.objective.terms.smmd.sigmas"),
+    ("loss.objective={terms: {smmd: {sigmas: 2.0}}}", "loss.objective.terms.smmd.sigmas: expected a non-empty list"),
+])
+def test_non_finite_and_negative_settings_do_not_load(demo_on_test_data, override, key):
+    """Refused when the recipe loads (`Recipe.validate`, numloss's `ObjectiveConfig` for the terms);
+    `recipes.validate` reports it as its first error."""
+    rep = validate_recipe(CONFIGS / "demo.yaml", [*demo_on_test_data, override], offline=True, size=False)
+    assert rep.numbers.get("load_error") and key in rep.errors[0], rep.errors
 
 
 def test_the_dump_is_the_recipe_as_written(tmp_path):

@@ -3,7 +3,8 @@ model is built. DEL (the ten digits, the decimal point) and NTIL (digits) agains
 digit-level with a "." token, digit-level without one, Llama-3-style groups of three digits (its
 vocabulary holds the ten digits, so the digits policy finds them, but numbers are written in groups), and
 one that merges a digit with the point ("5."); a user's term that needs digits is judged by its
-registration alike; a numeric policy that cannot serve DEL is refused by the recipe alone.
+registration alike; a numeric policy that cannot serve DEL is refused by the recipe alone, and NTIL on
+a policy other than digits by `recipes.validate` and `preflight` alike.
 `python -m recipes.train` refuses DEL on the groups-of-three tokenizer with exit 2 before anything is
 built or written."""
 
@@ -18,6 +19,7 @@ import yaml
 
 from tests.recipes.torchrun_helpers import REPO
 
+DEMO = REPO / "recipes" / "configs" / "demo.yaml"
 TEXTS = ["Calculate 0123456789 + - * / = . ( )", "12345.678 is 1.5 and 0.25"]
 
 
@@ -163,3 +165,15 @@ def test_a_policy_that_cannot_serve_del_is_refused_before_any_model():
     assert preflight.objective_problems(recipe) == [
         "loss.objective.terms.del: DEL needs the ten digit tokens alone; loss.space_variants adds a second"
         " token per digit"]
+
+
+def test_ntil_on_a_non_digits_policy_is_refused_by_both(demo_on_test_data):
+    from recipes.checks import preflight as checks
+    from recipes.config import load_recipe
+    from recipes.validation.validate import validate_recipe
+
+    overrides = [*demo_on_test_data, "loss.numeric_policy=integers", "loss.objective={terms: {ntil: 0.3}}"]
+    rep = validate_recipe(DEMO, overrides, offline=True, size=False)
+    assert any(e.startswith("loss.objective.terms.ntil") for e in rep.errors)
+    with pytest.raises(checks.RecipeCheckError, match="NTIL needs loss.numeric_policy digits"):
+        checks.preflight(load_recipe(DEMO, overrides), world_size=2)
