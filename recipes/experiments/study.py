@@ -63,6 +63,9 @@ LOSSES = {
     "smmd": {"terms": {"smmd": {}}},
     "smmd_mmd": {"terms": {"smmd": {"mode": "mmd"}}},
     "smmd_smooth": {"terms": {"smmd": {"mode": "smooth"}}},
+    "del": {"terms": {"del": {}}},  # the authors' weight, 0.01
+    # 30x: at the backbone's first step DEL is 8.3 against CE 6.6, so 0.3 makes it ~0.4 of CE (0.01: ~0.01)
+    "del_0.3": {"terms": {"del": {"weight": 0.3}}},
 }
 ADD_SUB = {"min_digits": 1, "max_digits": 3, "terms": 2, "negatives": False, "decimals": 0, "mixed_ops": 2}
 MUL = {**ADD_SUB, "max_digits": 2}
