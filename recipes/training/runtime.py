@@ -44,6 +44,23 @@ def _skip_cpu_shm_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+def import_deepspeed():
+    """`import deepspeed` without its autotuner's `import mlflow`: DeepSpeed imports mlflow at module load
+    wherever it is installed (the `mlflow` extra; ~2 CPU s, a sixth of a rank's start-up) only to log
+    autotuning experiments, which the recipes never run. mlflow stays importable afterwards (the run's
+    tracker, `train.tracking`, imports it itself)."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed sets has_mlflow = False
+    try:
+        import deepspeed
+    finally:
+        del sys.modules["mlflow"]
+    return deepspeed
+
+
 def quiet_deprecated_collectives() -> None:
     """Ignore torch's FutureWarnings for the collectives DeepSpeed's ZeRO calls (`all_gather_into_tensor`,
     `reduce_scatter_tensor`). They are raised on every call, not once: code elsewhere enters
@@ -81,7 +98,7 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
         return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if not cuda:
         _skip_cpu_shm_op()

@@ -7,6 +7,7 @@
 - setup_distributed silences torch's per-call deprecation warnings for the collectives DeepSpeed's ZeRO
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
 - clear_method_caches frees the instances a method's `lru_cache` keeps.
+- DeepSpeed is imported without the mlflow import its autotuner makes (~2 CPU s of every rank's start).
 """
 
 from __future__ import annotations
@@ -124,3 +125,17 @@ def test_clear_method_caches_frees_what_a_method_cache_keeps():
     clear_method_caches([Child])
     gc.collect()
     assert child_ref() is None and other_ref() is not None
+
+
+def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
+    """DeepSpeed's autotuner imports mlflow at module load when it is installed (~2 CPU s a rank); the
+    runtime's import hides it for that import only."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("mlflow")
+    code = ("import sys; from recipes.training.runtime import import_deepspeed; import_deepspeed(); "
+            "loaded = 'mlflow' in sys.modules; import deepspeed.autotuning.autotuner as a; import mlflow; "
+            "print(loaded, a.has_mlflow, mlflow.__name__)")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout
