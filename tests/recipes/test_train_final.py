@@ -1,25 +1,28 @@
 """A run is finished only when `final/` holds its last step; an interrupted save or export is finished by the
 same command (recipes/reliability/export_writer.py, resume_policy.py, checkpoints.py). Real torchrun jobs
 of `recipes.train` on a tiny Llama, faults injected by tests/recipes/faults (a sitecustomize),
-one run directory per engine, in order:
+one run directory per engine, in order (DeepSpeed 5 launches of 2 ranks, Megatron 4 of 1):
 
 1. 4 steps with export: `final/` records step 4.
 2. The same run for 6 steps; SIGTERM to torchrun and the rank while step 6's save is staged (SLURM's
    delivery): the save completes, exit 75 with the export not started; `final/` is still step 4's, whole.
    A start that judged the run by `final/`'s presence alone would say "already finished", exit 0, and
    `final/` would keep the 4-step weights for good.
-3. The same command: exports step 6; `final/` loads with from_pretrained (weights and tokenizer) and its
-   weights are step 6's checkpoint read independently.
-4. DeepSpeed only (2 ranks): 8 steps; at step 8's commit, after its checkpoint.json, SIGTERM and rank 0
-   stalls; torchrun's shutdown timeout (3 s) SIGKILLs the ranks mid-commit. `latest` still names step 6.
-5. The same command, with rank 1 (Megatron: rank 0) SIGKILLed right after writing its export shard: the
-   start commits the verified step 8 (not thrown away: the run would resume from 6), trains nothing,
-   and dies mid-export: `final/` is step 6's, whole, and loads.
-6. The same command: `final/` holds step 8's weights and loads.
+3. The same command sees step 6 trained but not exported and exports it, with rank 1 (Megatron: rank 0)
+   SIGKILLed right after writing its export shard: `final/` is step 4's, whole, and loads.
+4. DeepSpeed only (2 ranks): 8 steps (the start first removes the killed export's leftovers); at step 8's
+   commit, after its checkpoint.json, SIGTERM and rank 0 stalls; torchrun's shutdown timeout (3 s)
+   SIGKILLs the ranks mid-commit. `latest` still names step 6.
+5. The same command (DeepSpeed 8 steps, Megatron 6): DeepSpeed commits the verified step 8 (not thrown
+   away: the run would resume from 6) and trains nothing; Megatron removes the killed export's leftovers;
+   both export the last step without training: `final/` loads with from_pretrained (weights and
+   tokenizer) and its weights are that step's checkpoint read independently. The next start's decision
+   (resume_policy.decide on the run's files) is "already finished".
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +124,20 @@ def _same(loaded: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], e
         assert torch.equal(loaded[key], value[:loaded[key].shape[0]].to(loaded[key].dtype)), key
 
 
+def _finished(recipe: Path, out: Path, *overrides: str) -> str:
+    """What the next start of the same command decides, by its own rule (resume_policy.decide on the run's
+    files, the checkpoint's recorded recipe): the decision comes before any engine is built, so no launch is
+    needed to read it (tests/recipes/reliability/test_resume_policy.py starts a finished run)."""
+    from recipes.config import load_recipe
+    from recipes.reliability.resume_policy import decide
+
+    tag = (out / "checkpoints" / "latest").read_text()
+    saved = json.loads((out / "checkpoints" / tag / "recipe.json").read_text())
+    plan = decide(load_recipe(recipe, [f"train.out_dir={out}", *overrides]), tag, saved, out)
+    assert plan.finished, plan
+    return plan.message
+
+
 def _sequence(root: Path, recipe: Path, engine: str) -> None:
     out, tok = root / engine, root / "tok"
     nproc = 2 if engine == "deepspeed" else 1
@@ -128,59 +145,65 @@ def _sequence(root: Path, recipe: Path, engine: str) -> None:
     checkpoint = _deepspeed_checkpoint if engine == "deepspeed" else _megatron_checkpoint
     every = engine == "deepspeed"  # Megatron: the tensors its checkpoint holds as the export does
 
+    # 1. 4 steps with export
     code, output = _run(recipe, out, *args, nproc=nproc)
     assert code == 0, output[-4000:]
     assert _final_step(out) == 4
+    step4 = _loaded(out, tok)
 
     # 2. SIGTERM while the last save is staged
     code, output = _run(recipe, out, *args, "train.steps=6", nproc=nproc, fault="0:sigterm_at_save:6")
     assert code != 0 and "the export not started; the same command exports it" in output, output[-4000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000006"
-    assert _final_step(out) == 4 and _loaded(out, tok)
+    assert _final_step(out) == 4
+    _same(_loaded(out, tok), step4)
 
-    # 3. the same command exports it
-    code, output = _run(recipe, out, *args, "train.steps=6", nproc=nproc)
-    assert code == 0, output[-4000:]
+    # 3. the same command exports it, and is SIGKILLed mid-export over the existing final/
+    victim = "1" if engine == "deepspeed" else "0"
+    code, output = _run(recipe, out, *args, "train.steps=6", nproc=nproc, fault=f"{victim}:kill_mid_export:0")
+    assert code != 0, output[-4000:]
     assert "trained all 6 steps but is not exported" in output and f"{out / 'final'} holds step 4" in output, output[-4000:]
     assert "already finished" not in output
-    assert _final_step(out) == 6
-    loaded = _loaded(out, tok)
-    _same(loaded, checkpoint(out, 6), every)
-    step6 = loaded
+    assert (out / "checkpoints" / "latest").read_text() == "step_00000006"
+    assert [p.name for p in out.iterdir() if p.name.startswith(".final")], "the export never started"
+    assert _final_step(out) == 4
+    _same(_loaded(out, tok), step4)  # the old model, whole
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
 
-    code, output = _run(recipe, out, *args, "train.steps=6", nproc=nproc)  # now finished: nothing to do
-    assert code == 0 and "already finished" in output and f"{out / 'final'} holds it" in output, output[-4000:]
-
-    steps = "train.steps=8"
+    steps = "train.steps=6"
     if engine == "deepspeed":
-        # 4. the commit of step 8 cut short by torchrun's shutdown timeout
+        # 4. 8 steps (the killed export's leftovers removed first); the commit of step 8 cut short by
+        # torchrun's shutdown timeout
+        steps = "train.steps=8"
         code, output = _run(recipe, out, *args, steps, nproc=nproc, fault="0:slow_commit:8", shutdown_timeout=3)
         assert code != 0, output[-4000:]
+        assert "removed" in output and ".final.partial" in output, output[-4000:]  # the killed export's leftovers
         assert (out / "checkpoints" / "latest").read_text() == "step_00000006"
         assert (out / "checkpoints" / ".step_00000008.partial" / "checkpoint.json").is_file()
+        assert _final_step(out) == 4
 
-    # 5. SIGKILL mid-export over an existing final/
-    victim = "1" if engine == "deepspeed" else "0"
-    code, output = _run(recipe, out, *args, steps, nproc=nproc, fault=f"{victim}:kill_mid_export:0")
-    assert code != 0, output[-4000:]
+    # 5. the same command: DeepSpeed commits the verified step 8 (not thrown away: the run would resume from
+    # 6) and trains nothing; both export the last step
+    code, output = _run(recipe, out, *args, steps, nproc=nproc)
+    assert code == 0, output[-4000:]
+    last = 8 if engine == "deepspeed" else 6
     if engine == "deepspeed":
         assert "whose commit was cut short" in output and "committed as step_00000008" in output, output[-4000:]
         assert "resumed tiny from step 8" in output
-    assert (out / "checkpoints" / "latest").read_text() == "step_00000008"
-    assert _final_step(out) == 6
-    _same(_loaded(out, tok), step6)  # the old model, whole
-
-    # 6. the same command
-    code, output = _run(recipe, out, *args, steps, nproc=nproc)
-    assert code == 0, output[-4000:]
-    assert "removed" in output and ".final.partial" in output  # the killed export's leftovers
-    assert _final_step(out) == 8
+    else:
+        assert "removed" in output and ".final.partial" in output, output[-4000:]  # the killed export's leftovers
+    assert f"trained all {last} steps but is not exported" in output and f"{out / 'final'} holds step 4" in output
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{last:08d}"
+    assert _final_step(out) == last
     loaded = _loaded(out, tok)
-    _same(loaded, checkpoint(out, 8), every)
-    assert any(not torch.equal(loaded[k], step6[k]) for k in step6)
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 9))
+    _same(loaded, checkpoint(out, last), every)
+    assert any(not torch.equal(loaded[k], step4[k]) for k in step4)
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 1))
     assert not [p.name for p in out.iterdir() if p.name.startswith(".final")]
+
+    # now finished: the same command has nothing to do
+    message = _finished(recipe, out, *args, steps)
+    assert "already finished" in message and f"{out / 'final'} holds it" in message, message
 
 
 def test_deepspeed_an_interrupted_save_or_export_is_finished_by_the_same_command(workspace):
