@@ -1,4 +1,18 @@
-"""launch.ray on a simulated 2-node Ray cluster (real Ray, gloo, DeepSpeed ZeRO-3 on CPU)."""
+"""launch.ray on Ray (real Ray, gloo, on CPU). Two training jobs, each restarted after a SIGKILLed worker:
+
+- DeepSpeed ZeRO-3 on conftest's simulated 2-node cluster, with a user's term from `loss.plugins` whose
+  folder only the driver has on its sys.path: the two nodes hold one worker each and the same ranks after
+  the restart, and every worker (the restarted ones too) loads the plugin itself.
+- Megatron (DP 2) through `python -m launch.ray` with no address: its own local instance with token auth,
+  no line a second from Ray Train's PlacementGroupCleaner, Megatron's own checkpoint format restored.
+
+Neither needs a separate uninterrupted run: the fault comes after the last step's row, so a job's first
+attempt logs every row an uninterrupted run logs before it dies. The test keeps that file (a hard link;
+the restarted rank 0 truncates metrics.jsonl by renaming a new file over it), and the restarted group,
+resumed from the step-4 checkpoint, must log exactly its values. Beside them: a head started by
+`launch.ray` with a token file in HOME, and the job submission, result parsing, auth and placement
+rules without a job.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -17,25 +32,86 @@ from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports
 
 pytestmark = pytest.mark.timeout(400)
 
+FAULT = {"step": STEPS, "rank": 1}  # after the last step's row; checkpoints every 2 steps: resumes from 4
+KEYS = ("loss", "ce", "term/smmd", "grad_norm", "lr")
 
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+def read_metrics(path: Path) -> list[dict]:
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class FirstAttempt:
+    """Hard-links `out`/metrics.jsonl to `keep` as soon as the first attempt creates it, from a thread,
+    while the job runs. The restart's truncation writes a new file over the name, so `keep` holds what the
+    first attempt logged."""
+
+    def __init__(self, out: Path, keep: Path):
+        self.path, self.keep, self.done = out / "metrics.jsonl", keep, threading.Event()
+        self.thread = threading.Thread(target=self._link, daemon=True)
+
+    def _link(self) -> None:
+        while not self.done.is_set():
+            try:
+                os.link(self.path, self.keep)
+                return
+            except FileNotFoundError:
+                self.done.wait(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def assert_restart_logged_the_uninterrupted_values(out: Path, first: Path, extra_keys=()) -> None:
+    """The first attempt logged steps 1..STEPS uninterrupted; the restart rewrote metrics.jsonl (another
+    file) and its rows, steps 5 and 6 run again from the step-4 checkpoint, are the first attempt's."""
+    assert (out / f".fault_injected_step{FAULT['step']}_rank{FAULT['rank']}").is_file(), "the fault was never injected"
+    want, got = read_metrics(first), read_metrics(out)
+    assert [r["step"] for r in want] == list(range(1, STEPS + 1)), "the first attempt did not reach the fault"
+    assert not os.path.samefile(first, out / "metrics.jsonl"), "the restart never rewrote metrics.jsonl"
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):
+        for key in (*KEYS, *extra_keys):
+            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
+
+
+def rank_starts(out: Path) -> list[dict]:
+    """Rank -> Ray node id, one map per start of the group (by node id: the simulated nodes share
+    127.0.0.1, so Ray's per-IP local ranks are not per node)."""
+    return [{r: e["node_id"] for r, e in json.loads(line).items()}
+            for line in (out / "ranks.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def reference(workspace, cluster):
+def deepspeed_killed(workspace, cluster, tmp_path_factory):
+    """DeepSpeed on the simulated cluster with the user's term, its rank 1 SIGKILLed after the last step.
+    The plugin's folder is on the driver's sys.path only (the cluster's processes started without it)."""
     from launch.ray import run
+    from tests.recipes import plugin_helpers as P
 
     root, recipe = workspace
-    out = root / "reference"
+    out, first = root / "deepspeed", root / "deepspeed-first-attempt.jsonl"
+    user_code = P.write_package(tmp_path_factory.mktemp("user_code"))
     t0 = time.time()
-    summary = run(recipe, [f"train.out_dir={out}"], name=f"reference-{time.time_ns()}")
-    print(f"reference run: {time.time() - t0:.1f}s")
-    return out, summary
+    with pytest.MonkeyPatch.context() as mp, FirstAttempt(out, first):
+        mp.syspath_prepend(str(user_code))
+        try:
+            summary = run(recipe, [f"train.out_dir={out}", f"loss.plugins=[{P.MODULE}]",
+                                   f"loss.objective={{terms: {{smmd: {{}}, {P.TERM}: {{}}}}}}"],
+                          name=f"deepspeed-{time.time_ns()}", max_failures=2, fault=FAULT)
+        finally:
+            P.forget_package()
+    print(f"deepspeed killed run: {time.time() - t0:.1f}s")
+    return out, first, summary
 
 
-def test_two_nodes_one_worker_each(reference):
-    out, summary = reference
+def test_two_nodes_one_worker_each(deepspeed_killed):
+    out, _, summary = deepspeed_killed
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     ranks = json.loads((out / "ranks.json").read_text())
@@ -46,54 +122,31 @@ def test_two_nodes_one_worker_each(reference):
     assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS:08d}"
 
 
-def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_losses(workspace, cluster, reference):
-    """Rank 1 SIGKILLs itself after step 3 (checkpoints every 2 steps): Ray restarts the group, which
-    resumes from step 2 and logs exactly the uninterrupted run's losses from there on."""
-    from launch.ray import run
+def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_losses(deepspeed_killed):
+    """Rank 1 SIGKILLs itself after step 6 (checkpoints every 2 steps): Ray restarts the group, which
+    resumes from step 4 and logs exactly the uninterrupted first attempt's values from there on."""
+    from tests.recipes import plugin_helpers as P
 
-    root, recipe = workspace
-    ref_out, _ = reference
-    out = root / "killed"
-    t0 = time.time()
-    summary = run(recipe, [f"train.out_dir={out}"], name=f"killed-{time.time_ns()}", max_failures=2,
-                  fault={"step": 3, "rank": 1})
-    print(f"killed run: {time.time() - t0:.1f}s")
-    assert (out / ".fault_injected_step3_rank1").is_file(), "the fault was never injected"
-    got, want = read_metrics(out), read_metrics(ref_out)
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got, want):
-        for key in ("loss", "ce", "term/smmd", "grad_norm", "lr"):
-            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
+    out, first, summary = deepspeed_killed
+    assert_restart_logged_the_uninterrupted_values(out, first, extra_keys=(f"term/{P.TERM}",))
     assert summary["metrics"]["step"] == STEPS and summary["checkpoint"]["step"] == STEPS
     # the group started twice, and the same nodes held the same ranks both times
-    # (by Ray node id: the simulated nodes share 127.0.0.1, so Ray's per-IP local ranks are not per node)
-    starts = [{r: e["node_id"] for r, e in json.loads(line).items()}
-              for line in (out / "ranks.jsonl").read_text().splitlines()]
+    starts = rank_starts(out)
     assert len(starts) == 2 and starts[0] == starts[1] and len(set(starts[0].values())) == 2, starts
 
 
-def test_a_users_term_trains_on_ray_workers_that_load_the_recipe_themselves(workspace, cluster, tmp_path, monkeypatch):
-    """loss.plugins on the simulated cluster: the plugin's folder is on the driver's sys.path only (the
-    cluster's processes started without it); each worker loads the recipe it is sent, with the folder the
-    driver found the plugin in on its sys.path (launch.ray), and trains the user's term with the others."""
-    from launch.ray import run
+def test_a_users_term_trains_on_ray_workers_that_load_the_recipe_themselves(deepspeed_killed):
+    """loss.plugins on the simulated cluster: the plugin's folder is on the driver's sys.path only; each
+    worker, the restarted ones too, loads the recipe it is sent, with the folder the driver found the
+    plugin in on its sys.path (launch.ray), and trains the user's term with the others."""
     from tests.recipes import plugin_helpers as P
 
-    root, recipe = workspace
-    monkeypatch.syspath_prepend(str(P.write_package(tmp_path / "user_code")))
-    out = tmp_path / "run"
-    try:
-        run(recipe, [f"train.out_dir={out}", "train.steps=2", f"loss.plugins=[{P.MODULE}]",
-                     f"loss.objective={{terms: {{smmd: {{}}, {P.TERM}: {{}}}}}}"], name=f"plugins-{time.time_ns()}")
-    finally:
-        P.forget_package()
+    out, _, _ = deepspeed_killed
     rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r[f"term/{P.TERM}"] > 0
         assert r["loss"] == pytest.approx(r["ce"] + 3.0 * r["term/smmd"] + P.WEIGHT * r[f"term/{P.TERM}"], rel=1e-6)
-    ranks = json.loads((out / "ranks.json").read_text())
-    assert ranks["0"]["node_id"] != ranks["1"]["node_id"]
 
 
 def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
@@ -196,27 +249,42 @@ def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_ex
     assert "a fresh token for this job" in text and "InvalidAuthToken" not in text, text[-4000:]
 
 
-def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_pg_cleaner(workspace, tmp_path):
-    """`python -m launch.ray RECIPE` with no address: a local instance on loopback (no dashboard), token
-    auth as Ray sets it for a local instance (written to this test's HOME), 2 workers. Ray Train's
-    PlacementGroupCleaner warned once a second there (no state API without a dashboard) until launch.ray
-    quieted it in every worker of a local instance."""
+@pytest.fixture(scope="module")
+def megatron_local(workspace, tmp_path_factory):
+    """`python -m launch.ray RECIPE` with no address, Megatron, its rank 1 SIGKILLed after the last step
+    (NUMLOSS_FAULT), --max-failures 2: a local instance on loopback (no dashboard), token auth as Ray
+    sets it for a local instance (written to this run's HOME), 2 workers, started twice."""
+    from launch.ray import FAULT_ENV
+
     root, recipe = workspace
-    out = tmp_path / "run"
+    tmp = tmp_path_factory.mktemp("local")
+    out, first, home = tmp / "run", tmp / "first-attempt.jsonl", tmp / "home"
     base = tempfile.mkdtemp(prefix="nllc", dir="/tmp")  # short: Ray's unix sockets live under it
-    env = env_without_host_ray(HOME=str(tmp_path / "home"), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
-                               DS_ACCELERATOR="cpu")
+    env = env_without_host_ray(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1",
+                               DS_ACCELERATOR="cpu", **{FAULT_ENV: f"{FAULT['step']}:{FAULT['rank']}"})
     try:
-        proc = subprocess.run([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}", "train.steps=2",
-                               "--temp-dir", os.path.join(base, "ray")], env=env, cwd=Path(__file__).parents[2],
-                              capture_output=True, text=True, timeout=300)
+        with FirstAttempt(out, first):
+            proc = subprocess.run([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}",
+                                   "train.engine=megatron", "--max-failures", "2",
+                                   "--temp-dir", os.path.join(base, "ray")],
+                                  env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    return proc, out, first, home
+
+
+def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_pg_cleaner(megatron_local):
+    """Ray Train's PlacementGroupCleaner warned once a second in a local instance (no state API without
+    a dashboard) until launch.ray quieted it in every worker of a local instance (the restarted ones too)."""
+    from launch.ray import result_from_logs
+
+    proc, out, _, home = megatron_local
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
+    assert result_from_logs(proc.stdout)["metrics"]["step"] == STEPS
     assert "Failed to query Ray Train Controller" not in text, text[-4000:]
-    assert (tmp_path / "home" / ".ray" / "auth_token").is_file()  # the local instance ran with token auth
+    assert (home / ".ray" / "auth_token").is_file()  # the local instance ran with token auth
 
 
 def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
@@ -232,23 +300,15 @@ def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
     assert gpu.num_workers == 16 and gpu.use_gpu and gpu.resources_per_worker["GPU"] == 1
 
 
-def test_megatron_engine_restarts_on_ray_with_the_same_losses(workspace, cluster):
-    """The Megatron engine (DP 2 over the two simulated nodes) under launch.ray: a run whose rank 1
-    SIGKILLs itself after step 3 is restarted by Ray from the committed step-2 checkpoint (Megatron's
-    distributed format) and logs the uninterrupted Megatron run's values."""
-    from launch.ray import run
-
-    root, recipe = workspace
-    engine = "train.engine=megatron"
-    want_out, out = root / "megatron", root / "megatron-killed"
-    run(recipe, [f"train.out_dir={want_out}", engine], name=f"megatron-{time.time_ns()}")
-    summary = run(recipe, [f"train.out_dir={out}", engine], name=f"megatron-killed-{time.time_ns()}",
-                  max_failures=2, fault={"step": 3, "rank": 1})
-    assert (out / ".fault_injected_step3_rank1").is_file(), "the fault was never injected"
+def test_megatron_engine_restarts_on_ray_with_the_same_losses(megatron_local):
+    """The Megatron engine (DP 2) under launch.ray: rank 1 SIGKILLs itself after step 6, Ray restarts the
+    group from the committed step-4 checkpoint (Megatron's distributed format), which logs the
+    uninterrupted first attempt's values."""
+    proc, out, first, _ = megatron_local
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "resuming from step_00000004 (latest)" in text, text[-4000:]
     assert (out / "checkpoints" / f"step_{STEPS:08d}" / "megatron").is_dir()  # the engine's own state
-    got, want = read_metrics(out), read_metrics(want_out)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
-    for a, b in zip(got, want):
-        for key in ("loss", "ce", "term/smmd", "grad_norm", "lr"):
-            assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
-    assert summary["metrics"]["step"] == STEPS
+    assert_restart_logged_the_uninterrupted_values(out, first)
+    starts = rank_starts(out)
+    assert len(starts) == 2 and starts[0] == starts[1], starts
