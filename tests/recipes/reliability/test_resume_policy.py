@@ -8,6 +8,11 @@ than the checkpoint, a checkpoint that does not record its recipe; the history o
 step; every recipe key classified in `POLICY`; the ZeRO stage compared as DeepSpeed runs it; the global
 batch compared across layouts and splits.
 
+Every start that ends before an engine is built (the refusals below, and a finished run started again)
+is a call of `recipes.train.main`, the function `python -m recipes.train` runs, in one long-lived Python
+process shared by the module (`Starts`): its exit status, stdout and stderr, without ~10 s of imports per
+start. Starts that train are processes of their own (`_one_process`, torchrun's `launch`).
+
 Refusals, on one real run (DeepSpeed ZeRO-3, one process, 2 steps), then each start on it: a global
 batch the checkpoint cannot take (unchecked, the engine would be built and the reader raise a plain
 ValueError, exit 1); a ZeRO stage changed in `deepspeed.zero_stage` (DeepSpeed's AssertionError, with a
@@ -45,6 +50,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +185,81 @@ def _one_process(recipe: Path, out: Path, *overrides: str) -> subprocess.Complet
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+# One Python process that runs `recipes.train.main` (what `python -m recipes.train` runs) once per request,
+# each with its own stdout and stderr and its exit status: a start that ends before any engine is built
+# costs a few hundred milliseconds here, where a process of its own pays ~10 s of imports first. Each
+# request gets a port of its own for its world-of-one group, as a process of its own would.
+STARTS_DRIVER = r"""
+import contextlib, io, json, os, sys, traceback
+import recipes.train
+MARK = "[numloss-test-start] "
+for line in sys.stdin:
+    argv = json.loads(line)
+    os.environ.pop("MASTER_PORT", None)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            recipes.train.main(argv)
+        except SystemExit as stop:
+            code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    sys.__stdout__.write(MARK + json.dumps([code, out.getvalue(), err.getvalue()]) + "\n")
+    sys.__stdout__.flush()
+"""
+
+
+class Starts:
+    """`recipes.train` starts that end before any engine is built (refused, or finished: nothing to do),
+    each a call of `recipes.train.main` in one long-lived process (STARTS_DRIVER); the same exit status,
+    stdout and stderr as `_one_process`. A start that would build an engine belongs in `_one_process`."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-c", STARTS_DRIVER], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(x) for x in self.proc.stdout] + [self.lines.put("")],
+                         daemon=True).start()
+
+    def __call__(self, recipe: Path, out: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        import queue
+
+        argv = [str(recipe), f"train.out_dir={out}", *overrides]
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:  # lines a library writes to the process's own stdout are not the answer
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no answer in {timeout} s to the start {argv}") from None
+            assert line, f"the start process ended (exit {self.proc.wait(timeout=30)}) on {argv}"
+            if line.startswith("[numloss-test-start] "):
+                code, stdout, stderr = json.loads(line[len("[numloss-test-start] "):])
+                return subprocess.CompletedProcess(argv, code, stdout, stderr)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def starts():
+    pytest.importorskip("deepspeed")
+    driver = Starts()
+    yield driver
+    driver.close()
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     pytest.importorskip("deepspeed")
@@ -204,11 +285,11 @@ def _refused_before_the_engine(result: subprocess.CompletedProcess, out: Path, b
     return result.stderr
 
 
-def test_a_global_batch_and_a_zero_stage_the_checkpoint_cannot_take_are_refused_first(run):
+def test_a_global_batch_and_a_zero_stage_the_checkpoint_cannot_take_are_refused_first(run, starts):
     root, recipe, out = run
     before = _written(out)
     more = "train.steps=4"  # a start that would train
-    err = _refused_before_the_engine(_one_process(recipe, out, more, "train.micro_batch_size=4"), out, before)
+    err = _refused_before_the_engine(starts(recipe, out, more, "train.micro_batch_size=4"), out, before)
     assert ("its global batch is train.micro_batch_size 4 x train.grad_accum 1 x 1 data-parallel ranks = 4 rows, "
             "the checkpoint trained with 2 x 1 x 1 = 2") in err, err[-3000:]
     assert "e.g. train.micro_batch_size=2 train.grad_accum=1" in err
@@ -216,33 +297,33 @@ def test_a_global_batch_and_a_zero_stage_the_checkpoint_cannot_take_are_refused_
     # a stage the overrides set against deepspeed.zero_stage is refused when the recipe loads (the engine
     # decides by the key); a stage changed in the key (and the overrides), by the checkpoint's layout
     err = _refused_before_the_engine(
-        _one_process(recipe, out, more, "deepspeed.overrides={zero_optimization: {stage: 2}}"), out, before)
+        starts(recipe, out, more, "deepspeed.overrides={zero_optimization: {stage: 2}}"), out, before)
     assert "deepspeed.overrides.zero_optimization.stage: 2 contradicts deepspeed.zero_stage: 3" in err, err[-3000:]
-    err = _refused_before_the_engine(_one_process(recipe, out, more, "deepspeed.zero_stage=2",
-                                                  "deepspeed.overrides={zero_optimization: {stage: 2}}"), out, before)
+    err = _refused_before_the_engine(starts(recipe, out, more, "deepspeed.zero_stage=2",
+                                            "deepspeed.overrides={zero_optimization: {stage: 2}}"), out, before)
     assert "deepspeed.zero_stage: " in err and "was saved with zero_stage=3; this run has 2" in err, err[-3000:]
 
     # the same global batch split otherwise, and the same stage written in the overrides: accepted (the run
     # is finished: nothing to do)
-    same = _one_process(recipe, out, "train.micro_batch_size=1", "train.grad_accum=2",
-                        "deepspeed.overrides={zero_optimization: {stage: 3}}")
+    same = starts(recipe, out, "train.micro_batch_size=1", "train.grad_accum=2",
+                  "deepspeed.overrides={zero_optimization: {stage: 3}}")
     assert same.returncode == 0 and "already finished" in same.stdout, same.stdout[-2000:] + same.stderr[-3000:]
 
 
-def test_a_damaged_shard_is_named_before_the_engine_and_before_anything_is_rewritten(run):
+def test_a_damaged_shard_is_named_before_the_engine_and_before_anything_is_rewritten(run, starts):
     root, recipe, out = run
     before = _written(out)
     shard = sorted((root / "data").glob("shard-*.parquet"))[0]
     original = shard.read_bytes()
     try:
         shard.write_bytes(original[:-10])  # truncated
-        err = _refused_before_the_engine(_one_process(recipe, out, "train.steps=4"), out, before)
+        err = _refused_before_the_engine(starts(recipe, out, "train.steps=4"), out, before)
         assert f"data.train: {shard}: {len(original) - 10} bytes, the manifest records {len(original)}" in err, err[-3000:]
 
         damaged = bytearray(original)
         damaged[len(damaged) // 2] ^= 0xFF  # the same size: only the sha256 tells
         shard.write_bytes(bytes(damaged))
-        err = _refused_before_the_engine(_one_process(recipe, out, "train.steps=4", "data.verify=full"), out, before)
+        err = _refused_before_the_engine(starts(recipe, out, "train.steps=4", "data.verify=full"), out, before)
         assert f"data.train: {shard}: its sha256 differs from the manifest's" in err, err[-3000:]
     finally:
         shard.write_bytes(original)
@@ -279,7 +360,7 @@ def _digest(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from_the_resume_step(workspace):
+def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from_the_resume_step(workspace, starts):
     root, recipe = workspace
     out, checkpoints = root / "deepspeed", root / "deepspeed" / "checkpoints"
 
@@ -331,14 +412,14 @@ def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from
 
     # 4. the finished run started again (one process: the decision comes before any engine)
     final, recipe_yaml = _digest(out / "final"), (out / "recipe.yaml").read_text()
-    again = _one_process(recipe, out, *changed)
+    again = starts(recipe, out, *changed)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "tiny already finished" in again.stdout and "nothing to do" in again.stdout
-    other_lr = _one_process(recipe, out, *changed[:-2], f"optim.lr={1e-4}", changed[-1])
+    other_lr = starts(recipe, out, *changed[:-2], f"optim.lr={1e-4}", changed[-1])
     assert other_lr.returncode == 2, other_lr.stdout[-2000:] + other_lr.stderr[-3000:]
     assert f"{out} has finished (final/ holds its last step)" in other_lr.stderr
     assert "optim.lr: 0.0003 -> 0.0001" in other_lr.stderr and "raise train.steps" in other_lr.stderr
-    seed = _one_process(recipe, out, *changed[:-3], "train.steps=10", changed[-2], changed[-1], "train.seed=1")
+    seed = starts(recipe, out, *changed[:-3], "train.steps=10", changed[-2], changed[-1], "train.seed=1")
     assert seed.returncode == 2, seed.stdout[-2000:] + seed.stderr[-3000:]
     assert "train.seed: 0 -> 1 (the data order and every rank's random state)" in seed.stderr
     assert "engine deepspeed" not in seed.stdout and "resumed" not in seed.stdout  # refused before the engine
