@@ -44,6 +44,9 @@ def _skip_cpu_shm_op() -> None:
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
 def import_deepspeed():
     """`import deepspeed` without its autotuner's `import mlflow`: DeepSpeed imports mlflow at module load
     wherever it is installed (the `mlflow` extra; ~2 CPU s, a sixth of a rank's start-up) only to log
@@ -58,7 +61,28 @@ def import_deepspeed():
         import deepspeed
     finally:
         del sys.modules["mlflow"]
+    # ZeRO imports DeepSpeed's Muon in its optimizer check and its optimizers' constructors only to ask
+    # `isinstance(optimizer, MuonWithAuxAdam)`; the module compiles its kernels at import (torch.compile
+    # pulls in torch._inductor: ~4 of a DeepSpeed rank's ~12 CPU s of start-up, measured on a 1-rank tiny
+    # run). The recipes build AdamW or DeepSpeed's Adam, never Muon, so a stand-in class answers instead.
+    if MUON_MODULE not in sys.modules:
+        sys.modules[MUON_MODULE] = _muon_stand_in()
     return deepspeed
+
+
+def _muon_stand_in():
+    import types
+
+    module = types.ModuleType(MUON_MODULE, "numloss's stand-in: the recipes never build DeepSpeed's Muon")
+
+    class MuonWithAuxAdam:  # no optimizer the recipes build is one
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("DeepSpeed's Muon is not available in a numloss recipe (recipes.training.runtime "
+                               "stands in for its module to skip compiling its kernels); the recipes train with "
+                               "AdamW or DeepSpeed's Adam")
+
+    module.MuonWithAuxAdam = MuonWithAuxAdam
+    return module
 
 
 def quiet_deprecated_collectives() -> None:

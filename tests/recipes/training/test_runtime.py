@@ -7,7 +7,8 @@
 - setup_distributed silences torch's per-call deprecation warnings for the collectives DeepSpeed's ZeRO
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
 - clear_method_caches frees the instances a method's `lru_cache` keeps.
-- DeepSpeed is imported without the mlflow import its autotuner makes (~2 CPU s of every rank's start).
+- DeepSpeed is imported without the mlflow import its autotuner makes and ZeRO asks a stand-in for its Muon
+  module (whose import compiles kernels): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up.
 """
 
 from __future__ import annotations
@@ -135,7 +136,30 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
     code = ("import sys; from recipes.training.runtime import import_deepspeed; import_deepspeed(); "
             "loaded = 'mlflow' in sys.modules; import deepspeed.autotuning.autotuner as a; import mlflow; "
             "print(loaded, a.has_mlflow, mlflow.__name__)")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _python(code)
     assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout
+
+
+def test_zero_asks_a_muon_stand_in_and_compiles_no_kernels():
+    """ZeRO's optimizer check and its optimizers import DeepSpeed's Muon for an isinstance test; the real
+    module compiles kernels at import (torch._inductor). After the runtime's import, ZeRO's check takes
+    AdamW without loading torch._inductor.compile_fx (what torch.compile imports), and building the stand-in Muon says why it is absent."""
+    pytest.importorskip("deepspeed")
+    code = ("import sys, torch; from recipes.training.runtime import import_deepspeed, setup_distributed; "
+            "setup_distributed(); from deepspeed.runtime.zero.utils import is_zero_supported_optimizer; "
+            "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
+            "adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]); "
+            "print('SUPPORTED', is_zero_supported_optimizer(adamw), 'torch._inductor.compile_fx' in sys.modules); "
+            "MuonWithAuxAdam()")
+    out = _python(code, ok=False)
+    assert "SUPPORTED True False" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "DeepSpeed's Muon is not available in a numloss recipe" in out.stderr, out.stderr[-3000:]
+
+
+def _python(code: str, ok: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert (out.returncode == 0) == ok, out.stderr[-3000:]
+    return out
