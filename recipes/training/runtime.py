@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import os
 import socket
 import sys
@@ -47,20 +48,27 @@ def _skip_cpu_shm_op() -> None:
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
+def import_without(module: str, *unused: str):
+    """`import module` while each of `unused` (installed, optional, imported by `module` at load time only
+    to offer a feature the recipes never use) reads as absent, so `module` takes its ImportError branch;
+    the unused ones stay importable afterwards for whoever wants them (the run's trackers import wandb
+    and mlflow themselves). A module already imported is returned as it is."""
+    if module in sys.modules or any(name in sys.modules for name in unused):
+        return importlib.import_module(module)
+    for name in unused:
+        sys.modules[name] = None  # `import name` raises ImportError
+    try:
+        return importlib.import_module(module)
+    finally:
+        for name in unused:
+            del sys.modules[name]
+
+
 def import_deepspeed():
     """`import deepspeed` without its autotuner's `import mlflow`: DeepSpeed imports mlflow at module load
     wherever it is installed (the `mlflow` extra; ~2 CPU s, a sixth of a rank's start-up) only to log
-    autotuning experiments, which the recipes never run. mlflow stays importable afterwards (the run's
-    tracker, `train.tracking`, imports it itself)."""
-    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
-        import deepspeed
-
-        return deepspeed
-    sys.modules["mlflow"] = None  # `import mlflow` raises ImportError: DeepSpeed sets has_mlflow = False
-    try:
-        import deepspeed
-    finally:
-        del sys.modules["mlflow"]
+    autotuning experiments, which the recipes never run."""
+    deepspeed = import_without("deepspeed", "mlflow")
     # ZeRO imports DeepSpeed's Muon in its optimizer check and its optimizers' constructors only to ask
     # `isinstance(optimizer, MuonWithAuxAdam)`; the module compiles its kernels at import (torch.compile
     # pulls in torch._inductor: ~4 of a DeepSpeed rank's ~12 CPU s of start-up, measured on a 1-rank tiny

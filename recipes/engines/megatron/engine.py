@@ -32,7 +32,7 @@ from recipes.inputs.tokenizer import load_tokenizer
 from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.reliability.export_writer import ExportRecord
 from recipes.training.parallel import DataParallel
-from recipes.training.runtime import Runtime
+from recipes.training.runtime import Runtime, import_without
 
 from . import checkpoints, step
 from .contract import checkpoint_layout
@@ -60,6 +60,9 @@ class MegatronEngine:
         checkpoint next); else `megatron.load_converted` (a `recipes.convert` output, loaded here at
         this layout); else the HF checkpoint, each rank converting its share. `kernels`: the layer spec
         and fusions (default `kernels.plan_kernels(recipe.megatron)`; the CPU tests pass their own)."""
+        # megatron-core imports wandb at load (its inference context and timers log to it) wherever it is
+        # installed: ~0.8 CPU s of every rank's start for logging the recipes do through their own trackers
+        import_without("megatron.core", "wandb")
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import (
             DistributedDataParallel,

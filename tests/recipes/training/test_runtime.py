@@ -8,7 +8,8 @@
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
 - clear_method_caches frees the instances a method's `lru_cache` keeps.
 - DeepSpeed is imported without the mlflow import its autotuner makes and ZeRO asks a stand-in for its Muon
-  module (whose import compiles kernels): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up.
+  module (whose import compiles kernels): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up;
+  megatron-core without its wandb import (~0.8 s).
 """
 
 from __future__ import annotations
@@ -154,6 +155,15 @@ def test_zero_asks_a_muon_stand_in_and_compiles_no_kernels():
     out = _python(code, ok=False)
     assert "SUPPORTED True False" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "DeepSpeed's Muon is not available in a numloss recipe" in out.stderr, out.stderr[-3000:]
+
+
+def test_megatron_core_is_imported_without_wandb_and_wandb_stays_importable():
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("wandb")
+    code = ("import sys; from recipes.training.runtime import import_without; import_without('megatron.core', 'wandb'); "
+            "loaded = 'wandb' in sys.modules; import megatron.core.timers as t; import wandb; "
+            "print(loaded, t.wandb, wandb.__name__)")
+    assert _python(code).stdout.split()[-3:] == ["False", "None", "wandb"]
 
 
 def _python(code: str, ok: bool = True) -> subprocess.CompletedProcess:
