@@ -15,17 +15,27 @@ instead (`pytest_xdist_make_scheduler`, a documented xdist hook).
 The longest units are handed out first (a long one started last leaves the other worker idle while it
 runs); xdist's own order, the units with the most tests first, is turned off for this one, since the
 count of tests says little about their time (tests/launch has fewer tests than several unit-test
-files and the most CPU time). Measured 2026-12-03, CPU seconds of the whole process tree (cgroup
-cpuacct) in one serial run beside a 2-rank training job: tests/launch 660, test_train_layouts.py 437
-(with three Megatron runs; it keeps one), the next file 111, the suite 2,510. Without xdist
-(`pytest tests/...`) nothing here applies.
+files and the most CPU time). With two workers the order of the longest units sets the tail: a
+100-200 s file handed out last (test_gpu_check.py is collected near the end) finishes alone. Without
+xdist (`pytest tests/...`) nothing here applies.
 """
 
 from __future__ import annotations
 
 import pytest
 
-LONGEST_FIRST = ("tests/launch", "tests/recipes/test_train_layouts.py")
+# the units over 100 s in the durations of a fresh-clone `make test` (2026-12-07, 2-core machine), longest first
+LONGEST_FIRST = (
+    "tests/launch",
+    "tests/recipes/test_train_layouts.py",
+    "tests/recipes/engines/megatron/test_engine_moe.py",
+    "tests/recipes/test_train.py",
+    "tests/recipes/test_train_final.py",
+    "tests/test_gpu_check.py",
+    "tests/recipes/reliability/test_preemption.py",
+    "tests/recipes/reliability/test_resume_policy.py",
+    "tests/recipes/training/test_eval_step_in_training.py",
+)
 
 
 def unit_of(nodeid: str) -> str:
