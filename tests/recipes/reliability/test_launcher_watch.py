@@ -53,8 +53,10 @@ def test_ranks_whose_torchrun_agent_is_killed_save_and_exit_within_seconds(tmp_p
     latest = (out / "checkpoints" / "latest").read_text()
     saved = int(latest.split("_")[1])
     assert saved >= 3 and saved < 400
-    for rank, pid in ranks.items():
-        assert f"rank {rank}: its launcher (torchrun's agent, pid {proc.pid}) is gone" in output, output[-3000:]
+    # each rank watches its own parent; the first to see it gone asks the others, which may stop on that
+    # request before their own watch looks: at least one rank says it, and every rank stops for one reason
+    said = [rank for rank in ranks if f"rank {rank}: its launcher (torchrun's agent, pid {proc.pid}) is gone" in output]
+    assert said, output[-3000:]
     reasons = re.findall(rf"preempted \((.*?)\) after step {saved}: checkpoint", output)
     assert len(reasons) == 2 and all("launcher" in r or r == "asked on another rank" for r in reasons), output[-3000:]
     assert "frame #" not in output and "Exception raised from" not in output, output[-3000:]
