@@ -87,6 +87,18 @@ def tag_step(tag: str) -> int:
     return int(tag.split("_")[1])
 
 
+def read_latest(root: Path) -> tuple[str | None, str | None]:
+    """`root/latest` as a step tag, and why it cannot be read as one (both None: there is no `latest`)."""
+    marker = root / LATEST
+    try:
+        text = marker.read_text().strip() if marker.is_file() else None
+    except (OSError, UnicodeDecodeError) as err:
+        return None, f"{marker} is unreadable ({type(err).__name__}: {err})"
+    if text is not None and not STEP_DIR.fullmatch(text):
+        return None, f"{marker} holds {text[:40]!r}, not a checkpoint's name"
+    return text, None
+
+
 class CheckpointDirs:
     """The step directories of one run. Every method is called on every rank (they hold collectives).
     `recipe`: the run's recipe as a dict, saved in every checkpoint as `recipe.json`."""
@@ -104,14 +116,7 @@ class CheckpointDirs:
 
     def _latest_problem(self) -> str | None:
         """Why `latest` cannot be read as a step tag (None: it can, or there is none)."""
-        marker = self.root / LATEST
-        try:
-            text = marker.read_text().strip() if marker.is_file() else None
-        except (OSError, UnicodeDecodeError) as err:
-            return f"{marker} is unreadable ({type(err).__name__}: {err})"
-        if text is not None and not STEP_DIR.fullmatch(text):
-            return f"{marker} holds {text[:40]!r}, not a checkpoint's name"
-        return None
+        return read_latest(self.root)[1]
 
     def resume_tag(self) -> str | None:
         """The checkpoint to resume from: `latest` once verified (the first call checks it and removes

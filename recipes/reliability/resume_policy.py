@@ -50,7 +50,7 @@ from recipes.config import Recipe
 from recipes.engines import ENGINES, engine_contract
 from recipes.engines.contract import REFUSED, RUN, TRAINING, ResumeRule
 
-from .checkpoints import LATEST, MANIFEST, STEP_DIR, CheckpointDirs, tag_step
+from .checkpoints import MANIFEST, CheckpointDirs, read_latest, tag_step
 from .export_writer import clean_leftovers, read_record
 from recipes.training.runtime import Runtime
 from recipes.training.schedule import Schedule
@@ -361,12 +361,8 @@ def run_finished(recipe: Recipe, out: Path) -> bool:
     checkpoint at `train.steps` or past it and, when the recipe exports, `final/` records that checkpoint.
     For a caller outside the run (launch.sweep): a run it calls unfinished is started, and that start
     decides (`plan_resume`), exporting a last checkpoint `final/` does not hold."""
-    marker = out / "checkpoints" / LATEST
-    try:
-        tag = marker.read_text().strip() if marker.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        return False
-    if tag is None or not STEP_DIR.fullmatch(tag) or tag_step(tag) < recipe.train.steps:
+    tag, _ = read_latest(out / "checkpoints")
+    if tag is None or tag_step(tag) < recipe.train.steps:
         return False
     return not recipe.train.export or export_holds(out, tag)
 
