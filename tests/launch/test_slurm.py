@@ -226,15 +226,15 @@ def test_the_recipes_plugins_are_importable_in_every_step(recipe, tmp_path, monk
     packages) are imported while rendering; the script puts their folder on PYTHONPATH (after nothing
     the submitting shell had, before what it had) and mounts it, and a process with a step's PYTHONPATH
     imports the plugin. A bad plugin is refused when rendering (exit 2)."""
-    from tests.recipes import plugin_helpers as P
+    from tests.recipes import plugin_helpers
 
     from . import fake_slurm
 
-    user_code = P.write_package(tmp_path / "user_code")
+    user_code = plugin_helpers.write_package(tmp_path / "user_code")
     monkeypatch.syspath_prepend(str(user_code))
     workdir = tmp_path / "checkout"
     workdir.mkdir()
-    plugin = [f"loss.plugins=[{P.MODULE}]", f"loss.objective={{terms: {{{P.TERM}: {{}}}}}}",
+    plugin = [f"loss.plugins=[{plugin_helpers.MODULE}]", f"loss.objective={{terms: {{{plugin_helpers.TERM}: {{}}}}}}",
               f"train.out_dir={tmp_path / 'out'}", "cluster.nodes=1"]
     script, log = tmp_path / "job.sbatch", tmp_path / "srun.jsonl"
     try:
@@ -244,15 +244,15 @@ def test_the_recipes_plugins_are_importable_in_every_step(recipe, tmp_path, monk
                                  FAKE_HEAD_IP=ip, PYTHONPATH="/site/extra")
             result = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
                                     timeout=120)
-        assert main([str(recipe), f"loss.plugins=[{P.PACKAGE}.silent]", "--mode", mode]) == 2
+        assert main([str(recipe), f"loss.plugins=[{plugin_helpers.PACKAGE}.silent]", "--mode", mode]) == 2
     finally:
-        P.forget_package()
+        plugin_helpers.forget_package()
     assert result.returncode == 0, result.stdout + result.stderr
     [step] = [s for s in map(json.loads, log.read_text().splitlines()) if s["command"][:1] != ["hostname"]]
     assert step["env"]["PYTHONPATH"] == f"{user_code}:/site/extra"
     mounts = dict(m.split(":") for m in step["options"]["--container-mounts"].split(","))
     assert mounts.get(str(user_code)) == str(user_code), mounts
-    proc = subprocess.run([sys.executable, "-c", f"import {P.MODULE}"], env={**os.environ, **step["env"]},
+    proc = subprocess.run([sys.executable, "-c", f"import {plugin_helpers.MODULE}"], env={**os.environ, **step["env"]},
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert_shellcheck_clean(script)

@@ -5,11 +5,19 @@ the table's comparison against the baseline loss from hand-made job directories 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import time
+from dataclasses import asdict
 
 import pytest
 import yaml
+
+import launch.sweep
+from launch.sweep import collect, load_sweep, main
+from recipes.evaluation.placement import Placement
+from recipes.reliability.export_writer import RECORD, ExportRecord
+from tests.recipes import plugin_helpers
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -20,7 +28,6 @@ def test_a_grid_runs_on_ray_and_writes_the_table(workspace, cluster, tmp_path):
     The table's comparisons across backbones and seeds are checked on synthetic results below; here
     the run is what matters, and one backbone with both losses exercises all of it (the backbone's
     override reaches the model: the base recipe has 1 layer, the exported `l2` models 2)."""
-    from launch.sweep import load_sweep, main
 
     root, recipe = workspace
     spec = {
@@ -67,7 +74,6 @@ def test_the_table_compares_each_loss_with_the_baseline_of_its_backbone(tmp_path
     #     20 ± 4.302653 * 10 / sqrt(3) = [-4.8, +44.8].
     # b2: seed 2 not evaluated: two seeds, no ranking, no interval.
     # b3: evaluations without examples: per-seed exact match only, the seed-level interval only.
-    from launch.sweep import collect, load_sweep
 
     spec = {"name": "versus", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1, 2],
             "backbones": {"b1": [], "b2": [], "b3": []}, "losses": {"ce": [], "smmd": []}}
@@ -98,13 +104,11 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
     # A job whose export holds 141 GB of weights (a sparse file) on a node of 8 x 80 GiB: evaluate gets
     # tensor parallel 4 / device_map auto (32.9 GiB a GPU), never one GPU; the recipe's eval backend and
     # section ride along. On a node with no GPU the GPU recipe's job is left unevaluated, with a line.
-    import launch.sweep as S
-    from recipes.evaluation.placement import Placement
 
     spec = {"name": "big", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0],
             "backbones": {"l70": []}, "losses": {"ce": []}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
-    sweep = S.load_sweep(tmp_path / "sweep.yaml")
+    sweep = load_sweep(tmp_path / "sweep.yaml")
     job = sweep.jobs[0]
     final = job.out_dir / "final"
     final.mkdir(parents=True)
@@ -115,14 +119,15 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
               "eval": {"backend": "hf"}, "cluster": {"gpus_per_node": 8}}
     (job.out_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     calls = []
-    monkeypatch.setattr(S, "evaluate", lambda *args, **kwargs: calls.append((args, kwargs)) or {"metrics": {}})
-    monkeypatch.setattr(S, "local_gpus", lambda: (8, 80 * 2**30))
-    S.evaluate_job(sweep, job)
+    monkeypatch.setattr(launch.sweep, "evaluate",
+                        lambda *args, **kwargs: calls.append((args, kwargs)) or {"metrics": {}})
+    monkeypatch.setattr(launch.sweep, "local_gpus", lambda: (8, 80 * 2**30))
+    launch.sweep.evaluate_job(sweep, job)
     (args, kwargs), = calls
     assert args == (str(final), "e") and kwargs["backend"] == "hf" and kwargs["eval_section"].backend == "hf"
     assert kwargs["placement"] == Placement(4, 4, "auto", 141_107_412_992)
-    monkeypatch.setattr(S, "local_gpus", lambda: (0, None))
-    assert S.evaluate_job(sweep, job) is None and len(calls) == 1
+    monkeypatch.setattr(launch.sweep, "local_gpus", lambda: (0, None))
+    assert launch.sweep.evaluate_job(sweep, job) is None and len(calls) == 1
 
 
 def test_jobs_of_del_and_of_a_users_term_build_and_a_bad_loss_stops_the_sweep_before_any_job(tmp_path, monkeypatch,
@@ -131,37 +136,37 @@ def test_jobs_of_del_and_of_a_users_term_build_and_a_bad_loss_stops_the_sweep_be
     recipe loads as its run will, with its objective (DEL at 0.01, the user's term at its registered
     default); a loss whose plugin is not importable stops the sweep naming the job, exit 2, before any job
     trains or anything is written."""
-    import launch.sweep as S
-    from tests.recipes import plugin_helpers as P
 
-    monkeypatch.syspath_prepend(str(P.write_package(tmp_path / "user_code")))
+    monkeypatch.syspath_prepend(str(plugin_helpers.write_package(tmp_path / "user_code")))
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
                                     "data": {"train": "data"}}))
     spec = {"name": "terms", "base": str(base), "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1],
             "backbones": {"tiny": []},
             "losses": {"ce": ["loss.objective={terms: {}}"], "del": ["loss.objective={terms: {del: {}}}"],
-                       "mine": [f"loss.plugins=[{P.MODULE}]", f"loss.objective={{terms: {{{P.TERM}: {{}}}}}}"]}}
+                       "mine": [f"loss.plugins=[{plugin_helpers.MODULE}]",
+                                f"loss.objective={{terms: {{{plugin_helpers.TERM}: {{}}}}}}"]}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
     try:
-        sweep = S.load_sweep(tmp_path / "sweep.yaml")
-        recipes = S.job_recipes(sweep)
+        sweep = load_sweep(tmp_path / "sweep.yaml")
+        recipes = launch.sweep.job_recipes(sweep)
         assert list(recipes) == [f"tiny-{loss}-s{s}" for loss in ("ce", "del", "mine") for s in (0, 1)]
         terms = {name: {t: c.weight for t, c in r.loss.objective.terms.items()} for name, r in recipes.items()}
         assert terms["tiny-ce-s0"] == {} and terms["tiny-del-s1"] == {"del": 0.01}
-        assert terms["tiny-mine-s0"] == {P.TERM: P.WEIGHT} and recipes["tiny-mine-s0"].loss.plugins == [P.MODULE]
+        assert terms["tiny-mine-s0"] == {plugin_helpers.TERM: plugin_helpers.WEIGHT}
+        assert recipes["tiny-mine-s0"].loss.plugins == [plugin_helpers.MODULE]
         assert recipes["tiny-del-s1"].train.seed == 1 and recipes["tiny-del-s1"].name == "tiny-del-s1"
 
         spec["losses"]["lost"] = ["loss.plugins=[numloss_user_terms.gone]"]
         (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
-        monkeypatch.setattr(S, "run_job", lambda *a, **k: pytest.fail("a job ran"))
-        assert S.main([str(tmp_path / "sweep.yaml")]) == 2
+        monkeypatch.setattr(launch.sweep, "run_job", lambda *a, **k: pytest.fail("a job ran"))
+        assert main([str(tmp_path / "sweep.yaml")]) == 2
         err = capsys.readouterr().err
         assert "job tiny-lost-s0 (tiny x lost): recipe " in err
         assert "loss.plugins[0]: no module named 'numloss_user_terms.gone'" in err
         assert not (tmp_path / "sweep").exists()
     finally:
-        P.forget_package()
+        plugin_helpers.forget_package()
 
 
 def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluated_again(tmp_path, monkeypatch):
@@ -170,11 +175,7 @@ def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluat
     after the last save), and step 6 of an earlier save of that step (another checkpoint.json) for seed 2.
     The sweep asks the resume policy: seed 0 is done; seeds 1 and 2 are started again (their start exports
     the last checkpoint) and their earlier evaluations, of another model, are redone."""
-    import hashlib
-    from dataclasses import asdict
 
-    import launch.sweep as S
-    from recipes.reliability.export_writer import RECORD, ExportRecord
 
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
@@ -182,7 +183,7 @@ def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluat
     spec = {"name": "stale", "base": str(base), "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1, 2],
             "backbones": {"tiny": []}, "losses": {"ce": []}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
-    sweep = S.load_sweep(tmp_path / "sweep.yaml")
+    sweep = load_sweep(tmp_path / "sweep.yaml")
     for job, (step, same_save) in zip(sweep.jobs, [(6, True), (4, True), (6, False)]):
         checkpoint = job.out_dir / "checkpoints" / "step_00000006"
         checkpoint.mkdir(parents=True)
@@ -196,13 +197,13 @@ def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluat
         (job.out_dir / "metrics.jsonl").write_text(json.dumps({"step": 6, "loss": 1.0, "ce": 1.0}) + "\n")
         (job.out_dir / "eval_results.json").write_text(json.dumps({"metrics": {"n": 10, "exact_match": 0.1}}))
     ran, evaluated = [], []
-    monkeypatch.setattr(S, "run_job", lambda sweep, job, address=None: ran.append(job.name))
-    monkeypatch.setattr(S, "EVALUATE", lambda sweep, job: evaluated.append(job.name))
-    S.run_sweep(sweep)
+    monkeypatch.setattr(launch.sweep, "run_job", lambda sweep, job, address=None: ran.append(job.name))
+    monkeypatch.setattr(launch.sweep, "EVALUATE", lambda sweep, job: evaluated.append(job.name))
+    launch.sweep.run_sweep(sweep)
     assert ran == evaluated == ["tiny-ce-s1", "tiny-ce-s2"]
     # without export, the last checkpoint alone finishes a job
-    monkeypatch.setattr(S, "job_recipes", lambda sweep, only=None: {
-        job.name: S.load_recipe(base, [*job.overrides, "train.export=false"]) for job in sweep.jobs})
+    monkeypatch.setattr(launch.sweep, "job_recipes", lambda sweep, only=None: {
+        job.name: launch.sweep.load_recipe(base, [*job.overrides, "train.export=false"]) for job in sweep.jobs})
     ran.clear()
-    S.run_sweep(sweep)
+    launch.sweep.run_sweep(sweep)
     assert ran == []

@@ -25,22 +25,23 @@ import pytest
 import torch
 import yaml
 
-from tests.recipes import plugin_helpers as P
+from tests.recipes import plugin_helpers
 from tests.recipes.torchrun_helpers import REPO, read_metrics, run_to_end, save_tiny_llama
 
 
 @pytest.fixture
 def plugin_dir(tmp_path, monkeypatch):
-    root = P.write_package(tmp_path / "user_code")
+    root = plugin_helpers.write_package(tmp_path / "user_code")
     monkeypatch.syspath_prepend(str(root))
     yield root
-    P.forget_package()
+    plugin_helpers.forget_package()
 
 
 def _recipe(root: Path, **loss) -> dict:
     return {"name": "plugins", "model": {"config": {"model_type": "llama"}, "tokenizer": "unused"},
             "data": {"train": str(root / "data")}, "train": {"out_dir": str(root / "out")},
-            "loss": {"plugins": [P.MODULE], "objective": {"terms": {P.TERM: {"power": 2.0}}}, **loss}}
+            "loss": {"plugins": [plugin_helpers.MODULE],
+                     "objective": {"terms": {plugin_helpers.TERM: {"power": 2.0}}}, **loss}}
 
 
 def test_a_plugin_registers_its_term_before_the_objective_is_read(plugin_dir, tmp_path):
@@ -49,15 +50,16 @@ def test_a_plugin_registers_its_term_before_the_objective_is_read(plugin_dir, tm
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(_recipe(tmp_path)))
     recipe = load_recipe(path)
-    term = recipe.loss.objective.terms[P.TERM]
-    assert (term.weight, term.options) == (P.WEIGHT, {"power": 2.0})
-    assert recipe.loss.plugins == [P.MODULE] and recipe.to_dict()["loss"]["plugins"] == [P.MODULE]
+    term = recipe.loss.objective.terms[plugin_helpers.TERM]
+    assert (term.weight, term.options) == (plugin_helpers.WEIGHT, {"power": 2.0})
+    assert recipe.loss.plugins == [plugin_helpers.MODULE]
+    assert recipe.to_dict()["loss"]["plugins"] == [plugin_helpers.MODULE]
     # loaded again (a second entry point in the same process, the recipe.yaml a run writes): the same
     dump_recipe(recipe, tmp_path / "dumped.yaml")
     again = load_recipe(tmp_path / "dumped.yaml")
-    assert again.loss.objective == recipe.loss.objective and again.loss.plugins == [P.MODULE]
+    assert again.loss.objective == recipe.loss.objective and again.loss.plugins == [plugin_helpers.MODULE]
     # its options are checked as a built-in term's are
-    with pytest.raises(ValueError, match=rf"loss\.objective\.terms\.{P.TERM}\.power: "):
+    with pytest.raises(ValueError, match=rf"loss\.objective\.terms\.{plugin_helpers.TERM}\.power: "):
         load_recipe(path, ["loss.objective={terms: {abs_error: {power: 0}}}"])
 
 
@@ -80,9 +82,9 @@ def test_a_bad_plugin_is_refused_naming_its_key(plugin_dir, tmp_path, plugin, me
         recipe_from_dict(_recipe(tmp_path, plugins=[plugin], objective={}))
     assert registered_terms() == builtin  # a failed import registered nothing ('refused' had registered abs_error)
     with pytest.raises(ValueError, match=r"^loss\.plugins\[1\]: " + message):  # after a good one: its index
-        recipe_from_dict(_recipe(tmp_path, plugins=[P.MODULE, plugin]))
-    assert registered_terms() == [*builtin, P.TERM]
-    assert recipe_from_dict(_recipe(tmp_path)).loss.objective.terms[P.TERM].weight == P.WEIGHT
+        recipe_from_dict(_recipe(tmp_path, plugins=[plugin_helpers.MODULE, plugin]))
+    assert registered_terms() == [*builtin, plugin_helpers.TERM]
+    assert recipe_from_dict(_recipe(tmp_path)).loss.objective.terms[plugin_helpers.TERM].weight == plugin_helpers.WEIGHT
 
 
 def test_an_unknown_term_says_what_the_plugins_registered(plugin_dir, tmp_path):
@@ -98,8 +100,8 @@ def test_an_unknown_term_says_what_the_plugins_registered(plugin_dir, tmp_path):
 def test_import_roots_name_the_plugins_folder_but_not_installed_or_project_code(plugin_dir):
     from recipes.plugins import import_plugins, import_roots
 
-    import_plugins([P.MODULE])
-    assert import_roots([P.MODULE, "yaml", "recipes.config"]) == [str(plugin_dir.resolve())]
+    import_plugins([plugin_helpers.MODULE])
+    assert import_roots([plugin_helpers.MODULE, "yaml", "recipes.config"]) == [str(plugin_dir.resolve())]
 
 
 def test_a_changed_plugin_list_is_applied_on_resume_as_a_change_of_the_objective(plugin_dir, tmp_path):
@@ -110,18 +112,18 @@ def test_a_changed_plugin_list_is_applied_on_resume_as_a_change_of_the_objective
     new = recipe_from_dict(_recipe(tmp_path, plugins=[])).to_dict()
     del old["loss"]["objective"], new["loss"]["objective"]
     [change] = recipe_changes(old, new)
-    assert (change.key, change.old, change.new, change.kind) == ("loss.plugins", [P.MODULE], [], TRAINING)
+    assert (change.key, change.old, change.new, change.kind) == ("loss.plugins", [plugin_helpers.MODULE], [], TRAINING)
 
 
 def test_train_refuses_a_bad_plugin_with_exit_2_before_anything_is_written(tmp_path):
-    root = P.write_package(tmp_path / "user_code")
+    root = plugin_helpers.write_package(tmp_path / "user_code")
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, plugins=[f"{P.PACKAGE}.silent"])))
+    recipe.write_text(yaml.safe_dump(_recipe(tmp_path, plugins=[f"{plugin_helpers.PACKAGE}.silent"])))
     env = {**os.environ, "PYTHONPATH": str(root), "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "recipes.train", str(recipe)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"loss.plugins[0]: '{P.PACKAGE}.silent' registers no term" in proc.stderr
+    assert f"loss.plugins[0]: '{plugin_helpers.PACKAGE}.silent' registers no term" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -132,7 +134,7 @@ def test_validate_imports_the_plugins(plugin_dir, tmp_path):
     path.write_text(yaml.safe_dump(_recipe(tmp_path)))
     report = validate_recipe(path, size=False, recommend=False)
     assert not report.numbers.get("load_error") and not [e for e in report.errors if "loss." in e], report.errors
-    assert main([str(path), f"loss.plugins=[{P.PACKAGE}.silent]", "--offline"]) == 2
+    assert main([str(path), f"loss.plugins=[{plugin_helpers.PACKAGE}.silent]", "--offline"]) == 2
 
 
 # ---- training through torchrun ------------------------------------------------------------------------
@@ -149,7 +151,7 @@ def workspace(tmp_path_factory):
     from recipes.experiments.tiny import build_plain_shards, train_tokenizer
 
     root = tmp_path_factory.mktemp("plugins")
-    P.write_package(root / "user_code")
+    plugin_helpers.write_package(root / "user_code")
     train_tokenizer(["Calculate 0123456789 + - * / = . ( )"], root / "tok", "digits")
     build_plain_shards(SourceConfig(kind="arithmetic", options={"module": "add_or_sub", "n": ROWS, "max_digits": 3,
                                                                 "negatives": False}), root / "tok", root / "data")
@@ -161,7 +163,7 @@ def workspace(tmp_path_factory):
     recipe.write_text(yaml.safe_dump({
         "name": "plugins", "model": {"name_or_path": str(root / "model"), "dtype": "float32"},
         "data": {"train": str(root / "data")},
-        "loss": {"plugins": [P.MODULE], "objective": {"terms": {P.TERM: {}}}},
+        "loss": {"plugins": [plugin_helpers.MODULE], "objective": {"terms": {plugin_helpers.TERM: {}}}},
         "optim": {"lr": 1e-3},
         "train": {"steps": 1, "micro_batch_size": 2, "grad_accum": 2, "export": False, "progress": False,
                   "tensorboard": False}}))
@@ -179,7 +181,7 @@ def _reference(root: Path, rows: list[dict]) -> float:
     with torch.no_grad():
         for row in rows:
             logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0]
-            s, n = P.reference(logits[:-1], torch.tensor(row["labels"][1:]), digits)
+            s, n = plugin_helpers.reference(logits[:-1], torch.tensor(row["labels"][1:]), digits)
             total, count = total + s, count + n
     assert count > ROWS  # every row's answer has digits
     return total / count
@@ -198,6 +200,7 @@ def test_a_plugin_term_trains_through_torchrun(workspace, engine):
     run_to_end(recipe, out, f"train.engine={engine}", env=env)
     [row] = read_metrics(out)
     want = _reference(root, rows)
-    assert row[f"term/{P.TERM}"] == pytest.approx(want, rel=1e-5)
-    assert row["loss"] == pytest.approx(row["ce"] + P.WEIGHT * row[f"term/{P.TERM}"], rel=1e-6)
-    assert yaml.safe_load((out / "recipe.yaml").read_text())["loss"]["plugins"] == [P.MODULE]
+    assert row[f"term/{plugin_helpers.TERM}"] == pytest.approx(want, rel=1e-5)
+    user_term = plugin_helpers.WEIGHT * row[f"term/{plugin_helpers.TERM}"]
+    assert row["loss"] == pytest.approx(row["ce"] + user_term, rel=1e-6)
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["loss"]["plugins"] == [plugin_helpers.MODULE]

@@ -6,16 +6,15 @@ test that changes the data changes a copy)."""
 from __future__ import annotations
 
 import pytest
+from transformers import AutoTokenizer
+
+from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
+from recipes.experiments.real_tokenizers import assemble_tokenizer
 
 
 @pytest.fixture(scope="session")
 def llama3_data(tmp_path_factory):
     """A 128,256-token Llama-3-like tokenizer, 24 arithmetic rows built with it, and that tokenizer loaded."""
-    from transformers import AutoTokenizer
-
-    from data_prep import BuildConfig, ShardConfig, SourceConfig, TokenizeConfig, build
-    from recipes.experiments.real_tokenizers import assemble_tokenizer
-
     root = tmp_path_factory.mktemp("llama3_data")
     tok = assemble_tokenizer(str(root / "tok"), "llama3")
     build(BuildConfig(sources=[SourceConfig("arithmetic", options={"n": 24, "max_digits": 3})],

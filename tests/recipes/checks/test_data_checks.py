@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_prep.stats import write_stats
+from recipes.checks import data_checks
 from recipes.checks import preflight as checks
 from tests.recipes.checks.helpers import VOCAB, llama3_recipe, refused
 
@@ -111,8 +112,6 @@ def test_data_without_a_scored_label_is_refused(llama3_data, tmp_path):
 def test_a_manifest_without_statistics_is_scanned_or_refused_with_the_command(llama3_data, tmp_path, monkeypatch):
     """Data built before the statistics: scanned at start-up (a line per shard) and checked the same; above
     the scan limit, refused naming the one command that records them."""
-    from recipes.checks import data_checks
-
     data = tmp_path / "old"
     shutil.copytree(llama3_data["data"], data)
     manifest = json.loads((data / "manifest.json").read_text())

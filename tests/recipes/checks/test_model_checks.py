@@ -13,7 +13,7 @@ import pytest
 
 from recipes.checks import preflight as checks
 from recipes.checks.model_checks import context_limit
-from recipes.validation import validate as V
+from recipes.validation.validate import validate_recipe
 from tests.recipes.checks.helpers import REPO, VOCAB, llama3_recipe, refused
 
 
@@ -52,7 +52,7 @@ def test_megatron_layouts_the_model_cannot_take_are_refused(llama3_data, overrid
     recipe = llama3_recipe(llama3_data, "train.engine=megatron", *overrides)
     assert expected in refused(llama3_data, recipe, world)
     cpu = [f"cluster.cpu_ranks_per_node={world}", "cluster.gpus_per_node=0"]  # recipes.validate, a CPU recipe
-    rep = V.validate_recipe(REPO / "recipes/configs/demo.yaml", [
+    rep = validate_recipe(REPO / "recipes/configs/demo.yaml", [
         f"model.tokenizer={llama3_data['tok']}", f"data.train={llama3_data['data']}", "train.engine=megatron",
         "train.micro_batch_size=4", "train.global_batch_size=null", "data.eval=null", "model.config.vocab_size=128256",
         "model.config.num_hidden_layers=4", "model.config.num_key_value_heads=2", "model.config.intermediate_size=32",

@@ -17,6 +17,9 @@ import sys
 import pytest
 import yaml
 
+from recipes.checks import preflight
+from recipes.config import load_recipe, recipe_from_dict
+from recipes.validation.validate import validate_recipe
 from tests.recipes.torchrun_helpers import REPO
 
 DEMO = REPO / "recipes" / "configs" / "demo.yaml"
@@ -44,8 +47,6 @@ def tokenizers(tmp_path_factory):
 
 
 def _recipe(terms: dict, policy: str = "digits"):
-    from recipes.config import recipe_from_dict
-
     return recipe_from_dict({"model": {"config": {"model_type": "llama"}, "tokenizer": "unused"},
                              "data": {"train": "unused"},
                              "loss": {"objective": {"terms": terms}, "numeric_policy": policy}})
@@ -145,9 +146,6 @@ def test_validate_reports_what_the_terms_need_of_the_tokenizer(tokenizers, tmp_p
 
 
 def test_a_policy_that_cannot_serve_del_is_refused_before_any_model():
-    from recipes.checks import preflight
-    from recipes.config import recipe_from_dict
-
     recipe = recipe_from_dict({
         "name": "del-test",
         "model": {"name_or_path": "unused", "tokenizer": "unused", "dtype": "float32"},
@@ -168,12 +166,8 @@ def test_a_policy_that_cannot_serve_del_is_refused_before_any_model():
 
 
 def test_ntil_on_a_non_digits_policy_is_refused_by_both(demo_on_test_data):
-    from recipes.checks import preflight as checks
-    from recipes.config import load_recipe
-    from recipes.validation.validate import validate_recipe
-
     overrides = [*demo_on_test_data, "loss.numeric_policy=integers", "loss.objective={terms: {ntil: 0.3}}"]
     rep = validate_recipe(DEMO, overrides, offline=True, size=False)
     assert any(e.startswith("loss.objective.terms.ntil") for e in rep.errors)
-    with pytest.raises(checks.RecipeCheckError, match="NTIL needs loss.numeric_policy digits"):
-        checks.preflight(load_recipe(DEMO, overrides), world_size=2)
+    with pytest.raises(preflight.RecipeCheckError, match="NTIL needs loss.numeric_policy digits"):
+        preflight.preflight(load_recipe(DEMO, overrides), world_size=2)

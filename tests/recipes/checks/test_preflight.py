@@ -23,7 +23,7 @@ import pytest
 
 from recipes.checks import preflight as checks
 from recipes.config import load_recipe
-from recipes.validation import validate as V
+from recipes.validation.validate import validate_recipe
 from tests.recipes.checks.helpers import REPO, llama3_recipe
 
 DEMO = REPO / "recipes" / "configs" / "demo.yaml"
@@ -42,7 +42,7 @@ def swapped_tokenizer(tmp_path_factory, rec_tokenizer_dir):
 
 
 def _errors(overrides, *extra):
-    rep = V.validate_recipe(DEMO, [*overrides, *extra], offline=True, size=False)
+    rep = validate_recipe(DEMO, [*overrides, *extra], offline=True, size=False)
     return rep
 
 
