@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,33 @@ def env_without_host_ray(**extra: str) -> dict:
     """This process's environment without this host's Ray address, auth and temp dir, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_TMPDIR"))}
     return {**env, **extra}
+
+
+def run_in_session(cmd: list[str], *, env: dict, log: Path, timeout: float,
+                   cwd: Path = Path(__file__).resolve().parents[2]) -> subprocess.CompletedProcess:
+    """Run `cmd` in a session of its own, stdout and stderr to `log` (returned as `stdout`). Past
+    `timeout` the whole session is killed, the driver and what it started (a local Ray instance's
+    daemons and workers: nothing outlives the test), and the test fails with the output's tail, which
+    says where the run stood."""
+    t0 = time.time()
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    text = Path(log).read_text(errors="replace")
+    if returncode is None:
+        pytest.fail(f"{' '.join(cmd[:4])} ... still running after {time.time() - t0:.0f} s (killed); "
+                    f"its output ends:\n{text[-6000:]}")
+    return subprocess.CompletedProcess(cmd, returncode, stdout=text, stderr="")
 
 
 def tiny_recipe(root: Path, steps: int = STEPS, **train) -> dict:

@@ -20,7 +20,6 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,7 +34,7 @@ from recipes.config import load_recipe
 from recipes.training.runtime import free_port
 from tests.recipes import plugin_helpers
 
-from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports
+from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports, run_in_session
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -240,8 +239,8 @@ def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_ex
     env = env_without_host_ray(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                                NUMLOSS_RAY_HEAD_ARGS=head_args_on_spare_ports(), PYTHONPATH=str(Path(__file__).parents[2]))
     try:
-        out = subprocess.run([sys.executable, "-c", HEAD_PROBE, f"127.0.0.1:{free_port()}", os.path.join(base, "ray")],
-                             env=env, capture_output=True, text=True, timeout=240)
+        out = run_in_session([sys.executable, "-c", HEAD_PROBE, f"127.0.0.1:{free_port()}", os.path.join(base, "ray")],
+                             env=env, log=tmp_path / "head_probe.log", timeout=240)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     text = out.stdout + out.stderr
@@ -263,10 +262,10 @@ def megatron_local(workspace, tmp_path_factory):
                                DS_ACCELERATOR="cpu", **{FAULT_ENV: f"{FAULT['step']}:{FAULT['rank']}"})
     try:
         with FirstAttempt(out, first):
-            proc = subprocess.run([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}",
+            proc = run_in_session([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}",
                                    "train.engine=megatron", "--max-failures", "2",
                                    "--temp-dir", os.path.join(base, "ray")],
-                                  env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=300)
+                                  env=env, log=tmp / "launch_ray.log", timeout=300)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return proc, out, first, home
