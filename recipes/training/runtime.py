@@ -37,6 +37,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int, ignore: Iterable[int] = ()) -> None:
+    """Run first in a helper process a rank starts: the kernel SIGKILLs it when the rank's thread that
+    started it ends (PR_SET_PDEATHSIG), and the signals `ignore` no longer end it. A SIGKILLed rank (OOM
+    killer, torchrun's shutdown timeout, a node agent) runs no exit handler, so a long-lived helper, such
+    as a multiprocessing manager's server, would otherwise outlive it under a launcher that signals the
+    rank alone. And a stop request that the rank handles itself (SIGTERM from torchrun or SLURM, which
+    signal the rank's whole process group) must not end a helper the rank still needs to save with.
+    Where the rank is already gone (the helper was reparented before the call), it exits now."""
+    import ctypes
+    import signal
+
+    for sig in ignore:
+        signal.signal(sig, signal.SIG_IGN)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
+
 def _skip_cpu_shm_op() -> None:
     """DeepSpeed's CPU accelerator compiles a shared-memory comm op at every first start (35-65 s, up to
     5 GB; it serves inference only). `deepspeed.comm.torch` looks it up as `build_shm_op`: return None."""

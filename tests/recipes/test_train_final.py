@@ -4,8 +4,11 @@ of `recipes.train` on a tiny Llama, faults injected by tests/recipes/faults (a s
 one run directory per engine, in order (DeepSpeed 5 launches of 2 ranks, Megatron 4 of 1):
 
 1. 4 steps with export: `final/` records step 4.
-2. The same run for 6 steps; SIGTERM to torchrun and the rank while step 6's save is staged (SLURM's
-   delivery): the save completes, exit 75 with the export not started; `final/` is still step 4's, whole.
+2. The same run for 6 steps, saving every step; SIGTERM to torchrun and the rank while step 6's save is
+   staged (SLURM's delivery): the save completes, exit 75 with the export not started; `final/` is still
+   step 4's, whole. Step 6's save is the process's second: what its first started (Megatron: the
+   checkpoint writers' manager, in the rank's process group, which torchrun signals) must outlive the
+   stop request.
    A start that judged the run by `final/`'s presence alone would say "already finished", exit 0, and
    `final/` would keep the 4-step weights for good.
 3. The same command sees step 6 trained but not exported and exports it, with rank 1 (Megatron: rank 0)
@@ -152,7 +155,8 @@ def _sequence(root: Path, recipe: Path, engine: str) -> None:
     step4 = _loaded(out, tok)
 
     # 2. SIGTERM while the last save is staged
-    code, output = _run(recipe, out, *args, "train.steps=6", nproc=nproc, fault="0:sigterm_at_save:6")
+    code, output = _run(recipe, out, *args, "train.steps=6", "train.save_every=1", nproc=nproc,
+                        fault="0:sigterm_at_save:6")
     assert code != 0 and "the export not started; the same command exports it" in output, output[-4000:]
     assert (out / "checkpoints" / "latest").read_text() == "step_00000006"
     assert _final_step(out) == 4

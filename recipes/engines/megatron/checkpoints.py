@@ -23,6 +23,7 @@ shards (replicas: the main replica writes).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -123,6 +124,47 @@ def _load_optimizer(optimizer, loaded: dict) -> None:
     optimizer.apply_recipe_schedule()
 
 
+_WRITER_MANAGER = None  # the manager writer_queue_dies_with_rank started in this process
+
+
+def writer_queue_dies_with_rank() -> None:
+    """dist_checkpointing's file writers report to a queue served by a multiprocessing manager that the
+    first save starts and keeps for the process's lifetime, in the rank's process group. Two faults
+    follow, both fixed by making that queue first, from a manager whose server lives exactly as long as
+    the rank (recipes.training.runtime.die_with_parent):
+    - a preemption: torchrun forwards SIGTERM to each rank's process group, which ended the server, so
+      the save the rank then makes on that request failed (broken pipe) in every process that had saved
+      before; the server now ignores the rank's stop signals (recipes.reliability.preemption.SIGNALS);
+    - a SIGKILLed rank: under a launcher that signals the rank alone (torchrun, a bare srun step; Ray
+      kills the worker's process group) the server outlived it, hundreds of MB per rank, for good; the
+      kernel now ends it with the rank.
+    The kernel ties the server to the thread that starts it, so this runs in the thread that saves,
+    before each save: a server gone with an earlier thread (a Ray worker's training thread) is started
+    again."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from recipes.reliability.preemption import SIGNALS
+    from recipes.training.runtime import die_with_parent
+
+    global _WRITER_MANAGER
+    if not hasattr(filesystem_async, "_results_queue"):
+        raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue: "
+                           "this megatron-core makes its writers' queue another way; "
+                           "recipes/engines/megatron/checkpoints.py writer_queue_dies_with_rank must follow it")
+    ours = _WRITER_MANAGER is not None and filesystem_async._results_queue is not None
+    if ours and _WRITER_MANAGER._process.is_alive():
+        return
+    if filesystem_async._results_queue is not None and not ours:
+        return  # megatron-core's own, made by a save before this call: it stays in use
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron-core uses
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(), SIGNALS))
+    _WRITER_MANAGER = manager
+    filesystem_async._results_queue = manager.Queue()
+
+
 def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
     """Write model, optimizer, LR schedule, RNG and layout into `<directory>/megatron` (see the module
     docstring). `model_chunks`: this rank's DDP-wrapped chunks. Returns that path. Collective."""
@@ -133,6 +175,7 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
 
     path = Path(directory) / SUBDIR
     path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing writes into an existing directory
+    writer_queue_dies_with_rank()
     dist.barrier()
     model = _model_sharded(model_chunks)
     state = {"model": model, "optimizer": _optimizer_sharded(optimizer, model, loading=False),

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from recipes.reliability.export_writer import agree
 
+from .checkpoints import writer_queue_dies_with_rank
 from .support import CONVERTED_JSON, FORMAT, hf_fields
 
 def _model_request(model_chunks: list) -> dict:
@@ -59,6 +60,7 @@ def save_converted(out: str | Path, model_chunks: list, recipe, hf_config) -> di
         except OSError as e:
             error = e
     agree("preparing the directory", error, what="save_converted")  # every rank fails with rank 0, none waits
+    writer_queue_dies_with_rank()
     dist_checkpointing.save({"model": _model_request(model_chunks)}, str(staging))
     info = {"format": FORMAT, "source": recipe.model.name_or_path, "dtype": recipe.model.dtype,
             "hf_config": hf_fields(hf_config),
