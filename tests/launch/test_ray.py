@@ -36,7 +36,7 @@ from tests.recipes import plugin_helpers
 
 from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports, run_in_session
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)  # a fixture's Ray job (420 s at most) runs inside its first test's time
 
 FAULT = {"step": STEPS, "rank": 1}  # after the last step's row; checkpoints every 2 steps: resumes from 4
 KEYS = ("loss", "ce", "term/smmd", "grad_norm", "lr")
@@ -265,7 +265,8 @@ def megatron_local(workspace, tmp_path_factory):
             proc = run_in_session([sys.executable, "-m", "launch.ray", str(recipe), f"train.out_dir={out}",
                                    "train.engine=megatron", "--max-failures", "2",
                                    "--temp-dir", os.path.join(base, "ray")],
-                                  env=env, log=tmp / "launch_ray.log", timeout=300)
+                                  env=env, log=tmp / "launch_ray.log",
+                                  timeout=420)  # 72 s idle, 144 s in the suite, ~210 s beside two more such jobs
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return proc, out, first, home
