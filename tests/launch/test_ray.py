@@ -30,6 +30,7 @@ import pytest
 
 from launch.ray import (FAULT_ENV, RESULT_PREFIX, job_entrypoint, result_from_logs, run, scaling, submit,
                         submit_command)
+from launch.ray_head import settle_auth
 from recipes.config import load_recipe
 from recipes.training.runtime import free_port
 from tests.recipes import plugin_helpers
@@ -97,7 +98,6 @@ def rank_starts(out: Path) -> list[dict]:
 def deepspeed_killed(workspace, cluster, tmp_path_factory):
     """DeepSpeed on the simulated cluster with the user's term, its rank 1 SIGKILLed after the last step.
     The plugin's folder is on the driver's sys.path only (the cluster's processes started without it)."""
-
     root, recipe = workspace
     out, first = root / "deepspeed", root / "deepspeed-first-attempt.jsonl"
     user_code = plugin_helpers.write_package(tmp_path_factory.mktemp("user_code"))
@@ -129,7 +129,6 @@ def test_two_nodes_one_worker_each(deepspeed_killed):
 def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_losses(deepspeed_killed):
     """Rank 1 SIGKILLs itself after step 6 (checkpoints every 2 steps): Ray restarts the group, which
     resumes from step 4 and logs exactly the uninterrupted first attempt's values from there on."""
-
     out, first, summary = deepspeed_killed
     assert_restart_logged_the_uninterrupted_values(out, first, extra_keys=(f"term/{plugin_helpers.TERM}",))
     assert summary["metrics"]["step"] == STEPS and summary["checkpoint"]["step"] == STEPS
@@ -142,7 +141,6 @@ def test_a_users_term_trains_on_ray_workers_that_load_the_recipe_themselves(deep
     """loss.plugins on the simulated cluster: the plugin's folder is on the driver's sys.path only; each
     worker, the restarted ones too, loads the recipe it is sent, with the folder the driver found the
     plugin in on its sys.path (launch.ray), and trains the user's term with the others."""
-
     out, _, _ = deepspeed_killed
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -155,8 +153,6 @@ def test_a_users_term_trains_on_ray_workers_that_load_the_recipe_themselves(deep
 def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
     """The Ray dashboard (ray[default]) is not installed here, so no job server can run: this checks
     the `ray job submit` command and what the Jobs SDK is asked to run, through a recording client."""
-
-
     _, recipe = workspace
     cmd = submit_command("http://head:8265", "recipes/x y.yaml", ["train.steps=3", "name=a;rm -rf /"],
                          max_failures=2)
@@ -190,7 +186,6 @@ def test_submit_builds_the_ray_job_invocation(workspace, tmp_path):
 def test_the_result_is_found_where_ray_glued_another_line_to_it():
     """Ray's job log merges the driver's streams and its workers' forwarded lines without keeping lines
     whole; a forwarded line once ended where the result began (seen in a loaded suite run)."""
-
     first, last = {"metrics": {"step": 2}}, {"metrics": {"step": 3, "loss": 1.5}}
     glued = "(PlacementGroupCleaner pid=1) Found multiple active Ray instances." + RESULT_PREFIX
     assert result_from_logs("a\n" + glued + json.dumps(last) + "(Worker pid=2) tail\n") == last
@@ -202,8 +197,6 @@ def test_the_result_is_found_where_ray_glued_another_line_to_it():
 
 def test_a_head_started_by_the_job_settles_ray_auth_for_all_its_processes(tmp_path):
     """launch.ray_head.settle_auth: the same decisions as the SLURM template (tests/launch/test_slurm.py)."""
-    from launch.ray_head import settle_auth  # imports ray
-
     env = {}
     assert "fresh token" in settle_auth(env)
     token = env["RAY_AUTH_TOKEN"]
@@ -231,7 +224,6 @@ with HeadNode(sys.argv[1], num_cpus=1, num_gpus=0, temp_dir=sys.argv[2]) as head
 def test_a_head_started_outside_slurm_takes_its_own_driver_where_a_token_file_exists(tmp_path):
     """`launch.ray --start-head` run by hand on a host whose ~/.ray/auth_token exists, no RAY_AUTH_* set:
     its driver (this process, which imported ray before settling) joins the head it started."""
-
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
     (home / ".ray" / "auth_token").write_text("1" * 64)
@@ -253,7 +245,6 @@ def megatron_local(workspace, tmp_path_factory):
     """`python -m launch.ray RECIPE` with no address, Megatron, its rank 1 SIGKILLed after the last step
     (NUMLOSS_FAULT), --max-failures 2: a local instance on loopback (no dashboard), token auth as Ray
     sets it for a local instance (written to this run's HOME), 2 workers, started twice."""
-
     root, recipe = workspace
     tmp = tmp_path_factory.mktemp("local")
     out, first, home = tmp / "run", tmp / "first-attempt.jsonl", tmp / "home"
@@ -275,7 +266,6 @@ def megatron_local(workspace, tmp_path_factory):
 def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_pg_cleaner(megatron_local):
     """Ray Train's PlacementGroupCleaner warned once a second in a local instance (no state API without
     a dashboard) until launch.ray quieted it in every worker of a local instance (the restarted ones too)."""
-
     proc, out, _, home = megatron_local
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
@@ -286,7 +276,6 @@ def test_local_mode_trains_in_its_own_instance_without_a_line_a_second_from_the_
 
 
 def test_ray_places_one_worker_per_gpu_or_cpu_ranks_per_node_workers():
-
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "demo.yaml"
 
     cpu = scaling(load_recipe(recipe, ["cluster.nodes=2", "cluster.gpus_per_node=0", "cluster.cpu_ranks_per_node=3",

@@ -29,6 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from recipes.reliability.checkpoint_writes import guarded_write
+from recipes.reliability.preemption import SIGNALS
+from recipes.training.runtime import die_with_parent
+
 SUBDIR = "megatron"
 MAIN = "main_param"  # the fp32 main parameter of a bf16 / fp16 model (`step.TorchAdamW`)
 
@@ -146,19 +150,14 @@ def writer_queue_dies_with_rank() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from recipes.reliability.preemption import SIGNALS
-    from recipes.training.runtime import die_with_parent
-
     global _WRITER_MANAGER
     if not hasattr(filesystem_async, "_results_queue"):
         raise RuntimeError("megatron.core.dist_checkpointing.strategies.filesystem_async has no _results_queue: "
                            "this megatron-core makes its writers' queue another way; "
                            "recipes/engines/megatron/checkpoints.py writer_queue_dies_with_rank must follow it")
-    ours = _WRITER_MANAGER is not None and filesystem_async._results_queue is not None
-    if ours and _WRITER_MANAGER._process.is_alive():
-        return
-    if filesystem_async._results_queue is not None and not ours:
-        return  # megatron-core's own, made by a save before this call: it stays in use
+    queue = filesystem_async._results_queue
+    if queue is not None and (_WRITER_MANAGER is None or _WRITER_MANAGER._process.is_alive()):
+        return  # ours, serving; or megatron-core's own, made by a save before this call, which stays in use
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # the context megatron-core uses
     manager.start(initializer=die_with_parent, initargs=(os.getpid(), SIGNALS))
     _WRITER_MANAGER = manager
@@ -170,8 +169,6 @@ def save_state(directory: str | Path, model_chunks: list, optimizer) -> Path:
     docstring). `model_chunks`: this rank's DDP-wrapped chunks. Returns that path. Collective."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
-
-    from recipes.reliability.checkpoint_writes import guarded_write
 
     path = Path(directory) / SUBDIR
     path.mkdir(parents=True, exist_ok=True)  # dist_checkpointing writes into an existing directory

@@ -34,8 +34,8 @@ cpu_shim.apply()  # as the engine runs megatron-core on CPU (torch.cuda.synchron
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from recipes.engines.megatron.checkpoints import writer_queue_dies_with_rank
 if queue_owner == "engine":
-    from recipes.engines.megatron.checkpoints import writer_queue_dies_with_rank
     writer_queue_dies_with_rank()
     made = filesystem_async._results_queue
 dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}, out)
