@@ -28,7 +28,6 @@ def test_a_grid_runs_on_ray_and_writes_the_table(workspace, cluster, tmp_path):
     The table's comparisons across backbones and seeds are checked on synthetic results below; here
     the run is what matters, and one backbone with both losses exercises all of it (the backbone's
     override reaches the model: the base recipe has 1 layer, the exported `l2` models 2)."""
-
     root, recipe = workspace
     spec = {
         "name": "tiny-grid", "base": str(recipe), "out_dir": str(tmp_path / "sweep"),
@@ -74,7 +73,6 @@ def test_the_table_compares_each_loss_with_the_baseline_of_its_backbone(tmp_path
     #     20 ± 4.302653 * 10 / sqrt(3) = [-4.8, +44.8].
     # b2: seed 2 not evaluated: two seeds, no ranking, no interval.
     # b3: evaluations without examples: per-seed exact match only, the seed-level interval only.
-
     spec = {"name": "versus", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0, 1, 2],
             "backbones": {"b1": [], "b2": [], "b3": []}, "losses": {"ce": [], "smmd": []}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
@@ -104,7 +102,6 @@ def test_evaluate_job_places_a_70b_export_on_several_gpus(tmp_path, monkeypatch)
     # A job whose export holds 141 GB of weights (a sparse file) on a node of 8 x 80 GiB: evaluate gets
     # tensor parallel 4 / device_map auto (32.9 GiB a GPU), never one GPU; the recipe's eval backend and
     # section ride along. On a node with no GPU the GPU recipe's job is left unevaluated, with a line.
-
     spec = {"name": "big", "base": "unused.yaml", "out_dir": str(tmp_path / "sweep"), "seeds": [0],
             "backbones": {"l70": []}, "losses": {"ce": []}}
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec))
@@ -136,7 +133,6 @@ def test_jobs_of_del_and_of_a_users_term_build_and_a_bad_loss_stops_the_sweep_be
     recipe loads as its run will, with its objective (DEL at 0.01, the user's term at its registered
     default); a loss whose plugin is not importable stops the sweep naming the job, exit 2, before any job
     trains or anything is written."""
-
     monkeypatch.syspath_prepend(str(plugin_helpers.write_package(tmp_path / "user_code")))
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
@@ -175,7 +171,6 @@ def test_a_job_whose_final_does_not_hold_its_last_checkpoint_runs_and_is_evaluat
     after the last save), and step 6 of an earlier save of that step (another checkpoint.json) for seed 2.
     The sweep asks the resume policy: seed 0 is done; seeds 1 and 2 are started again (their start exports
     the last checkpoint) and their earlier evaluations, of another model, are redone."""
-
 
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({"model": {"config": {"model_type": "llama"}, "tokenizer": "tok"},
