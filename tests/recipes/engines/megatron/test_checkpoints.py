@@ -22,6 +22,8 @@ from recipes.training.runtime import free_port
 
 pytest.importorskip("megatron.core")
 
+pytestmark = pytest.mark.timeout(300)  # the reads of the rank's output below block until a line comes
+
 REPO = Path(__file__).resolve().parents[4]
 
 RANK = """
