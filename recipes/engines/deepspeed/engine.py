@@ -43,7 +43,7 @@ from .contract import run_layout
 from .export import export_model
 from .lora import apply_lora, save_adapter, trainable_parameters
 from .model import build_model, training_module
-from .optimizer import build_optimizer, optimizer_kind
+from .optimizer import build_optimizer
 
 
 class DeepSpeedEngine:
@@ -79,8 +79,7 @@ class DeepSpeedEngine:
         self._own_norm: float | None = None  # ZeRO stage 0: the step's gradient norm, measured here
         self.wrapper = training_module(model, objective, recipe)  # AutoTP needs the HF model's config and tp_plan
         self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
-        optimizer = build_optimizer(recipe, trainable_parameters(self.wrapper))
-        self.optimizer_name = optimizer_kind(recipe, torch.cuda.is_available())
+        optimizer, self.optimizer_name = build_optimizer(recipe, trainable_parameters(self.wrapper))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=self.wrapper, optimizer=optimizer,
                                                                  lr_scheduler=scheduler, config=ds_config)

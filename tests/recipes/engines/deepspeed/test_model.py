@@ -96,7 +96,7 @@ def _rank(rank, world, root: str, stages: tuple, expected: list):
         model, live = build_model(recipe, ds_config, torch.device("cpu"))
         wrapper = training_module(model, _objective(), recipe)
         assert wrapper is model and wrapper.config.num_key_value_heads == 1
-        engine, *_ = deepspeed.initialize(model=wrapper, optimizer=build_optimizer(recipe, wrapper.parameters()),
+        engine, *_ = deepspeed.initialize(model=wrapper, optimizer=build_optimizer(recipe, wrapper.parameters())[0],
                                           config=ds_config)
         del live
         try:
