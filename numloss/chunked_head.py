@@ -27,7 +27,7 @@ logits path's three: 4/3 of its matmul work, the price of not storing [T, V].
 
 Chunk size: `chunk_size` keeps its meaning in memory: a chunk holds at most `chunk_size` tokens' worth of
 logits, `Vc = min(ceil(V_local / MIN_CHUNKS), max(1, chunk_size · V_local // T))` columns for all T
-tokens. So a chunk has at most ceil(V_local / MIN_CHUNKS) columns, about an eighth of the batch's logits:
+tokens, rounded down to a multiple of 16 (aligned rows for the kernels' vector loads). So a chunk has at most ceil(V_local / MIN_CHUNKS) columns, about an eighth of the batch's logits:
 that keeps the head below the logits path when d W dominates (1024 tokens with H = 8192).
 
 Parallel contract: with a TP group, `weight` is this rank's vocab shard [V_local, H] starting at
@@ -57,13 +57,18 @@ DEFAULT_CHUNK_SIZE = 1024
 
 
 MIN_CHUNKS = 8  # a chunk has at most ceil(V_local / MIN_CHUNKS) columns (see `chunk_columns`)
+# A chunk's width is its logits' row stride: a multiple of 16 columns starts every row of a bf16 chunk on a
+# 32-byte boundary, so the kernels' loads of a row vectorise (128-bit); an odd width leaves them scalar.
+COLUMN_MULTIPLE = 16
 
 
 def chunk_columns(tokens: int, vocab_local: int, chunk_size: int) -> int:
     """Vc, the columns of one vocab chunk: at most `chunk_size` tokens' worth of logits ([T, Vc] holds
-    no more entries than [chunk_size, V_local]) and at most ceil(V_local / MIN_CHUNKS) columns."""
+    no more entries than [chunk_size, V_local]) and at most ceil(V_local / MIN_CHUNKS) columns, rounded
+    down to a multiple of COLUMN_MULTIPLE where that leaves at least COLUMN_MULTIPLE."""
     per_budget = max(1, chunk_size * vocab_local // max(tokens, 1))
-    return max(1, min(-(-vocab_local // MIN_CHUNKS), per_budget))
+    width = max(1, min(-(-vocab_local // MIN_CHUNKS), per_budget))
+    return width - width % COLUMN_MULTIPLE if width >= COLUMN_MULTIPLE else width
 
 
 def _group_by_chunk(columns: torch.Tensor, width: int, vocab_local: int) -> tuple[torch.Tensor, list[int]]:

@@ -170,8 +170,10 @@ def row_stats(x: torch.Tensor, target_local: torch.Tensor | None = None, owns_ta
     target = torch.empty_like(row_max) if has_target else None
     if rows:
         kernel = _kernels()[0]
-        kernel[(rows,)](x, x.stride(0), target_local if has_target else row_max,
-                        owns_target.to(torch.int8) if has_target else row_max, row_max, sum_exp,
+        # the kernel reads targets and ownership as flat arrays: a strided view (a slice of labels) would be
+        # read at the wrong addresses
+        kernel[(rows,)](x, x.stride(0), target_local.contiguous() if has_target else row_max,
+                        owns_target.to(torch.int8).contiguous() if has_target else row_max, row_max, sum_exp,
                         target if has_target else row_max, x.shape[1], HAS_TARGET=has_target, **_launch_config(x))
     return row_max, sum_exp, target
 
@@ -197,7 +199,7 @@ def write_gradient(x: torch.Tensor, lse, grad_lse, target_local, owns_target, gr
     elif out.shape != x.shape or out.stride(1) != 1:
         raise ValueError(f"fused pass: gradient buffer {tuple(out.shape)} stride {out.stride()} does not fit"
                          f" logits {tuple(x.shape)}")
-    owns = owns_target.to(torch.int8)
+    owns = owns_target.to(torch.int8).contiguous()
     numeric = None
     if num_rows is not None and num_rows.numel() and num_cols.numel():
         numeric = numeric_block_gradient(x, num_rows, num_cols, lse, grad_lse, target_local, owns_target,

@@ -126,6 +126,22 @@ def test_strided_logits_slice_equals_eager():
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-9)
 
 
+def test_strided_targets_are_read_at_their_own_positions():
+    """The row kernel reads the targets and their ownership as flat arrays: a strided view of them (every
+    other label) must give each row its own target logit, as a gather from the logits does."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=g)
+    labels = torch.randint(0, 40, (12,), generator=g)
+    owns = torch.rand(12, generator=g) < 0.7
+    target, owned = labels[::2], owns[::2]
+    assert not target.is_contiguous() and not owned.is_contiguous()
+    row_max, sum_exp, picked = fused_pass.row_stats(x, target, owned)
+    torch.testing.assert_close(row_max, x.max(1).values)
+    torch.testing.assert_close(sum_exp, (x - x.max(1, keepdim=True).values).exp().sum(1))
+    expected = x.gather(1, target[:, None]).squeeze(1)
+    torch.testing.assert_close(picked[owned], expected[owned])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunked_head_fused_equals_eager(dtype):
     vocab, _, labels = batch(10, 200, dtype)

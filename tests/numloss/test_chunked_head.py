@@ -108,25 +108,25 @@ def test_bf16_chunked_agrees_with_bf16_logits_path(config):
     assert max(errors["chunked"]) < 2e-2, errors
 
 
-NUMERIC_SPREAD = [5, 290, 50, 100, 150, 77, 200, 250, 299, 123]  # not sorted: columns out of vocab order
+NUMERIC_SPREAD = [5, 290, 50, 100, 150, 67, 200, 270, 170, 230]  # not sorted: columns out of vocab order
 
 
 def test_bf16_vocab_chunks_equal_float64_dense():
-    """bf16 hidden and weight, a vocabulary cut into 9 chunks (the last one short) with targets and the
+    """bf16 hidden and weight, a vocabulary cut into 10 chunks of 32 columns (the last one short) with targets and the
     numeric columns in many of them: lse, target logit, numeric logits, d hidden and d W against a float64
     dense computation from the same (bf16-representable) values, under an uneven d loss / d lse (random
     weights on every output, so no assumption about the loss), within the bf16 logits path's own error."""
     g = torch.Generator().manual_seed(9)
     t, h_dim, v, chunk = 32, 48, 300, 4
     width = chunk_columns(t, v, chunk)
-    assert (width, -(-v // width)) == (37, 9)
-    assert len({c // width for c in NUMERIC_SPREAD}) == 9  # the numeric columns fall in every chunk
+    assert (width, -(-v // width)) == (32, 10)  # ceil(300 / 8) = 38 columns, down to a multiple of 16
+    assert len({c // width for c in NUMERIC_SPREAD}) == 10  # the numeric columns fall in every chunk
     vocab = NumericVocab(NUMERIC_SPREAD, list(range(10)), vocab_size=v)
     hidden = torch.randn(t, h_dim, generator=g).bfloat16()
     weight = (2 * torch.randn(v, h_dim, generator=g) / h_dim**0.5).bfloat16()
     labels = torch.randint(0, v, (t,), generator=g)
     labels[::3] = torch.tensor(NUMERIC_SPREAD)[torch.randint(0, 10, (len(labels[::3]),), generator=g)]
-    labels[2::3][:9] = torch.arange(9) * width + 3  # a target in every chunk (77, in the third, is numeric)
+    labels[2::3][:10] = torch.arange(10) * width + 3  # a target in every chunk (67, in the third, is numeric)
     labels[1] = -100
     rows = (labels[:, None] == torch.tensor(NUMERIC_SPREAD)).any(1).nonzero().flatten()
     coef = [torch.rand(t, generator=g) + 0.5, torch.randn(t, generator=g), torch.randn(rows.numel(), 10, generator=g)]
@@ -158,6 +158,21 @@ def test_bf16_vocab_chunks_equal_float64_dense():
         err_chunked, err_logits = [float((a - ref).norm() / ref.norm()) for a in (chunked, logits)]
         assert err_chunked <= max(1.5 * err_logits, 1e-3), (name, err_chunked, err_logits)
         assert err_chunked < 1e-2, (name, err_chunked)
+
+
+@pytest.mark.parametrize("vocab_local", [128_256, 151_936, 128_256 // 8, 151_936 // 4, 49_152, 32_001])
+@pytest.mark.parametrize("tokens", [1, 200, 4096, 8192, 65_536])
+def test_chunk_widths_are_multiples_of_16_within_the_memory_bound(vocab_local, tokens):
+    """At real vocabularies and shards, a chunk's row stride is a multiple of 16 columns (aligned rows: the
+    kernels' 128-bit loads) while a chunk still holds at most chunk_size tokens' worth of logits and the
+    vocabulary is cut into at least MIN_CHUNKS chunks."""
+    from numloss.chunked_head import MIN_CHUNKS
+
+    for chunk_size in (256, 1024, 4096):
+        width = chunk_columns(tokens, vocab_local, chunk_size)
+        assert width % 16 == 0 and width >= 16, (width, tokens, vocab_local, chunk_size)
+        assert width * tokens <= max(chunk_size * vocab_local, 16 * tokens)
+        assert -(-vocab_local // width) >= MIN_CHUNKS
 
 
 def test_bf16_weight_gradient_is_rounded_once():
