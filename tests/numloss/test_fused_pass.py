@@ -5,6 +5,9 @@ process of their own, and on a GPU the kernels at Llama-3 sizes.
   labels, the gradient in place, a strided slice, the chunked head, vocab-parallel on 2 gloo ranks) runs in
   a fresh pytest process with TRITON_INTERPRET=1: the variable must be set before triton is first imported,
   and in this process megatron-core may already have imported it.
+- `tests/numloss/fused_compiled.py` compiles both kernels ahead of time for sm_80 and sm_90 (triton's
+  compiler and its ptxas need no GPU) as the JIT specialises them on a GPU: no register spills, and 128-bit
+  global loads and stores of the logits when rows are aligned (the chunked head keeps them so).
 - `-k cuda` (skipped without a GPU): the compiled kernels against the eager path on logits [2048, 128256]
   bf16, and the gradient in place allocating no second [T, V].
 """
@@ -37,6 +40,33 @@ def test_fused_kernels_equal_eager_under_the_triton_interpreter():
                           timeout=540)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(triton_missing, reason="triton does not import")
+def test_kernels_compile_for_sm80_and_sm90_without_spills_and_with_vector_loads(tmp_path):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "tests/numloss/fused_compiled.py", "--out", str(tmp_path / "r.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert {(r["kernel"], r["arch"], r["dtype"], r["aligned"]) for r in rows} == {
+        (k, a, d, al) for k in ("row_stats_kernel", "gradient_kernel") for a in (80, 90) for d in ("bf16", "fp32")
+        for al in (True, False)}
+    for row in rows:
+        where = f"{row['kernel']} sm_{row['arch']} {row['dtype']} aligned={row['aligned']}"
+        assert row["target"] == ("sm_90a" if row["arch"] == 90 else "sm_80"), where
+        assert row["spill_bytes"] == 0, f"{where}: {row['spill_bytes']} bytes of register spills"
+        assert 0 < row["registers"] <= 64, f"{where}: {row['registers']} registers"
+        if row["aligned"]:  # 16-byte loads of the logits (and stores of the gradient): 8 bf16 or 4 fp32 a load
+            assert "ld.global.v4.b32" in row["loads"], f"{where}: loads {row['loads']}"
+            if row["kernel"] == "gradient_kernel":
+                assert "st.global.v4.b32" in row["stores"], f"{where}: stores {row['stores']}"
+    # an unaligned width (a chunk whose width is not a multiple of 16) leaves the logits' loads scalar: why the
+    # chunked head rounds its chunk width
+    unaligned = [r for r in rows if not r["aligned"] and r["dtype"] == "bf16"]
+    assert unaligned and all("ld.global.v4.b32" not in r["loads"] for r in unaligned), unaligned
 
 
 def test_cpu_tensors_take_the_eager_path_unless_asked(monkeypatch):
