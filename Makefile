@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 
-.PHONY: venv lock demo demo-tiny test bench clean
+.PHONY: venv lock demo demo-tiny test bench gpu-wheels clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_losses.py
+
+# The wheels a lent GPU machine lacks (benchmarks/gpu_wheels.py), into .whl/ for benchmarks/gpu_run.sh to
+# install there with no network: cp312 manylinux, at constraints.txt's versions; DeepSpeed built here.
+gpu-wheels: $(STAMP)
+	$(BIN)/python benchmarks/gpu_wheels.py download --dest .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

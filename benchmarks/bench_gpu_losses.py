@@ -6,7 +6,8 @@
 1. Logits [4, 2048, 128256] bf16 (a Llama-3 vocabulary, 8,192 tokens, 25% numeric labels), one forward +
    backward, median of 5 after a warm-up, the paths alternating: numloss CE eager (`fused=False`), numloss
    CE (the default dispatch: fused on a GPU with triton), the same with `grad_in_place=True`, every term on
-   the default path at N = 10 and N = 1000, torch's eager cross-entropy (fp32 upcast) and torch.compile'd.
+   the default path at N = 10 and N = 1000, torch's eager cross-entropy (fp32 upcast) and torch.compile'd;
+   then the cross-entropy paths alone at [4, 2048, 151936] (a Qwen2.5/3 vocabulary).
    Peak memory above the logits. The floor: two reads and one write of the bf16 logits at the bandwidth a
    large device copy measures here. Targets (printed, not enforced): numloss CE <= 1.2x compiled CE in time
    and <= it in memory; a term <= 1.10x of numloss CE at N = 10, <= 1.25x at N = 1000.
@@ -21,6 +22,7 @@ and `.md`. `benchmarks/gpu_check.py --sections losses` runs part 1 through `loss
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -52,12 +54,13 @@ class LossSizes:
     logits: tuple[int, int, int]  # [B, T, V]
     repeats: int
     hidden_sizes: tuple[int, ...]  # the chunked head's H
+    more_vocabs: tuple[int, ...] = ()  # part 1's cross-entropy paths again at these vocabulary widths
 
     @classmethod
     def of(cls, smoke: bool) -> "LossSizes":
         if smoke:
-            return cls("cpu", torch.float32, (2, 16, 1200), 2, (16,))
-        return cls("cuda", torch.bfloat16, (4, 2048, 128256), 5, (4096, 8192))
+            return cls("cpu", torch.float32, (2, 16, 1200), 2, (16,), (1500,))
+        return cls("cuda", torch.bfloat16, (4, 2048, 128256), 5, (4096, 8192), (151936,))
 
     @property
     def fused(self) -> bool:
@@ -143,48 +146,63 @@ def copy_bandwidth(device: str) -> float | None:
     return 2 * src.numel() * src.element_size() / seconds
 
 
+CE_PATHS = ("torch eager CE (fp32 upcast)", "torch.compile CE", "numloss CE eager", "numloss CE",
+            "numloss CE, grad in place")
+
+
+def _block(sizes: LossSizes, n: int, ce_only: bool) -> list[dict]:
+    """The rows of one logits shape (`sizes.logits`) and numeric vocabulary N: every path, or the CE ones."""
+    vocab, logits, labels = synthetic_batch(sizes, n)
+    paths = {k: f for k, f in loss_paths(vocab, n, sizes).items() if not ce_only or k in CE_PATHS}
+    v = sizes.logits[2]
+    times = {name: [] for name in paths}
+    peaks = {}
+    for name, fn in paths.items():  # warm-up: kernels built, compiled graphs traced
+        log(f"V={v} N={n} warm-up {name}")
+        _, peaks[name] = timed_pass(fn, logits, labels, sizes.device)
+    for _ in range(sizes.repeats):  # the paths alternate, so drift in clocks hits them alike
+        for name, fn in paths.items():
+            times[name].append(timed_pass(fn, logits, labels, sizes.device)[0])
+    med = {name: statistics.median(t) for name, t in times.items()}
+    ce = med["numloss CE"]
+    compiled = med.get("torch.compile CE")
+    rows = []
+    for name in paths:
+        target, mem_ratio = None, None
+        if name.startswith("numloss CE+"):
+            ratio, against, target = med[name] / ce, "numloss CE", LOSS_TARGETS[n]
+        elif compiled:
+            ratio, against = med[name] / compiled, "torch.compile CE"
+            if name in ("numloss CE", "numloss CE, grad in place"):
+                target = LOSS_TARGETS["ce_vs_compiled"]
+                mem_ratio = peaks[name] / max(peaks["torch.compile CE"], 1)
+        else:
+            ratio, against = med[name] / ce, "numloss CE"
+        within = None if target is None else ratio <= target and (mem_ratio is None or mem_ratio <= 1.0)
+        rows.append({"V": v, "N": None if ce_only else n, "path": name, "ms": med[name] * 1e3,
+                     "peak_gib": peaks[name] / 2**30, "ratio": ratio, "against": against, "target": target,
+                     "mem_vs_compiled": mem_ratio, "within": within})
+        log(f"V={v} N={n} {name}: {med[name] * 1e3:.2f} ms, peak {peaks[name] / 2**30:.2f} GiB, {ratio:.2f}x {against}")
+    del logits
+    return rows
+
+
 def losses_table(sizes: LossSizes) -> dict:
     rows = []
     bandwidth = copy_bandwidth(sizes.device)
     b, t, v = sizes.logits
     logits_bytes = b * t * v * torch.finfo(sizes.dtype).bits // 8
     for n in (10, 1000):
-        vocab, logits, labels = synthetic_batch(sizes, n)
-        paths = loss_paths(vocab, n, sizes)
-        times = {name: [] for name in paths}
-        peaks = {}
-        for name, fn in paths.items():  # warm-up: kernels built, compiled graphs traced
-            log(f"N={n} warm-up {name}")
-            _, peaks[name] = timed_pass(fn, logits, labels, sizes.device)
-        for _ in range(sizes.repeats):  # the paths alternate, so drift in clocks hits them alike
-            for name, fn in paths.items():
-                times[name].append(timed_pass(fn, logits, labels, sizes.device)[0])
-        med = {name: statistics.median(t) for name, t in times.items()}
-        ce = med["numloss CE"]
-        compiled = med.get("torch.compile CE")
-        for name in paths:
-            target, mem_ratio = None, None
-            if name.startswith("numloss CE+"):
-                ratio, against, target = med[name] / ce, "numloss CE", LOSS_TARGETS[n]
-            elif compiled:
-                ratio, against = med[name] / compiled, "torch.compile CE"
-                if name in ("numloss CE", "numloss CE, grad in place"):
-                    target = LOSS_TARGETS["ce_vs_compiled"]
-                    mem_ratio = peaks[name] / max(peaks["torch.compile CE"], 1)
-            else:
-                ratio, against = med[name] / ce, "numloss CE"
-            within = None if target is None else ratio <= target and (mem_ratio is None or mem_ratio <= 1.0)
-            rows.append({"N": n, "path": name, "ms": med[name] * 1e3, "peak_gib": peaks[name] / 2**30,
-                         "ratio": ratio, "against": against, "target": target, "mem_vs_compiled": mem_ratio,
-                         "within": within})
-            log(f"N={n} {name}: {med[name] * 1e3:.2f} ms, peak {peaks[name] / 2**30:.2f} GiB, {ratio:.2f}x {against}")
-        del logits
+        rows += _block(sizes, n, ce_only=False)
+    for wider in sizes.more_vocabs:
+        rows += _block(dataclasses.replace(sizes, logits=(b, t, wider)), 10, ce_only=True)
     if bandwidth:
-        rows.append({"N": None, "path": f"floor (2 reads + 1 write of the logits at {bandwidth / 1e12:.2f} TB/s)",
+        rows.append({"V": v, "N": None, "path": f"floor (2 reads + 1 write of the logits at {bandwidth / 1e12:.2f} TB/s)",
                      "ms": 3 * logits_bytes / bandwidth * 1e3})
-    return {"title": f"loss pass, logits [{b}, {t}, {v}] {str(sizes.dtype).replace('torch.', '')}, forward + "
-                     f"backward, median of {sizes.repeats}",
-            "columns": ["N", "path", "ms", "peak_gib", "ratio", "against", "target", "mem_vs_compiled", "within"],
+    vocabs = ", ".join(str(x) for x in (v, *sizes.more_vocabs))
+    return {"title": f"loss pass, logits [{b}, {t}, V] {str(sizes.dtype).replace('torch.', '')} (V = {vocabs}; the terms "
+                     f"at V = {v}), forward + backward, median of {sizes.repeats}",
+            "columns": ["V", "N", "path", "ms", "peak_gib", "ratio", "against", "target", "mem_vs_compiled", "within"],
             "rows": rows, "ok": True}
 
 

@@ -1,34 +1,33 @@
-"""The project's GPU check: what only a GPU can show, in one script of about 7 minutes on one H200.
+"""The project's GPU check: what only a GPU can show, in one script that fits one call of a lent GPU.
 
-    python benchmarks/gpu_check.py [--out runs/gpu_check] [--sections kernels,losses,packing,steps]
-                                   [--seqs 1024,200] [--deadline-s 420]
+    bash benchmarks/gpu_run.sh OUT [--deadline-s N]     # what a lent GPU runs: carried wheels, this, <= 8 files in OUT
+    python benchmarks/gpu_check.py [--out runs/gpu_check] [--sections losses,steps,kernels,packing]
+                                   [--seqs 2048] [--deadline-s 400]
     python benchmarks/gpu_check.py --requirements   # the requirements table only; exit 3 if a section would be skipped
     python benchmarks/gpu_check.py --smoke          # CPU, tiny shapes: every code path, no figure worth keeping
 
 0. `requirements` (first, always): what imports here (torch's CUDA, triton, pytest, deepspeed,
-   megatron.core, transformers against the version the tests ran, transformer_engine, flash_attn,
-   liger_kernel) and so which sections, and which engines' rows, run. A section or row whose needs are
-   missing is skipped with the reason (gpu_check_requirements.py), so a bare image measures what it can.
-   Then DeepSpeed's FusedAdam JIT build starts in the background (gpu_check_runs.Prebuild); the DeepSpeed
-   runs wait on it with a timeout.
-1. `kernels`: tests/numloss/test_fused_pass.py's CUDA checks of the fused pass at [2048, 128256] bf16, case by
-   case (gpu_check_kernels.py).
-2. `losses`: part 1 of bench_gpu_losses.py, logits [4, 2048, 128256] bf16, numloss's objective (eager,
-   fused, gradient in place; CE alone and each term at N = 10 and 1000) beside torch's eager and compiled
-   cross-entropy. When `kernels` failed, the fused rows are not run and say "kernel check failed"; the
-   eager and torch rows are measured anyway.
-3. `packing`: a correctness check. The same 24 examples as one step of unpacked rows and of packed rows
-   give the same step-1 loss, CE and gradient norm (fp32, TF32 off, rel 1e-4) on each engine
-   (gpu_check_steps.py).
-4. `steps`: `recipes.train` for a few steps, measured step time / TFLOP/s / MFU / peak memory beside the
-   step model's prediction (each run's throughput.json): Llama-3-8B's widths x `--layers` layers (dense)
-   at every `--seqs` row length, and Qwen3-30B-A3B's (MoE: 128 experts, top 8; Megatron EP 1 with the
-   alltoall dispatcher, DeepSpeed ZeRO-1) at the first, with the logged router/aux.
+   megatron.core, transformers against the version the tests ran, transformer_engine and whether
+   megatron-core's TE spec can be built, flash_attn, liger_kernel) and so which sections, and which engines'
+   rows, run. A section or row whose needs are missing is skipped with the reason (gpu_check_requirements.py),
+   so a bare image measures what it can.
+1. `losses`: part 1 of bench_gpu_losses.py, logits [4, 2048, 128256] bf16: numloss's objective (eager, fused,
+   gradient in place; CE alone and each term at N = 10 and 1000) beside torch's eager and compiled
+   cross-entropy, time and peak memory; then the CE paths at V = 151936.
+2. `steps`: `recipes.train` on each engine (Megatron, DeepSpeed ZeRO-1) at Llama-3.2-1B's shape (16 layers,
+   hidden 2048, the Llama-3 vocabulary, tied embeddings), random weights, bf16, a few steps: measured step
+   time, tokens/s, TFLOP/s, MFU and peak memory beside the step model's prediction for the same recipe on
+   this GPU (each run's throughput.json).
+3. `kernels`: tests/numloss/test_fused_pass.py's CUDA checks of the fused pass at [2048, 128256] bf16, case by
+   case (gpu_check_kernels.py). The losses' fused rows ran before it: if it fails, their rows are marked.
+4. `packing`: a correctness check on Megatron's Transformer Engine spec in bf16: the same 24 examples as one
+   step of unpacked rows and of packed THD rows give the same step-1 loss, CE and gradient norm (rel 1e-2);
+   without TE one line says why it was skipped (gpu_check_steps.py). On `--smoke`, both engines in fp32.
 
-Time: a deadline for the whole check (`--deadline-s`), a budget per section and a timeout per run
-(gpu_check_runs.Clock); what the deadline cuts is reported as skipped. Progress is printed as it goes
-(flush), and `<out>/gpu_check.json` and `.md` are rewritten after every section and every finished run,
-so a check killed at its limit leaves what it measured.
+Time: a deadline for the whole check (`--deadline-s`), each section's share of it in the order above
+(gpu_check_runs.SHARES; what a section leaves goes to the next) and a timeout per run; what the deadline
+cuts is reported as skipped. Progress is printed as it goes (flush), and `<out>/gpu_check.json` and `.md` are
+rewritten after every section and every finished run, so a check killed at its limit leaves what it measured.
 
 Exit status: 0 every section ran and passed; 1 a section failed (raised, a check failed, a run broke);
 3 nothing failed but something was skipped (missing requirements, the deadline); 2 no GPU without --smoke.
@@ -52,11 +51,11 @@ sys.path.insert(0, str(REPO))
 from bench_gpu_losses import markdown as table_markdown  # noqa: E402
 from gpu_check_kernels import FusedMode, kernels_section, losses_section  # noqa: E402  (benchmarks/ is on sys.path)
 from gpu_check_requirements import probe, requirements_table  # noqa: E402
-from gpu_check_runs import Clock, Prebuild, Sizes  # noqa: E402
+from gpu_check_runs import SHARES, Clock, Sizes  # noqa: E402
 from gpu_check_steps import packing_section, steps_section  # noqa: E402
 
-SECTIONS = ("kernels", "losses", "packing", "steps")
-PREBUILD_TIMEOUT_S = 300.0  # a cold fused_adam build is ~1 min; past this the DeepSpeed rows are skipped
+SECTIONS = tuple(name for name in SHARES if name != "requirements")  # the order they run in
+DEADLINE_S = {"gpu": 400.0, "smoke": 900.0}
 
 
 def markdown(section: dict) -> str:
@@ -108,7 +107,8 @@ def device_line(sizes: Sizes) -> str:
 def run_section(name: str, sizes: Sizes, clock: Clock, work: Path, args, state: dict, report: Report) -> dict:
     deadline = clock.section_deadline(name)
     left = deadline - time.time()
-    skips = state["requirements"]["engines"]
+    table = state["requirements"]
+    skips = table["engines"]
 
     def partial(section: dict) -> None:
         report.update(name, {**section, "seconds": time.time() - t0, "partial": True})
@@ -117,22 +117,36 @@ def run_section(name: str, sizes: Sizes, clock: Clock, work: Path, args, state: 
     if name == "kernels":
         return kernels_section(sizes, work, left)
     if name == "losses":
-        mode = FusedMode.after(state.get("kernels"), state["requirements"]["found"].get("triton", {}).get("ok", False))
+        mode = FusedMode.after(state.get("kernels"), table["found"].get("triton", {}).get("ok", False))
         return losses_section(sizes, work, left, mode)
     if name == "packing":
-        return packing_section(sizes, work, deadline, state.get("prebuild"), skips, partial)
+        te = table["found"].get("te_spec", {})
+        return packing_section(sizes, work, deadline, skips, None if te.get("ok") else te.get("error", "not probed"),
+                               partial)
     seqs = [int(s) for s in args.seqs.split(",")] if sizes.cuda else [64]
-    return steps_section(sizes, work, seqs, deadline, state.get("prebuild"), skips, partial)
+    return steps_section(sizes, work, seqs, deadline, skips, partial)
+
+
+def mark_fused_rows(losses: dict, kernels: dict) -> None:
+    """The losses section timed its fused rows before the kernel check ran ("kernel check not run"): the
+    check's verdict replaces that note, and a failed check fails the section too."""
+    if not losses.get("fused") or kernels.get("skipped"):
+        return
+    failed = not kernels.get("ok")
+    for row in losses.get("rows", []):
+        if row.get("note") == "kernel check not run":
+            row["note"] = "the kernel check failed: these timings are of kernels that gave wrong values" if failed else None
+    losses["ok"] = losses.get("ok", False) and not failed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/gpu_check")
     parser.add_argument("--sections", default=",".join(SECTIONS))
-    parser.add_argument("--seqs", default="1024,200", help="row lengths of the steps section's dense rows")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seqs", default="2048", help="row lengths (packed) of the steps section's runs")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--deadline-s", type=float, default=None, help="the whole check (default 420; --smoke 900)")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help=f"the whole check (default {DEADLINE_S['gpu']:.0f}; --smoke {DEADLINE_S['smoke']:.0f})")
     parser.add_argument("--requirements", action="store_true", help="print the requirements table and exit")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: the code paths only")
     args = parser.parse_args(argv)
@@ -140,13 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"--sections: unknown {unknown}; known: {','.join(SECTIONS)}")
-    sizes = Sizes.of(args.smoke, args.layers, args.steps)
+    sizes = Sizes.of(args.smoke, args.steps)
     out = Path(args.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    clock = Clock(args.deadline_s or (900.0 if args.smoke else 420.0), sizes.budgets_s)
+    clock = Clock(args.deadline_s or DEADLINE_S["smoke" if args.smoke else "gpu"])
 
-    found = probe(timeout_s=sizes.budgets_s["requirements"])
+    found = probe(timeout_s=max(30.0, clock.section_deadline("requirements") - time.time()))
     table = requirements_table(found, args.smoke)
     table["seconds"] = time.time() - clock.start
     print("\n" + markdown(table) + "\n", flush=True)
@@ -167,32 +181,29 @@ def main(argv: list[str] | None = None) -> int:
     report.update("requirements", table)
 
     state = {"requirements": table}
-    if {"packing", "steps"} & set(chosen) and not table["engines"]["deepspeed"]:
-        state["prebuild"] = Prebuild(work, sizes.cuda, PREBUILD_TIMEOUT_S)
     print(f"gpu_check on {report.data['device']}; deadline {clock.left():.0f} s", flush=True)
-    try:
-        for name in chosen:
-            t0 = time.time()
-            reason = table["sections"].get(name)
-            if reason is None and clock.left() < sizes.min_run_s:
-                reason = f"not started: {clock.left():.0f} s left of the check's deadline"
-            print(f"\n[gpu_check] section {name}" + (f": skipped ({reason})" if reason else
-                  f", {min(clock.left(), sizes.budgets_s[name]):.0f} s at most"), flush=True)
-            if reason:
-                result = {"title": name, "columns": [], "rows": [], "ok": True, "skipped": reason}
-            else:
-                try:
-                    result = run_section(name, sizes, clock, work, args, state, report)
-                except Exception:  # noqa: BLE001  (reported, and the next section still runs)
-                    result = {"title": name, "columns": ["error"], "rows": [{"error": traceback.format_exc()[-3000:]}],
-                              "ok": False}
-            result["seconds"] = time.time() - t0
-            state[name] = result
-            report.update(name, result)
-            print("\n" + markdown(result) + f"\n\n({result['seconds']:.0f} s, {status_of(result)})", flush=True)
-    finally:
-        if "prebuild" in state:
-            state["prebuild"].stop()
+    for name in [s for s in SECTIONS if s in chosen]:
+        t0 = time.time()
+        reason = table["sections"].get(name)
+        if reason is None and clock.left() < sizes.min_run_s:
+            reason = f"not started: {clock.left():.0f} s left of the check's deadline"
+        print(f"\n[gpu_check] section {name}" + (f": skipped ({reason})" if reason else
+              f", until {clock.section_deadline(name) - clock.start:.0f} s of {clock.deadline_s:.0f}"), flush=True)
+        if reason:
+            result = {"title": name, "columns": [], "rows": [], "ok": True, "skipped": reason}
+        else:
+            try:
+                result = run_section(name, sizes, clock, work, args, state, report)
+            except Exception:  # noqa: BLE001  (reported, and the next section still runs)
+                result = {"title": name, "columns": ["error"], "rows": [{"error": traceback.format_exc()[-3000:]}],
+                          "ok": False}
+        result["seconds"] = time.time() - t0
+        state[name] = result
+        report.update(name, result)
+        if name == "kernels" and "losses" in state:
+            mark_fused_rows(state["losses"], result)
+            report.update("losses", state["losses"])
+        print("\n" + markdown(result) + f"\n\n({result['seconds']:.0f} s, {status_of(result)})", flush=True)
     statuses = {n: status_of(s) for n, s in report.data["sections"].items() if n != "requirements"}
     failed = [n for n, s in statuses.items() if s == "failed"]
     skipped = [n for n, s in statuses.items() if s == "skipped"]

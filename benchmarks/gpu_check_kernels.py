@@ -150,7 +150,7 @@ def _losses_worker(argv: list[str]) -> int:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--eager", action="store_true", help="no fused path (NUMLOSS_FUSED=0 set by the caller)")
     args = parser.parse_args(argv)
-    sizes = Sizes.of(args.smoke, 1, 1)
+    sizes = Sizes.of(args.smoke, 1)
 
     class EagerLossSizes(LossSizes):
         @property
@@ -161,7 +161,7 @@ def _losses_worker(argv: list[str]) -> int:
     if args.eager and os.environ.get("NUMLOSS_FUSED") != "0":
         raise SystemExit("--eager needs NUMLOSS_FUSED=0 in the environment (numloss's default dispatch)")
     started = time.time()
-    table = losses_table(kind(sizes.device, sizes.dtype, sizes.logits, sizes.repeats, ()))
+    table = losses_table(kind(sizes.device, sizes.dtype, sizes.logits, sizes.repeats, (), sizes.more_vocabs))
     table["seconds_inside"] = time.time() - started
     Path(args.out).write_text(json.dumps(table, default=str))
     return 0

@@ -73,6 +73,15 @@ if found.get("torch", {}).get("ok"):
     else:
         cuda = {"ok": False, "error": f"torch {torch.__version__} sees no CUDA device"}
 found["cuda"] = cuda
+te = {"ok": False, "error": "megatron.core does not import"}
+if found.get("megatron.core", {}).get("ok"):
+    try:  # the project's own probe: TE itself and megatron-core's HAVE_TE (what the engine decides by)
+        from recipes.engines.megatron.kernels import te_missing
+        why = te_missing()
+        te = {"ok": True, "version": "buildable"} if why is None else {"ok": False, "error": why[:240]}
+    except BaseException as err:
+        te = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0][:240]}
+found["te_spec"] = te
 print("GPU_CHECK_PROBE " + json.dumps(found))
 """
 
@@ -95,11 +104,11 @@ def probe(timeout_s: float = 120.0) -> dict:
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return {name: {"ok": False, "error": f"the import probe did not finish in {timeout_s:.0f} s"}
-                for name in [*MODULES, "cuda"]}
+                for name in [*MODULES, "cuda", "te_spec"]}
     line = next((x for x in proc.stdout.splitlines() if x.startswith("GPU_CHECK_PROBE ")), None)
     if line is None:
         error = f"the import probe exited {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}"
-        return {name: {"ok": False, "error": error} for name in [*MODULES, "cuda"]}
+        return {name: {"ok": False, "error": error} for name in [*MODULES, "cuda", "te_spec"]}
     return json.loads(line.split(" ", 1)[1])
 
 
@@ -151,9 +160,10 @@ def requirements_table(found: dict, smoke: bool) -> dict:
     """The table the check prints first (a section of the report, kept apart from the measured ones)."""
     notes = version_notes(found)
     rows = []
-    for name in ["cuda", *MODULES]:
+    for name in ["cuda", *MODULES, "te_spec"]:
         got = found.get(name, {"ok": False, "error": "not probed"})
-        why = "kernels, losses, packing, steps (GPU sizes)" if name == "cuda" else MODULES[name][1]
+        why = {"cuda": "losses, steps, kernels, packing (GPU sizes)",
+               "te_spec": "packing on a GPU: Megatron's Transformer Engine spec (THD rows)"}.get(name) or MODULES[name][1]
         rows.append({"component": name, "found": got.get("version") if got.get("ok") else "no",
                      "needed_by": why, "note": notes.get(name) or (None if got.get("ok") else got.get("error"))})
     skips = section_skips(found, smoke)

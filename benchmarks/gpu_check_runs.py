@@ -1,13 +1,16 @@
 """The GPU check's shared workspace and its `recipes.train` runs: sizes, the clock every section draws
-its time from, the tokenizer and data built once for all sections, recipe runs as subprocesses with a
-timeout each (several at once where timing does not matter), and DeepSpeed's FusedAdam build started in
-the background at the start of the check.
+its time from, the tokenizer and data built once for all sections, and recipe runs as subprocesses with a
+timeout each (several at once where timing does not matter).
 
-Time contract: `Clock` holds the whole check's deadline; a section gets `Clock.budget(section)` =
-min(its own budget, what is left of the deadline); a run gets min(the per-run timeout, what is left of its
-section's budget) and is not started when less than `Sizes.min_run_s` is left (its row says so). Every
-wait on another process (a run, the FusedAdam build) has a timeout and kills the process group it
-started when it passes.
+Time contract: `Clock` holds the whole check's deadline and each section's share of it (`SHARES`, in the
+order the sections run): a section must end by the check's start + deadline x (its share + the shares
+before it), so what one section leaves unused goes to the next. A run gets min(the per-run timeout, what
+is left of its section) and is not started when less than `Sizes.min_run_s` is left (its row says so).
+Every wait on another process has a timeout and kills the process group it started when it passes.
+
+Nothing is compiled on the clock: the DeepSpeed engine steps with torch's fused AdamW on CUDA unless
+DeepSpeed's own fused_adam is prebuilt (recipes.engines.deepspeed.optimizer), and the Triton kernels of the
+loss pass are built by each section's warm-up, before its timed repeats.
 """
 
 from __future__ import annotations
@@ -27,24 +30,21 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Llama-3-8B's widths (config.json of meta-llama/Meta-Llama-3-8B): the layer slice keeps them
-LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-             "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "vocab_size": 128_256}
-# Qwen3-30B-A3B's public widths (config.json of Qwen/Qwen3-30B-A3B): every layer sparse, 128 experts, top 8
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
-                 "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                 "moe_intermediate_size": 768, "intermediate_size": 6144, "norm_topk_prob": True,
-                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.001,
-                 "rope_theta": 1000000.0, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-                 "tie_word_embeddings": False, "vocab_size": 151_936}
-# --smoke: the same families at tiny widths. The vocabulary stays the Llama-3 tokenizer's (the data's ids)
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "vocab_size": 128_256}
-TINY_MOE = {**QWEN3_30B_A3B, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-            "intermediate_size": 128, "max_position_embeddings": 2048, "vocab_size": 128_256}
+# Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B): 16 layers of hidden 2048, tied embeddings, the
+# Llama-3 vocabulary, Llama-3 RoPE scaling: a real small model whole, not a slice of a larger one
+LLAMA32_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "rope_theta": 500000.0,
+              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+              "vocab_size": 128_256}
+# --smoke: the same family at tiny widths. The vocabulary stays the Llama-3 tokenizer's (the data's ids)
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "vocab_size": 128_256}
+
+# each section's share of the check's deadline, in the order they run (the numbers first)
+SHARES = {"requirements": 0.05, "losses": 0.27, "steps": 0.43, "kernels": 0.13, "packing": 0.12}
 
 
 @dataclass
@@ -53,46 +53,45 @@ class Sizes:
 
     device: str
     dtype: torch.dtype
-    logits: tuple[int, int, int]  # [B, T, V] of the losses section
+    logits: tuple[int, int, int]  # [B, T, V] of the losses section (every term at N = 10 and 1000)
+    more_vocabs: tuple[int, ...]  # ... and CE alone at these vocabulary widths too
     repeats: int
-    dense: dict  # the steps section's dense model (widths, heads, vocabulary)
-    moe: dict  # its mixture-of-experts model
-    layers: int
+    dense: dict  # the steps section's model (widths, heads, vocabulary, layers)
     steps: int
     run_timeout_s: float  # one recipes.train run
-    min_run_s: float  # a run is not started with less than this left of its section's budget
+    min_run_s: float  # a run is not started with less than this left of its section's time
     steps_parallel: int  # recipe runs at once in the steps section (1 on a GPU: they are timed)
     packing_parallel: int  # ... in the packing section (a correctness check: not timed)
-    budgets_s: dict = field(default_factory=dict)  # section -> its own time budget
 
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
 
     @classmethod
-    def of(cls, smoke: bool, layers: int, steps: int) -> "Sizes":
+    def of(cls, smoke: bool, steps: int) -> "Sizes":
         if smoke:
             # CPU: every run of a section at once (they are tiny; the test's time is mostly imports and start-up)
-            return cls("cpu", torch.float32, (2, 16, 1200), 2, TINY, TINY_MOE, 2, 2, 600.0, 0.0, 4, 4,
-                       {"requirements": 120, "kernels": 300, "losses": 300, "packing": 600, "steps": 600})
-        # One H200: ~7 min in all with a cold FusedAdam build (docs/benchmarks.md, the GPU check)
-        return cls("cuda", torch.bfloat16, (4, 2048, 128256), 5, LLAMA3_8B, QWEN3_30B_A3B, layers, steps, 240.0,
-                   45.0, 1, 4, {"requirements": 90, "kernels": 150, "losses": 180, "packing": 150, "steps": 330})
+            return cls("cpu", torch.float32, (2, 16, 1200), (1500,), 2, TINY, 2, 600.0, 0.0, 4, 4)
+        return cls("cuda", torch.bfloat16, (4, 2048, 128_256), (151_936,), 5, LLAMA32_1B, steps, 240.0, 40.0, 1, 2)
 
 
 class Clock:
     """The check's deadline and each section's share of it (module docstring)."""
 
-    def __init__(self, deadline_s: float, budgets_s: dict):
+    def __init__(self, deadline_s: float, shares: dict = SHARES):
         self.start = time.time()
+        self.deadline_s = deadline_s
         self.deadline = self.start + deadline_s
-        self.budgets_s = budgets_s
+        self.shares = shares
 
     def left(self) -> float:
         return self.deadline - time.time()
 
     def section_deadline(self, section: str) -> float:
-        return min(self.deadline, time.time() + self.budgets_s.get(section, self.left()))
+        """When `section` must end: the start + the deadline x the shares up to and including its own."""
+        names = list(self.shares)
+        share = sum(self.shares[n] for n in names[:names.index(section) + 1])
+        return min(self.deadline, self.start + self.deadline_s * share)
 
 
 # ---- the workspace: built once, shared by every section -------------------------------------------------
@@ -129,7 +128,9 @@ def base_recipe(model: dict, data: Path, tokenizer: Path, dtype: str, terms: dic
             "optim": {"lr": 1e-5, "schedule": "constant", "grad_clip": 1.0},
             "train": {"steps": 1, "save_every": 0, "progress": False, "tensorboard": False, "export": False,
                       "log_every": 1},
-            "cluster": {"gpus_per_node": 1}}
+            # the step model predicts for the GPU it runs on (its name picks the peak, memory and GEMM rates)
+            "cluster": {"gpus_per_node": 1, **({"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available()
+                                               else {})}}
 
 
 def metrics(out_dir: Path) -> list[dict]:
@@ -151,66 +152,21 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=60)
 
 
-# ---- DeepSpeed's FusedAdam, built while the first sections run ------------------------------------------
-
-
-class Prebuild:
-    """A background process (its own process group) that the DeepSpeed runs wait on with a timeout.
-
-    On a GPU it JIT-builds DeepSpeed's fused_adam op (nvcc, ~1 min cold; a warm torch-extensions cache
-    loads it in seconds) into the cache the recipe runs then load from. On CPU the DeepSpeed engine runs
-    torch's AdamW (nothing to build), and `--smoke` waits on an import of deepspeed instead, so the waiting
-    code runs there too."""
-
-    def __init__(self, work: Path, cuda: bool, timeout_s: float):
-        self.what = "DeepSpeed fused_adam JIT build" if cuda else "deepspeed import (CPU: no op to build)"
-        code = ("from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load(); print('built')"
-                if cuda else "import deepspeed; print('imported')")
-        self.log = work / "prebuild.log"
-        self.started = time.time()
-        self.timeout_s = timeout_s
-        with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=child_env(), stdout=fh,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        self.result: str | None = None  # None while running; "" once built; else why not
-
-    def poll(self) -> str | None:
-        """None while it runs (and its time is not up); "" when it succeeded; else the failure."""
-        if self.result is not None:
-            return self.result
-        status = self.proc.poll()
-        if status is None and time.time() - self.started > self.timeout_s:
-            kill_group(self.proc)
-            self.result = f"{self.what} did not finish in {self.timeout_s:.0f} s (log {self.log})"
-        elif status is not None:
-            self.result = "" if status == 0 else f"{self.what} failed, exit {status}: {self.log.read_text()[-600:]}"
-        if self.result is not None:
-            print(f"[gpu_check] {self.what}: {self.result or 'done'} after {time.time() - self.started:.0f} s",
-                  flush=True)
-        return self.result
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            kill_group(self.proc)
-
-
 # ---- recipes.train runs ---------------------------------------------------------------------------------
 
 
 @dataclass
 class Run:
     """One `python -m recipes.train` of `recipe` (a world of one) into `out_dir`. `stop_at`: a file name in
-    the run directory; once it exists the run is stopped (its process group killed) and counts as done.
-    `after`: a Prebuild the run waits for before it starts."""
+    the run directory; once it exists the run is stopped (its process group killed) and counts as done."""
 
     recipe: dict
     out_dir: Path
     stop_at: str | None = None
-    after: Prebuild | None = None
     status: int | None = None
     output: str = ""
     skipped: str | None = None  # why it never started (its engine does not import, no time left)
-    error: str | None = None  # why it has no result (timeout, exit status, the FusedAdam build failed)
+    error: str | None = None  # why it has no result (timeout, exit status)
     seconds: float = 0.0
     key: dict = field(default_factory=dict)  # what the section's row says about the run before its results
 
@@ -225,17 +181,11 @@ def run_recipes(runs: list[Run], timeout_s: float, section_deadline: float, min_
         for run in list(pending):
             if len(active) >= parallel:
                 break
-            if run.after is not None:
-                waited = run.after.poll()
-                if waited is None:
-                    continue  # the build is still going: a later run may start first
-                if waited:  # the DeepSpeed engine cannot run its GPU optimizer: a failure, not a skip
-                    run.error = f"waited for {run.after.what}: {waited}"
             left = section_deadline - time.time()
-            if run.error is None and left < max(min_run_s, 1.0):
+            if run.skipped is None and left < max(min_run_s, 1.0):
                 run.skipped = f"not started: {left:.0f} s left of the section's time budget"
             pending.remove(run)
-            if run.skipped is not None or run.error is not None:
+            if run.skipped is not None:
                 on_done and on_done(run)
                 continue
             run.out_dir.mkdir(parents=True, exist_ok=True)
