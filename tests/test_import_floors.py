@@ -10,7 +10,12 @@ and held to the floors:
   hides inside a function;
 - the pure floors (recipes.planning, recipes.parallel_dims, the engine contracts) import no torch,
   deepspeed or megatron at module level;
+- at module level each floor imports only the third-party packages it may (MODULE_LEVEL_ALLOWED: numloss
+  torch and numpy, the pure floors numpy);
 - numloss imports no other project package.
+
+An import made by a call counts as an import statement: `importlib.import_module("name")`,
+`import_module("name")` and `__import__("name")` with a string literal or a module-level string constant.
 
 Each failure lists the offending imports as file:line.
 """
@@ -36,6 +41,10 @@ HEAVY = {"torch", "tqdm", "deepspeed", "megatron", "transformer_engine", "ray", 
          "PIL", "pyarrow", "scipy", "torchvision", "accelerate"}
 # what the pure floors may never import at module level
 RUNTIME_PACKAGES = {"torch", "deepspeed", "megatron", "transformer_engine"}
+
+# the third-party packages a floor may import at module level (None: any); the rest only inside functions
+MODULE_LEVEL_ALLOWED = {"numloss": {"torch", "numpy"}, "data_prep": {"torch", "numpy", "pyarrow"},
+                        "pure": {"numpy"}}
 
 # an engine package's pure modules (floor 4); its other modules are its runtime (floor 7)
 PURE_ENGINE_MODULES = {"__init__", "contract", "plan", "layout", "support", "kernels", "config"}
@@ -156,9 +165,31 @@ def _project(name: str) -> str | None:
     return None
 
 
+IMPORT_CALLS = {"import_module", "__import__"}  # importlib.import_module / import_module / __import__
+
+
+def _called_name(call: ast.Call, constants: dict[str, str]) -> str | None:
+    """The module an import call names, when it is a string literal or a module-level string constant."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in IMPORT_CALLS or not call.args:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return constants.get(arg.id) if isinstance(arg, ast.Name) else None
+
+
 def _imports(module: str, path: Path) -> list[Import]:
-    tree = ast.parse(path.read_text(), str(path))
+    return _imports_of_source(module, path.read_text(), str(path.relative_to(REPO)))
+
+
+def _imports_of_source(module: str, text: str, where: str) -> list[Import]:
+    tree = ast.parse(text, where)
     found: list[Import] = []
+    constants = {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for t in node.targets if isinstance(t, ast.Name)}
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
@@ -172,9 +203,11 @@ def _imports(module: str, path: Path) -> list[Import]:
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             for target, project in _targets(module, child):
                 if target != module:
-                    found.append(Import(module, target, project, in_function,
-                                        f"{path.relative_to(REPO)}:{child.lineno}"))
+                    found.append(Import(module, target, project, in_function, f"{where}:{child.lineno}"))
             return
+        if isinstance(child, ast.Call) and (name := _called_name(child, constants)) is not None:
+            target = _project(name) or name.split(".")[0]
+            found.append(Import(module, target, _project(name) is not None, in_function, f"{where}:{child.lineno}"))
         inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         visit(child, inner)
 
@@ -294,6 +327,26 @@ def test_pure_floors_import_no_runtime_package_at_module_level():
     _report(problems, "runtime imports in the pure floors")
 
 
+def module_level_rule(module: str) -> str | None:
+    """Which MODULE_LEVEL_ALLOWED entry holds `module` (None: its floor may import any package)."""
+    if (floor_of(module) or 0) in (3, 4) and module.startswith("recipes"):
+        return "pure"
+    top = module.split(".")[0]
+    return top if top in MODULE_LEVEL_ALLOWED else None
+
+
+def test_module_level_third_party_imports_are_what_each_floor_allows():
+    problems = []
+    for imp in IMPORTS:
+        rule = module_level_rule(imp.source)
+        if imp.project or imp.in_function or imp.target in STDLIB or rule is None:
+            continue
+        if imp.target not in MODULE_LEVEL_ALLOWED[rule]:
+            problems.append(f"{imp}: at module level {rule} may import only "
+                            f"{', '.join(sorted(MODULE_LEVEL_ALLOWED[rule]))} (import it inside the function)")
+    _report(problems, "module-level imports of packages the floor does not allow")
+
+
 def test_numloss_imports_no_other_project_package():
     _report([str(imp) for imp in IMPORTS if imp.project and imp.source.split(".")[0] == "numloss"
              and imp.target.split(".")[0] != "numloss"], "numloss imports of other project packages")
@@ -310,3 +363,26 @@ def test_the_floors_are_read_as_documented():
     assert group_of("recipes.checks.preflight") == "recipes.checks" and group_of("recipes.config") == "recipes.config"
     assert group_of("recipes.engines.megatron.step") == "recipes.engines.megatron[runtime]"
     assert "recipes.engines.megatron.engine" in _heavy_modules() and "recipes.config" not in _heavy_modules()
+    # the TE probe's import of megatron-core, named by a module constant, is read as an import inside a function
+    assert any(imp.source == "recipes.engines.megatron.kernels" and imp.target == "megatron" and imp.in_function
+               for imp in IMPORTS)
+
+
+def test_imports_made_by_calls_are_read_and_judged():
+    """A pure module that reaches torch through importlib at its top, numloss importing transformers, and
+    planning reaching recipes.train through __import__ inside a function: each is read as an import and
+    fails the rule it breaks."""
+    planning = _imports_of_source("recipes.planning.shape", (
+        "import importlib\nTORCH = 'torch'\nimportlib.import_module(TORCH)\nimport transformers\n"
+        "def f():\n    return __import__('recipes.train')\n"), "recipes/planning/shape.py")
+    assert [(i.target, i.project, i.in_function) for i in planning] == [
+        ("importlib", False, False), ("torch", False, False), ("transformers", False, False),
+        ("recipes.train", True, True)]
+    assert module_level_rule("recipes.planning.shape") == "pure" and module_level_rule("numloss.vocab") == "numloss"
+    assert module_level_rule("recipes.config") is None
+    up = [i for i in planning if i.project and floor_of(i.target) > floor_of(i.source)]
+    assert [i.target for i in up] == ["recipes.train"]
+    assert {i.target for i in planning if not i.project and not i.in_function} - STDLIB - MODULE_LEVEL_ALLOWED["pure"] \
+        == {"torch", "transformers"}
+    vocab = _imports_of_source("numloss.vocab", "import numpy\nimport transformers\n", "numloss/vocab.py")
+    assert {i.target for i in vocab} - MODULE_LEVEL_ALLOWED["numloss"] == {"transformers"}
