@@ -187,23 +187,27 @@ def _block(sizes: LossSizes, n: int, ce_only: bool) -> list[dict]:
     return rows
 
 
-def losses_table(sizes: LossSizes) -> dict:
-    rows = []
-    bandwidth = copy_bandwidth(sizes.device)
+def losses_table(sizes: LossSizes, on_block=None) -> dict:
+    """Part 1's table; `on_block(table)` is called after each block (a shape and N) with the rows so far,
+    so a caller that is cut off keeps what was measured."""
     b, t, v = sizes.logits
-    logits_bytes = b * t * v * torch.finfo(sizes.dtype).bits // 8
-    for n in (10, 1000):
-        rows += _block(sizes, n, ce_only=False)
-    for wider in sizes.more_vocabs:
-        rows += _block(dataclasses.replace(sizes, logits=(b, t, wider)), 10, ce_only=True)
-    if bandwidth:
-        rows.append({"V": v, "N": None, "path": f"floor (2 reads + 1 write of the logits at {bandwidth / 1e12:.2f} TB/s)",
-                     "ms": 3 * logits_bytes / bandwidth * 1e3})
     vocabs = ", ".join(str(x) for x in (v, *sizes.more_vocabs))
-    return {"title": f"loss pass, logits [{b}, {t}, V] {str(sizes.dtype).replace('torch.', '')} (V = {vocabs}; the terms "
-                     f"at V = {v}), forward + backward, median of {sizes.repeats}",
-            "columns": ["V", "N", "path", "ms", "peak_gib", "ratio", "against", "target", "mem_vs_compiled", "within"],
-            "rows": rows, "ok": True}
+    table = {"title": f"loss pass, logits [{b}, {t}, V] {str(sizes.dtype).replace('torch.', '')} (V = {vocabs}; the "
+                      f"terms at V = {v}), forward + backward, median of {sizes.repeats}",
+             "columns": ["V", "N", "path", "ms", "peak_gib", "ratio", "against", "target", "mem_vs_compiled", "within"],
+             "rows": [], "ok": True}
+    bandwidth = copy_bandwidth(sizes.device)
+    if bandwidth:
+        logits_bytes = b * t * v * torch.finfo(sizes.dtype).bits // 8
+        table["rows"].append({"V": v, "N": None, "ms": 3 * logits_bytes / bandwidth * 1e3,
+                              "path": f"floor (2 reads + 1 write of the logits at {bandwidth / 1e12:.2f} TB/s)"})
+    blocks = [(sizes, 10, False), (sizes, 1000, False),
+              *[(dataclasses.replace(sizes, logits=(b, t, wider)), 10, True) for wider in sizes.more_vocabs]]
+    for block_sizes, n, ce_only in blocks:
+        table["rows"] += _block(block_sizes, n, ce_only)
+        if on_block is not None:
+            on_block(table)
+    return table
 
 
 def head_table(sizes: LossSizes) -> dict:

@@ -213,6 +213,31 @@ def test_a_failed_kernel_check_leaves_the_fused_rows_unmeasured(tmp_path):
     assert "note" not in losses["rows"][1]
 
 
+def test_the_loss_pass_keeps_the_blocks_it_measured_when_its_time_runs_out(tmp_path, monkeypatch):
+    """The table is handed over after every block (shape, N), so the worker cut off at its section's share
+    leaves those rows, and the section reads them as measured-then-cut rather than as an error."""
+    import gpu_check_kernels
+    from bench_gpu_losses import LossSizes, losses_table
+
+    import torch
+
+    seen = []
+    table = losses_table(LossSizes("cpu", torch.float32, (1, 4, 1200), 1, (), (1300,)),
+                         on_block=lambda t: seen.append([(r["V"], r["N"]) for r in t["rows"]]))
+    assert [len(rows) for rows in seen] == sorted(len(rows) for rows in seen) and len(seen) == 3
+    assert set(seen[0]) == {(1200, 10)} and (1200, 1000) in seen[1] and (1300, None) in seen[2]
+    assert seen[-1] == [(r["V"], r["N"]) for r in table["rows"]]
+
+    def cut_after_one_block(cmd, env, timeout_s, log):  # the worker's file as it stood when the timeout hit
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.write_text(json.dumps({**table, "rows": [r for r in table["rows"] if r["N"] == 10]}))
+        return None, "killed at the timeout"
+    monkeypatch.setattr(gpu_check_kernels, "_run", cut_after_one_block)
+    section = losses_section(Sizes.of(True, 1), tmp_path, 12, FusedMode(True, None))
+    assert section["ok"] and section["skipped"].startswith("cut at 12 s")
+    assert {r["N"] for r in section["rows"]} == {10}
+
+
 def test_junit_cases_reads_each_outcome(tmp_path):
     xml = tmp_path / "j.xml"
     xml.write_text('<?xml version="1.0"?><testsuites><testsuite>'
