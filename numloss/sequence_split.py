@@ -69,7 +69,7 @@ class SequenceSplit:
         length = self.labels.shape[-1]
         if self.owner.shape != (length,):
             raise ValueError(f"SequenceSplit: owner {tuple(self.owner.shape)} must have one rank per position ({length})")
-        world = world_size(self.group)
+        world = world_size(self.group) if self.group is not None else int(self.owner.max()) + 1 if length else 1
         if self.group is not None and rank_in(self.group) != self.rank:
             raise ValueError(f"SequenceSplit: rank {self.rank} is not this process's rank {rank_in(self.group)} in the group")
         if length and (int(self.owner.min()) < 0 or int(self.owner.max()) >= world):
@@ -106,7 +106,8 @@ class SequenceSplit:
 
     @property
     def world(self) -> int:
-        return world_size(self.group)
+        """The ranks of the split (without a group: as many as the owners name; then nothing can cross)."""
+        return world_size(self.group) if self.group is not None else int(self.owner.max()) + 1
 
     @cached_property
     def positions(self) -> torch.Tensor:

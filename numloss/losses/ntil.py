@@ -91,6 +91,9 @@ def _split_ntil(stats: LogitStats, vocab: NumericVocab, token_loss: torch.Tensor
     x = x_whole[runs_here].to(device)
     first_rank, straddles = view.run_owner()
     if bool(straddles.any()):
+        if view.group is None:
+            raise ValueError("ntil: a number straddles the sequence split, whose SequenceSplit has no process group"
+                             " to sum its parts over")
         slot = straddles.long().cumsum(0) - 1  # [R_whole] slot of each straddling run
         crossing = straddles[runs_here]
         parts = torch.zeros(int(straddles.sum()), dtype=torch.float64, device=device).index_put(

@@ -230,6 +230,17 @@ def test_refusals():
     run_ranks(2, _check_refusals)
 
 
+def test_a_split_without_a_group_cannot_exchange():
+    """Positions on two ranks but no group: labels-only terms work, NTIL's straddling run is an error."""
+    vocab = NumericVocab(DIG, [float(d) for d in range(10)], vocab_size=V, decimal_point_id=DOT)
+    labels = _labels(_rows(MICRO_BATCHES[0]))
+    split = SequenceSplit.contiguous(labels, 0, 2)
+    logits = torch.zeros(*split.local(labels).shape, V)
+    Objective(vocab, CASES["dist2_code"])(logits, split.local(labels), sequence_split=split)
+    with pytest.raises(ValueError, match="no process group"):
+        Objective(vocab, CASES["ntil"])(logits, split.local(labels), sequence_split=split)
+
+
 def test_uneven_rows_are_refused():
     with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
         SequenceSplit.contiguous(torch.zeros(2, 16, dtype=torch.long), 0, 3)
