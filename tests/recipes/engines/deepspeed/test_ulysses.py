@@ -1,7 +1,7 @@
 """DeepSpeed-Ulysses on the DeepSpeed engine (`deepspeed.sp_size`): `recipes.train` at sp 2 on 2 ranks logs the
 losses, every term's value and the gradient norm of sp 1 on 1 rank (steps 1-3, 1e-4 relative), on arithmetic
 rows whose numbers straddle the split (NTIL's exchange of straddling runs is counted on the ranks: it must
-run), with grad accumulation (2 x 2 against 4 x 1) under ZeRO-3 against ZeRO-2. The objective holds CE's
+run): ZeRO-3 with grad accumulation (2 x 2 against 4 x 1 at ZeRO-2), and ZeRO-2 with the chunked head. The objective holds CE's
 replacement GCE and every other term (SMMD, NTL-WAS, NTL-MSE, DIST2 in its code mode, NTIL, DEL).
 
 The runs are calls of `recipes.train.main` inside ranks this test starts (`tests.distributed.run_ranks`),
@@ -97,11 +97,19 @@ def _train(workspace, name: str, world: int, *overrides: str) -> tuple[list[dict
     return read_metrics(out), [json.loads(Path(f"{root / name}.exchanges.{r}").read_text()) for r in range(world)]
 
 
-def test_sp2_equals_sp1(workspace):
-    reference, _ = _train(workspace, "sp1", 1, "train.micro_batch_size=4", "train.grad_accum=1",
-                          "deepspeed.zero_stage=2")
-    split, exchanges = _train(workspace, "sp2", 2, "deepspeed.sp_size=2", "train.micro_batch_size=2",
-                              "train.grad_accum=2", "deepspeed.zero_stage=3")
+@pytest.fixture(scope="module")
+def reference(workspace):
+    metrics, _ = _train(workspace, "sp1", 1, "train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=2")
+    return metrics
+
+
+@pytest.mark.parametrize("name, overrides", [
+    ("sp2-zero3-accum", ("train.micro_batch_size=2", "train.grad_accum=2", "deepspeed.zero_stage=3")),
+    ("sp2-zero2-chunked", ("train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=2",
+                           "loss.head=chunked")),
+])
+def test_sp2_equals_sp1(workspace, reference, name, overrides):
+    split, exchanges = _train(workspace, name, 2, "deepspeed.sp_size=2", *overrides)
     # numbers straddled the split: NTIL summed partial numbers over the two ranks, on both alike
     assert exchanges[0] == exchanges[1] and sum(exchanges[0]) > 0, exchanges
     assert [r["step"] for r in split] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
