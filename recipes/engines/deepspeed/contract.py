@@ -40,8 +40,7 @@ class DeepSpeedSection:
 
 
 # the recipe key behind each entry of layout.json, for the messages
-_LAYOUT_KEYS = {"tensor_parallel": "deepspeed.tp_size", "zero_stage": "deepspeed.zero_stage", "lora": "model.lora",
-                "sequence_parallel": "deepspeed.sp_size"}
+_LAYOUT_KEYS = {"tensor_parallel": "deepspeed.tp_size", "zero_stage": "deepspeed.zero_stage", "lora": "model.lora"}
 _DIMS_KEYS = {"tp": "deepspeed.tp_size", "cp": "deepspeed.sp_size"}
 # attention kernels DeepSpeed's Ulysses wraps (eager builds a dense mask it cannot gather)
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -139,7 +138,8 @@ def resume_problem(saved: dict, layout: dict, where) -> str | None:
         if saved.get(key) != layout.get(key):
             return (f"{recipe_key}: {where} was saved with {key}={saved.get(key)}; this run has {layout.get(key)}: "
                     f"resume with the same {recipe_key}, or train into a new train.out_dir")
-    if layout.get("lora") and saved.get("data_parallel") != layout.get("data_parallel"):
+    if layout.get("lora") and (saved.get("data_parallel"), saved.get("sequence_parallel")) != (
+            layout.get("data_parallel"), layout.get("sequence_parallel")):
         # ds_to_universal expects every parameter in the checkpoint (not run here)
         return (f"model.lora: {where} was saved on {saved.get('data_parallel')} data-parallel ranks; a LoRA run "
                 f"resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')}): run "
@@ -154,9 +154,8 @@ RESUME_RULES: dict[str, c.ResumeRule] = {
     "deepspeed.zero_stage": (c.REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it; the stage is "
                                         "deepspeed.overrides.zero_optimization.stage where that is set"),
     "deepspeed.tp_size": (c.REFUSED, "DeepSpeed loads AutoTP state at the size that saved it"),
-    "deepspeed.sp_size": (c.REFUSED, "DeepSpeed loads ZeRO state partitioned over every rank of the sequence x "
-                                     "data-parallel group that saved it (a change of sp_size is not tested across "
-                                     "a resume)"),
+    "deepspeed.sp_size": (c.RUN, "the layout: the weights are whole on every rank; ZeRO state saved over another "
+                                 "number of ranks goes through the universal conversion"),
     "deepspeed.offload_optimizer": (c.REFUSED, "where ZeRO keeps the optimizer state (not tested across a resume)"),
     "deepspeed.offload_params": (c.REFUSED, "where ZeRO keeps the parameters (not tested across a resume)"),
     "deepspeed.reduce_dtype": (c.RUN, "the gradient reduction's dtype"),

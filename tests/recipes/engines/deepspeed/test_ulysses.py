@@ -4,7 +4,8 @@ rows whose numbers straddle the split (NTIL's exchange of straddling runs is cou
 run): ZeRO-3 with grad accumulation (2 x 2 against 4 x 1 at ZeRO-2), and ZeRO-2 with the chunked head. The objective holds CE's
 replacement GCE and every other term (SMMD, NTL-WAS, NTL-MSE, DIST2 in its code mode, NTIL, DEL).
 
-The runs are calls of `recipes.train.main` inside ranks this test starts (`tests.distributed.run_ranks`),
+A checkpoint saved at sp 2 resumes at sp 1 (ZeRO's state through the universal conversion) onto the sp 1
+curve. The runs are calls of `recipes.train.main` inside ranks this test starts (`tests.distributed.run_ranks`),
 not torchrun jobs. The refusals (AutoTP with sp, eager attention, heads sp does not divide, packed rows,
 held-out evaluation) are unit-checked without processes.
 """
@@ -118,6 +119,19 @@ def test_sp2_equals_sp1(workspace, reference, name, overrides):
         for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-4), f"step {got['step']} {key}: {got[key]} != {want[key]}"
     assert split[-1]["loss"] != pytest.approx(split[0]["loss"], rel=1e-3)  # it trained
+
+
+def test_a_checkpoint_saved_at_sp2_resumes_at_sp1(workspace, reference):
+    """Steps 1-2 at sp 2 on 2 ranks (ZeRO-3, a checkpoint at step 2), then step 3 on 1 rank at sp 1: ZeRO's
+    state saved over 2 ranks goes through the universal conversion, and step 3 logs the uninterrupted sp 1
+    run's loss and gradient norm."""
+    common = ("train.micro_batch_size=2", "train.grad_accum=2", "deepspeed.zero_stage=3", "train.save_every=2")
+    _train(workspace, "resume", 2, "deepspeed.sp_size=2", "train.steps=2", *common)
+    resumed, _ = _train(workspace, "resume", 1, "deepspeed.sp_size=1", "train.steps=3", *common)
+    assert [r["step"] for r in resumed] == [1, 2, 3]  # metrics.jsonl holds the first start's two steps too
+    for key in ("loss", "ce", "grad_norm"):
+        assert resumed[2][key] == pytest.approx(reference[2][key], rel=1e-4), key
+    assert (workspace[0] / "resume" / "checkpoints" / "step_00000002_universal").is_dir()  # converted, then loaded
 
 
 # ---- refusals, without processes -----------------------------------------------------------------
