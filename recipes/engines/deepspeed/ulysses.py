@@ -20,9 +20,11 @@ DeepSpeed sums gradients over the sequence x data-parallel group and divides by 
 (world / sp): each rank's loss is its share of the global batch's, so the engine multiplies it by
 grad_accum x dp as without sp.
 
-Not supported with sp (refused, `recipes.engines.deepspeed.contract.ulysses_problems` and here): AutoTP,
-eager attention, vision models, mixture-of-experts models, packed rows (Ulysses drops the attention mask
-and masks by positions only: packed examples would see each other under sdpa), held-out evaluation.
+Not supported with sp (refused before the model, `recipes.engines.deepspeed.contract.ulysses_problems`
+and the data checks of `recipes.checks.preflight`): AutoTP, eager attention, vision models,
+mixture-of-experts models, packed rows (Ulysses drops the attention mask and masks by positions only:
+packed examples would see each other under sdpa; `split_batch` refuses them too), held-out evaluation
+(before the first step, `eval_problem`).
 """
 
 from __future__ import annotations

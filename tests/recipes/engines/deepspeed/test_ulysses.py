@@ -115,9 +115,14 @@ def test_sp2_equals_sp1(workspace, reference, name, overrides):
     assert exchanges[0] == exchanges[1] and sum(exchanges[0]) > 0, exchanges
     assert [r["step"] for r in split] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
     keys = ["loss", "ce", "grad_norm", *(f"term/{t}" for t in TERMS)]
+    # the per-term gradient diagnostics (on by default): each rank's sums over its positions, summed over ranks
+    diagnostics = [k for k in reference[0] if k.startswith("grad/") and k.endswith(("/norm", "/share"))]
+    assert len(diagnostics) >= 2 * (len(TERMS) + 1)
     for got, want in zip(split, reference):
         for key in keys:
             assert got[key] == pytest.approx(want[key], rel=1e-4), f"step {got['step']} {key}: {got[key]} != {want[key]}"
+        for key in diagnostics:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), f"step {got['step']} {key}"
     assert split[-1]["loss"] != pytest.approx(split[0]["loss"], rel=1e-3)  # it trained
 
 
@@ -185,3 +190,15 @@ def test_split_batch_shifts_before_the_split_and_pads():
     assert got["input_ids"].tolist() == [[10, 11, 12, 13]]
     assert got["sequence_split"].local(whole).tolist() == [[11, 12, 13, 14]]  # 14: the next slice's first token
     assert got["position_ids"].tolist() == [[0, 1, 2, 3]]
+
+
+def test_packed_data_is_refused_before_the_model():
+    """preflight (recipes.train and recipes.validate, exit 2): packed shards with a sequence split name the key."""
+    from recipes.checks.preflight import data_problems
+
+    manifest = {"packed": True, "totals": {"rows": 64}}
+    errors, _, _ = data_problems(_recipe(sp_size=2), manifest, "data/packed", 1)
+    assert any(e.startswith("deepspeed.sp_size: 2 splits each row's positions") and "--pack-length" in e
+               for e in errors), errors
+    errors, _, _ = data_problems(_recipe(sp_size=1), manifest, "data/packed", 1)
+    assert not any("splits each row" in e for e in errors)
