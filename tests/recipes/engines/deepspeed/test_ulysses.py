@@ -1,7 +1,8 @@
 """DeepSpeed-Ulysses on the DeepSpeed engine (`deepspeed.sp_size`): `recipes.train` at sp 2 on 2 ranks logs the
 losses, every term's value and the gradient norm of sp 1 on 1 rank (steps 1-3, 1e-4 relative), on arithmetic
 rows whose numbers straddle the split (NTIL's exchange of straddling runs is counted on the ranks: it must
-run): ZeRO-3 with grad accumulation (2 x 2 against 4 x 1 at ZeRO-2), and ZeRO-2 with the chunked head. The objective holds CE's
+run): ZeRO-3 with grad accumulation (2 x 2 against 4 x 1 at ZeRO-2), ZeRO-2 with the chunked head, and
+sp 2 x dp 2 on 4 ranks (1 x 2 per replica). The objective holds CE's
 replacement GCE and every other term (SMMD, NTL-WAS, NTL-MSE, DIST2 in its code mode, NTIL, DEL).
 
 A checkpoint saved at sp 2 resumes at sp 1 (ZeRO's state through the universal conversion) onto the sp 1
@@ -104,15 +105,18 @@ def reference(workspace):
     return metrics
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("sp2-zero3-accum", ("train.micro_batch_size=2", "train.grad_accum=2", "deepspeed.zero_stage=3")),
-    ("sp2-zero2-chunked", ("train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=2",
-                           "loss.head=chunked")),
+@pytest.mark.parametrize("name, world, overrides", [
+    ("sp2-zero3-accum", 2, ("train.micro_batch_size=2", "train.grad_accum=2", "deepspeed.zero_stage=3")),
+    ("sp2-zero2-chunked", 2, ("train.micro_batch_size=4", "train.grad_accum=1", "deepspeed.zero_stage=2",
+                              "loss.head=chunked")),
+    # 4 ranks: two sequence-parallel groups {0, 1}, {2, 3}, each a data-parallel replica reading its own rows
+    ("sp2-dp2-zero3", 4, ("train.micro_batch_size=1", "train.grad_accum=2", "deepspeed.zero_stage=3")),
 ])
-def test_sp2_equals_sp1(workspace, reference, name, overrides):
-    split, exchanges = _train(workspace, name, 2, "deepspeed.sp_size=2", *overrides)
-    # numbers straddled the split: NTIL summed partial numbers over the two ranks, on both alike
-    assert exchanges[0] == exchanges[1] and sum(exchanges[0]) > 0, exchanges
+def test_sp2_equals_sp1(workspace, reference, name, world, overrides):
+    split, exchanges = _train(workspace, name, world, "deepspeed.sp_size=2", *overrides)
+    # numbers straddled the split: NTIL summed partial numbers over each group's two ranks, on both alike
+    assert all(exchanges[r] == exchanges[r + 1] for r in range(0, world, 2)), exchanges
+    assert sum(map(sum, exchanges)) > 0, exchanges
     assert [r["step"] for r in split] == [r["step"] for r in reference] == list(range(1, STEPS + 1))
     keys = ["loss", "ce", "grad_norm", *(f"term/{t}" for t in TERMS)]
     # the per-term gradient diagnostics (on by default): each rank's sums over its positions, summed over ranks
