@@ -108,6 +108,7 @@ def gradient_sums(objective, stats: LogitStats, counts=None, sequence_ids: torch
             numeric=NumericRows(num.rows, num.target, logits, lse_rows),
             shape=stats.shape,
             is_numeric=stats.is_numeric,
+            split=stats.split,
         )
         ce, _, parts = objective.parts(probe, counts, sequence_ids)
         probabilities = torch.exp(logits.detach() - lse_rows.detach()[:, None])  # full-vocab softmax, block

@@ -74,6 +74,9 @@ class LogitStats:
     numeric: NumericRows
     shape: torch.Size
     is_numeric: torch.Tensor  # [T] bool
+    # rows split along the sequence over ranks: the whole rows' label structure
+    # (`numloss.sequence_split.SplitView`); None when this rank holds whole rows
+    split: object = None
 
     @property
     def valid_count(self) -> int:
@@ -86,7 +89,10 @@ class LogitStats:
 
     @cached_property
     def runs(self) -> NumericRuns:
-        """Maximal runs of consecutive numeric labels within each sequence (NTIL, DIST2 place value)."""
+        """Maximal runs of consecutive numeric labels within each sequence (NTIL, DIST2 place value). Under
+        a sequence split: this rank's numeric positions with their places in the whole rows' runs."""
+        if self.split is not None:
+            return self.split.local_runs(self.numeric.rows)
         return numeric_runs(self.is_numeric.view(self.shape))
 
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .logit_stats import IGNORE_INDEX, numeric_column
+from .parallel import record_collective
 from .runs import numeric_runs
 from .vocab import NumericVocab
 
@@ -88,8 +89,9 @@ class LossCounts:
 def reduce_counts(counts: Iterable[LossCounts] | LossCounts, group=None) -> LossCounts:
     """The counts of a whole step: this rank's micro-batches summed, then summed over `group`.
 
-    Parallel contract: every rank of `group` (the data-parallel group; never the tensor-parallel one,
-    whose ranks see the same labels) calls it once per step with counts of the same keys; one SUM
+    Parallel contract: every rank of `group` (the data-parallel group, with the sequence-split ranks when
+    rows are split along the sequence: `numloss.sequence_split`; never the tensor-parallel one, whose
+    ranks see the same labels) calls it once per step with counts of the same keys; one SUM
     all-reduce of a float64 vector (exact for counts below 2^53). Without an initialised process group,
     or with `group` of size 1, no communication."""
     local = counts if isinstance(counts, LossCounts) else LossCounts.total(counts)
@@ -99,6 +101,7 @@ def reduce_counts(counts: Iterable[LossCounts] | LossCounts, group=None) -> Loss
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     packed = torch.tensor([float(local.values[k]) for k in keys], dtype=torch.float64, device=device)
+    record_collective("all_reduce_sum", packed)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     return LossCounts(dict(zip(keys, packed.tolist())))
 

@@ -34,6 +34,7 @@ from .losses import DEFAULT_WEIGHTS, cross_entropy_term, registered_terms, term_
 from .losses.cross_entropy import z_loss_term
 from .losses.options import finite
 from .normalization import TOKENS, LossCounts, batch_counts
+from .sequence_split import SequenceSplit, replace_split, split_counts, whole_counts
 from .vocab import NumericVocab
 
 __all__ = ["DEFAULT_WEIGHTS", "Objective", "ObjectiveConfig", "ObjectiveConfigError", "ObjectiveOutput", "TermConfig"]
@@ -199,14 +200,19 @@ class Objective:
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor, group=None, vocab_start: int = 0, *,
                  counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                 diagnostics: bool | None = None, grad_in_place: bool = False) -> ObjectiveOutput:
+                 diagnostics: bool | None = None, grad_in_place: bool = False,
+                 sequence_split: SequenceSplit | None = None) -> ObjectiveOutput:
         """`counts`: the step's denominators (see `numloss.normalization`); None: this batch's own.
         `grad_in_place=True`: the logits are dead after this loss, and the caller must not read them again:
         on the fused path backward writes their gradient into their storage (no second [T, V] buffer;
         `compute_logit_stats`).
         `sequence_ids` (labels-shaped): which example each position belongs to in packed rows (NTIL
         averages over examples); None: each row is one sequence. `diagnostics`: also return the
-        gradient sums of `numloss.diagnostics` in `out.grad_sums` (None: the objective's default)."""
+        gradient sums of `numloss.diagnostics` in `out.grad_sums` (None: the objective's default).
+        `sequence_split` (`numloss.sequence_split.SequenceSplit`): the rows are split along the sequence
+        over ranks and `logits`, `labels` are this rank's positions (`split.local(whole labels)`); the
+        output is this rank's share of the whole rows' loss (with `counts=`, of the step's), and the
+        split's whole-row `sequence_ids` replace the argument."""
         diagnosing = self._diagnosing(diagnostics)  # they read the logits in forward: in place is safe
         stats = compute_logit_stats(logits, labels, self.vocab, group, vocab_start, self.config.ignore_index,
                                     numeric=bool(self.config.terms), fused=self.fused, grad_in_place=grad_in_place)
@@ -215,12 +221,13 @@ class Objective:
             probe = stats if self.config.terms else with_numeric_block(
                 stats, labels, self.vocab, logits.shape[-1], group, vocab_start, self.config.ignore_index,
                 lambda rows, cols: logits.detach().reshape(-1, logits.shape[-1])[rows[:, None], cols[None, :]])
-        return self._output(stats, counts, sequence_ids, probe)
+        return self._output(stats, counts, sequence_ids, probe, sequence_split)
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group=None,
                     vocab_start: int = 0, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                     counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                    diagnostics: bool | None = None, logit_transform=None) -> ObjectiveOutput:
+                    diagnostics: bool | None = None, logit_transform=None,
+                    sequence_split: SequenceSplit | None = None) -> ObjectiveOutput:
         """The same objective from hidden states [..., H] and the lm_head weight (its vocab shard under
         TP), with logits computed one vocabulary chunk at a time and never for the whole vocabulary at once
         (`numloss.chunked_head`): a chunk holds at most `chunk_size` tokens' worth of logits. Same
@@ -239,7 +246,7 @@ class Objective:
 
             probe = stats if self.config.terms else with_numeric_block(
                 stats, labels, self.vocab, weight.shape[0], group, vocab_start, self.config.ignore_index, block)
-        return self._output(stats, counts, sequence_ids, probe)
+        return self._output(stats, counts, sequence_ids, probe, sequence_split)
 
     @property
     def replaces_ce(self) -> str | None:
@@ -252,26 +259,63 @@ class Objective:
         keys.update({name: term_spec(name).denominator(term.options) for name, term in self.config.terms.items()})
         return keys
 
-    def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
+    def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None, *,
+               sequence_split: SequenceSplit | None = None) -> LossCounts:
         """This batch's denominators, from its labels alone (aligned with the logits: shifted for a
         causal LM). Sum them over a step's micro-batches and data-parallel ranks with
-        `numloss.normalization.reduce_counts` and pass the total as `counts=`."""
+        `numloss.normalization.reduce_counts` and pass the total as `counts=`. With `sequence_split`,
+        `labels` are this rank's positions and the counts its share (`numloss.sequence_split.split_counts`):
+        sum them over the data-parallel AND the split's ranks."""
         weights = {key: self.config.terms[name].options["position_weights"]
                    for name, key in self.denominator_keys().items() if key.endswith(".position_weights")}
+        if sequence_split is not None:
+            if sequence_ids is not None:
+                raise ValueError("counts: with a sequence_split the split carries the whole rows' sequence_ids")
+            view = sequence_split.view(self.vocab, self.config.ignore_index)
+            return split_counts(view, set(self.denominator_keys().values()), labels, weights)
         return batch_counts(labels, self.vocab, set(self.denominator_keys().values()), self.config.ignore_index,
                             sequence_ids=sequence_ids, position_weights=weights)
 
     def from_stats(self, stats: LogitStats, counts: LossCounts | None = None,
-                   sequence_ids: torch.Tensor | None = None, *, diagnostics: bool | None = None) -> ObjectiveOutput:
+                   sequence_ids: torch.Tensor | None = None, *, diagnostics: bool | None = None,
+                   sequence_split: SequenceSplit | None = None) -> ObjectiveOutput:
         """The objective from precomputed stats. Its diagnostics see the numeric rows `stats` holds (none
         for stats computed with `numeric=False`: then CE's norm is 0)."""
-        return self._output(stats, counts, sequence_ids, stats if self._diagnosing(diagnostics) else None)
+        return self._output(stats, counts, sequence_ids, stats if self._diagnosing(diagnostics) else None,
+                            sequence_split)
 
     def _diagnosing(self, diagnostics: bool | None) -> bool:
         return self.diagnostics if diagnostics is None else bool(diagnostics)
 
+    def _split_problems(self, sequence_ids) -> list[str]:
+        problems = [f"terms.{name}: not registered as exact under a sequence split (register_term(..., splits=True)"
+                    " once it sums per-position values and reads the rows' structure through stats.runs)"
+                    for name in self.config.terms if not term_spec(name).splits]
+        problems += [f"terms.{name}.rescale_to_ce: a ratio of this rank's own CE and term, which differs by rank"
+                     " under a sequence split" for name, term in self.config.terms.items() if term.rescale_to_ce]
+        if sequence_ids is not None:
+            problems.append("sequence_ids: with a sequence_split the split carries the whole rows' sequence_ids")
+        return problems
+
+    def _with_split(self, stats: LogitStats, probe: LogitStats | None, counts: LossCounts | None,
+                    sequence_ids, split: SequenceSplit):
+        """(stats, probe, counts, sequence_ids) for this rank's positions of split rows: the stats carry the
+        whole rows' label structure; no counts means the whole rows' own (no collective)."""
+        problems = self._split_problems(sequence_ids)
+        if problems:
+            raise ObjectiveConfigError(problems)
+        view = split.view(self.vocab, self.config.ignore_index)
+        view.check_local(stats.labels.view(stats.shape))
+        if counts is None:
+            counts = whole_counts(view, set(self.denominator_keys().values()))
+        stats, probe = (None if s is None else replace_split(s, view) for s in (stats, probe))
+        local_ids = None if split.sequence_ids is None else split.local(split.sequence_ids)
+        return stats, probe, counts, local_ids
+
     def _output(self, stats: LogitStats, counts: LossCounts | None, sequence_ids: torch.Tensor | None,
-                probe: LogitStats | None) -> ObjectiveOutput:
+                probe: LogitStats | None, sequence_split: SequenceSplit | None = None) -> ObjectiveOutput:
+        if sequence_split is not None:
+            stats, probe, counts, sequence_ids = self._with_split(stats, probe, counts, sequence_ids, sequence_split)
         # The diagnostics run first, and leave every random generator as they found it: NTIL's Gumbel
         # noise is then drawn by the training terms below exactly as without them, and is the same noise
         # the diagnostics saw (`numloss.diagnostics`).

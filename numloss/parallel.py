@@ -60,6 +60,11 @@ def count_comm():
         _ACTIVE_COUNTERS.remove(counter)
 
 
+def record_collective(op: str, tensor: torch.Tensor) -> None:
+    """Count a collective issued outside this module's wrappers (the step's counts: `reduce_counts`)."""
+    _record(op, tensor)
+
+
 def _record(op: str, tensor: torch.Tensor) -> None:
     for counter in _ACTIVE_COUNTERS:
         counter.records.append(CommRecord(op, tensor.numel() * tensor.element_size()))

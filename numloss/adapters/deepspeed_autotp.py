@@ -106,13 +106,15 @@ def causal_lm_objective(
     counts: LossCounts | None = None,
     sequence_ids: torch.Tensor | None = None,
     diagnostics: bool | None = None,
+    sequence_split=None,
 ) -> ObjectiveOutput:
     """The objective on a causal LM's logits `[b, s, V_local]` (this rank's vocab shard).
 
     Give `labels` [b, s] as the model's inputs (unshifted; shifted here as HF does) or `shifted_labels`
     already aligned with the logits. `shard` (from `find_vocab_shard`) names the TP group and this
     rank's `vocab_start`; None means full logits. The result is identical on every TP rank and equals
-    the dense objective on the gathered logits. `counts`, `sequence_ids` and `diagnostics` as `Objective.__call__`.
+    the dense objective on the gathered logits. `counts`, `sequence_ids`, `diagnostics` and `sequence_split` as
+    `Objective.__call__`.
     """
     if (labels is None) == (shifted_labels is None):
         raise ValueError("give exactly one of labels (unshifted) and shifted_labels")
@@ -126,4 +128,4 @@ def causal_lm_objective(
         raise ValueError(f"the model's vocabulary has {shard.vocab_size} rows but the objective's numeric"
                          f" vocabulary was built for {objective.vocab.vocab_size}")
     return objective(logits, shifted_labels.to(logits.device), group=shard.group, vocab_start=shard.start,
-                     counts=counts, sequence_ids=sequence_ids, diagnostics=diagnostics)
+                     counts=counts, sequence_ids=sequence_ids, diagnostics=diagnostics, sequence_split=sequence_split)

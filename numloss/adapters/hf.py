@@ -37,6 +37,7 @@ from ..labels import shift_labels
 from ..logit_transform import LogitTransform
 from ..normalization import LossCounts
 from ..objective import Objective, ObjectiveOutput
+from ..sequence_split import SequenceSplit
 from .deepspeed_autotp import causal_lm_objective, find_vocab_shard
 
 
@@ -89,22 +90,31 @@ class NumericCausalLM(nn.Module):
     def loss_function(self, fn) -> None:
         self.model.loss_function = fn
 
-    def counts(self, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
+    def counts(self, labels: torch.Tensor | None, sequence_ids: torch.Tensor | None = None, *,
+               sequence_split: SequenceSplit | None = None) -> LossCounts:
         """The loss denominators of one batch of `forward`'s arguments (unshifted labels, as given to
         forward; labels alone, no model call). Sum them over a step with
-        `numloss.normalization.reduce_counts` and pass the total to forward as `loss_counts`."""
+        `numloss.normalization.reduce_counts` and pass the total to forward as `loss_counts`. With
+        `sequence_split` (labels None): this rank's share, to be summed over the data-parallel and the
+        split's ranks."""
+        if sequence_split is not None:
+            return split_batch_counts(self.objective, labels, sequence_ids, sequence_split)
         return batch_counts(self.objective, labels, sequence_ids)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None, attention_mask: torch.Tensor | None = None,
                 *, loss_counts: LossCounts | None = None, sequence_ids: torch.Tensor | None = None,
-                diagnostics: bool | None = None, **model_kwargs) -> NumericLMOutput:
+                diagnostics: bool | None = None, sequence_split: SequenceSplit | None = None,
+                **model_kwargs) -> NumericLMOutput:
         """`loss_counts`: the step's denominators (the output is then this batch's share of the step's
         loss); None: this batch's own. `sequence_ids` ([B, T], packed rows' segment ids): NTIL averages
         over the examples of packed rows. `diagnostics`: the gradient sums of `numloss.diagnostics` in
-        `out.grad_sums` (None: the objective's default)."""
+        `out.grad_sums` (None: the objective's default). `sequence_split` (`numloss.sequence_split`; labels
+        None): the rows are split along the sequence over ranks; `input_ids` (and `position_ids`) are this
+        rank's positions, the split holds the whole rows' shifted labels."""
         return numeric_lm_forward(self.model, self.model.forward, self.objective, input_ids, labels, attention_mask,
                                   chunked=self.chunked, chunk_size=self.chunk_size, loss_counts=loss_counts,
-                                  sequence_ids=sequence_ids, diagnostics=diagnostics, **model_kwargs)
+                                  sequence_ids=sequence_ids, diagnostics=diagnostics, sequence_split=sequence_split,
+                                  **model_kwargs)
 
 
 def batch_counts(objective: Objective, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None) -> LossCounts:
@@ -112,11 +122,19 @@ def batch_counts(objective: Objective, labels: torch.Tensor, sequence_ids: torch
     return objective.counts(shift_labels(labels, objective.config.ignore_index), sequence_ids)
 
 
+def split_batch_counts(objective: Objective, labels, sequence_ids, split: SequenceSplit) -> LossCounts:
+    """This rank's share of a split batch's counts (the split holds the whole rows' shifted labels)."""
+    if labels is not None or sequence_ids is not None:
+        raise ValueError("with a sequence_split give labels=None and no sequence_ids: the split holds the whole "
+                         "rows' shifted labels and sequence ids")
+    return objective.counts(split.local(split.labels), sequence_split=split)
+
+
 def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, input_ids: torch.Tensor,
                        labels: torch.Tensor, attention_mask: torch.Tensor | None = None, *, chunked: bool,
                        chunk_size: int = DEFAULT_CHUNK_SIZE, loss_counts: LossCounts | None = None,
                        sequence_ids: torch.Tensor | None = None, diagnostics: bool | None = None,
-                       **model_kwargs) -> NumericLMOutput:
+                       sequence_split: SequenceSplit | None = None, **model_kwargs) -> NumericLMOutput:
     """The numeric objective of HF causal LM `model` on one batch: the forward of `NumericCausalLM` and of
     `numeric_autotp_model`'s model.
 
@@ -125,10 +143,18 @@ def numeric_lm_forward(model: nn.Module, full_forward, objective: Objective, inp
     lm_head weight (this rank's vocab shard under AutoTP) one vocabulary chunk at a time."""
     shard = find_vocab_shard(model)
     per_batch = {"counts": loss_counts, "sequence_ids": sequence_ids, "diagnostics": diagnostics}
+    if sequence_split is not None:  # labels shifted on the whole rows, before the split
+        if labels is not None or sequence_ids is not None:
+            raise ValueError("with a sequence_split give labels=None and no sequence_ids: the split holds the whole "
+                             "rows' shifted labels and sequence ids")
+        targets = sequence_split.local(sequence_split.labels)
+        per_batch["sequence_split"] = sequence_split
+    else:
+        targets = shift_labels(labels, objective.config.ignore_index)
     if not chunked:
         logits = full_forward(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).logits
-        return NumericLMOutput.of(causal_lm_objective(objective, logits, labels, shard, **per_batch))
-    targets = shift_labels(labels, objective.config.ignore_index)
+        return NumericLMOutput.of(causal_lm_objective(objective, logits, shard=shard, shifted_labels=targets,
+                                                      **per_batch))
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs).last_hidden_state
     weight = model.get_output_embeddings().weight

@@ -48,7 +48,9 @@ Trainer) holding full logits or hidden states (under ZeRO-3 the LM head's weight
 model's forward and backward: `trainer_head.register_zero3_head`); the counts' all-reduce runs once per optimizer step on every rank, the
 logged sums' once per log, the layout check's all-gather once, at the first step, and evaluation adds
 one all-gather per evaluated batch. Tensor, context and sequence parallelism (ranks that share a
-batch) are refused, as is torch's single-process `DataParallel` (`n_gpu > 1`).
+batch; accelerate's `parallelism_config` with tp, cp or sp > 1, refused before the Trainer is made, naming
+`recipes.train` with `deepspeed.sp_size` or `numloss.Objective(..., sequence_split=)` for long rows) are
+refused, as is torch's single-process `DataParallel` (`n_gpu > 1`).
 
 Not covered: NTIL averages over sequences, and under TRL's packing a packed row counts as one sequence
 (the loss function sees labels, not where packed examples start); every other term is exact there.
@@ -68,7 +70,7 @@ from ..normalization import LossCounts, reduce_counts
 from ..objective import Objective, ObjectiveConfig
 from ..scale_check import scale_lines
 from ..vocab import NumericVocab
-from .trainer_layout import check_construction, check_first_step
+from .trainer_layout import check_construction, check_first_step, check_parallelism_config
 from .trainer_head import first_labelled, head_problem, install, objective_head, register_zero3_head
 from .trainer_loss import EvalSums, StepLoss, input_tokens, token_metric_sums
 
@@ -149,6 +151,7 @@ class NumericTrainerMixin:
         self._numeric_layout_checked = False
         self._numeric_scale_said = False  # the terms' scale against CE, said at the first micro-batch
         self._numeric_eval: EvalSums | None = None  # set while evaluation_loop runs
+        check_parallelism_config(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         check_construction(self, sft=self.numeric_sft)
         self._numeric_keeps_logits = takes_logits_to_keep(self.model)

@@ -16,6 +16,27 @@ from __future__ import annotations
 import torch.distributed as dist
 
 
+SHARED_BATCH_HINT = ("for rows split along the sequence use recipes.train with deepspeed.sp_size (DeepSpeed-Ulysses;"
+                     " every numeric term exact under the split), or numloss.Objective(..., sequence_split=) in your"
+                     " own loop (numloss.sequence_split); for tensor parallelism recipes.train with deepspeed.tp_size"
+                     " or train.engine: megatron; in the Trainer, data parallelism (DDP, DeepSpeed ZeRO)")
+
+
+def check_parallelism_config(args) -> None:
+    """Before the Trainer is made: accelerate's parallelism config (`TrainingArguments.parallelism_config`)
+    with ranks that share a batch. Its sequence-parallel backend (DeepSpeed's ALST) hands each rank its slice
+    of `shift_labels` only, so the whole rows' labels, from which a number's place and a row's sequence
+    count come, are not on any rank; context and tensor parallelism likewise."""
+    config = getattr(args, "parallelism_config", None)
+    if config is None:
+        return
+    shared = {name: getattr(config, f"{name}_size", None) or 1 for name in ("tp", "cp", "sp")}
+    if any(size > 1 for size in shared.values()):
+        named = ", ".join(f"{name}_size {size}" for name, size in shared.items() if size > 1)
+        raise ValueError(f"numloss: TrainingArguments.parallelism_config with {named} (ranks that share a batch) is"
+                         f" not supported by the Trainer integration; {SHARED_BATCH_HINT}")
+
+
 def check_construction(trainer, sft: bool) -> None:
     """What can be refused from the arguments alone, when the trainer is made."""
     args = trainer.args
@@ -25,7 +46,7 @@ def check_construction(trainer, sft: bool) -> None:
     shared = {"tensor": trainer.get_tp_size(), "context": trainer.get_cp_size(), "sequence": trainer.get_sp_size()}
     if any(size > 1 for size in shared.values()):
         raise ValueError(f"numloss: ranks that share a batch ({shared}) are not supported by the Trainer"
-                         " integration; use data parallelism (DDP, DeepSpeed ZeRO)")
+                         f" integration; {SHARED_BATCH_HINT}")
     if args.world_size > 1 and not args.average_tokens_across_devices:
         raise ValueError("numloss: average_tokens_across_devices must be True with several processes: the"
                          " numeric objective divides by the global batch's counts, over every process")

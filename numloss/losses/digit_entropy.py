@@ -37,13 +37,23 @@ DIGITS = 10
 
 
 def digit_places(stats: LogitStats, decimal_point_id: int | None) -> torch.Tensor:
-    """[M] fp32 place weight of each numeric (digit) position, in the order of `stats.numeric.rows`."""
-    device = stats.valid.device
-    is_digit = stats.is_numeric
+    """[M] fp32 place weight of each numeric (digit) position, in the order of `stats.numeric.rows`. Under
+    a sequence split (`stats.split`) the weights come from the whole rows' runs."""
+    view = stats.split
+    if view is None:
+        return _places(stats.labels, stats.valid, stats.is_numeric, stats.shape, decimal_point_id)
+    whole = _places(view.labels, view.valid, view.is_numeric, view.shape, decimal_point_id)
+    return whole[view.whole_numeric(stats.numeric.rows)].to(stats.valid.device)
+
+
+def _places(labels: torch.Tensor, valid: torch.Tensor, is_digit: torch.Tensor, shape: torch.Size,
+            decimal_point_id: int | None) -> torch.Tensor:
+    """[M] fp32 place weight of each digit position of flat `labels` (shaped `shape`), in flat order."""
+    device = valid.device
     member = is_digit
     if decimal_point_id is not None:
-        member = member | (stats.valid & (stats.labels == decimal_point_id))
-    runs = numeric_runs(member.view(stats.shape))
+        member = member | (valid & (labels == decimal_point_id))
+    runs = numeric_runs(member.view(shape))
     positions = member.nonzero().flatten()  # [P] flat, increasing: the runs' members
     if positions.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=device)

@@ -42,6 +42,11 @@ by: "tokens", "numeric", "place_value", "sequences" (`numloss.normalization`), o
 
 `replaces_ce=True` (GCE): the term scores every valid token itself and the total is
 `(1 - w)·CE + w·term`, its weight in [0, 1]; at most one such term per objective.
+
+`splits=True`: the term is exact on rows split along the sequence over ranks (`numloss.sequence_split`):
+it is a sum of per-position values of its own positions' statistics divided by its denominator, and reads
+the rows' structure only through `stats.runs` (under a split, this rank's positions with their places in
+the whole rows' runs) or `stats.split`. The objective refuses a split for a term registered without it.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class TermSpec:
     defaults: Mapping[str, Any]  # every option and its default, from the function's signature
     takes_sequence_ids: bool
     builtin: bool
+    splits: bool = False  # exact on rows split along the sequence (module docstring)
 
     @property
     def option_names(self) -> list[str]:
@@ -160,12 +166,12 @@ def _as_function(value, check: Callable[[Any], None]) -> Callable[[Mapping], Any
 
 
 def register_term(name: str, fn: Callable, *, default_weight: float = _MISSING, needs=(), denominator=NUMERIC,
-                  options: Mapping[str, Rule] | None = None, replaces_ce: bool = False,
+                  options: Mapping[str, Rule] | None = None, replaces_ce: bool = False, splits: bool = False,
                   _builtin: bool = False) -> TermSpec:
     """Register the term `name` (see the module docstring for `fn`'s contract and each argument).
 
     `default_weight` (required): the weight a config that lists the term without one gives it.
-    `needs`: `NEEDS` names, or a function of the options returning them. `denominator`: a count key, or
+    `splits`: exact under a sequence split (module docstring). `needs`: `NEEDS` names, or a function of the options returning them. `denominator`: a count key, or
     a function of the options returning one. `options`: a rule per option, `rule(value) -> None` when
     fine or a message (`numloss.losses.options` has `finite`, `choice`, `boolean`, `positive_list`);
     options without a rule take any value. A bad registration (a name taken or reserved, no default
@@ -206,7 +212,7 @@ def register_term(name: str, fn: Callable, *, default_weight: float = _MISSING, 
         needs_fn=_as_function(needs, check_needs),
         denominator_fn=_as_function(denominator, lambda value: None),  # checked below, as a function's
         option_rules=MappingProxyType(rules), replaces_ce=bool(replaces_ce), defaults=MappingProxyType(defaults),
-        takes_sequence_ids=takes_sequence_ids, builtin=_builtin)
+        takes_sequence_ids=takes_sequence_ids, builtin=_builtin, splits=bool(splits))
     # The declarations must hold for the defaults before anything is registered.
     try:
         spec.needs()

@@ -45,6 +45,7 @@ from recipes.checks import data_checks, model_checks, run_dir_checks
 from recipes.checks.objective_checks import objective_problems, tokenizer_needs, tokenizer_problems
 from recipes.checks.engine_settings import engine_setting_problems
 from recipes.engines import engine_contract
+from recipes.engines.contract import SEQUENCE_SPLIT
 from recipes.reliability.checkpoints import LATEST
 from recipes.training.tracking import tracking_problems
 
@@ -100,6 +101,12 @@ def data_problems(recipe, manifest: dict, where: str, data_parallel: int,
         elif t.max_epochs is None and epochs > 1:
             warnings.append(f"train.steps: {t.steps} steps repeat {where} {epochs:.3g} times; set train.max_epochs "
                             f"to state it (or use more data)")
+    split = next((i for i in engine_contract(recipe).stated_intents(recipe) if i.what == SEQUENCE_SPLIT), None)
+    if split is not None and manifest.get("packed"):
+        # DeepSpeed-Ulysses masks attention by positions alone; Megatron's CP path is not built
+        errors.append(f"{split.key}: {split.stated} splits each row's positions over ranks, and {where} holds packed "
+                      "rows (several examples a row), whose examples would attend to each other: build the data "
+                      f"without --pack-length, or set {split.key}: {split.default}")
     built = manifest.get("tokenizer", {})
     if tokenizer is not None and built.get("fingerprint"):
         mine = tokenizer["fingerprint"]

@@ -30,6 +30,7 @@ PIPELINE_PARALLEL = "pipeline_parallel"  # int: pipeline stages
 VIRTUAL_PIPELINE = "virtual_pipeline"  # int: model chunks per pipeline stage (interleaving)
 EXPERT_PARALLEL = "expert_parallel"  # int: ranks that split each MoE layer's experts
 SEQUENCE_PARALLEL = "sequence_parallel"  # bool: activations split along the sequence inside the TP group
+SEQUENCE_SPLIT = "sequence_split"  # int: ranks that split each row's positions (Ulysses' sp, Megatron's CP)
 SHARD_OPTIMIZER = "shard_optimizer_state"  # bool: optimizer state (and main gradients) split over DP ranks
 RECOMPUTE = "recompute_activations"  # "full" | "selective": activations recomputed in backward
 OFFLOAD_OPTIMIZER = "offload_optimizer"  # bool: optimizer state in host memory

@@ -28,6 +28,16 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                      tie_word_embeddings=False),
     },
+    # Llama-3.1: Llama-3's shapes with 131,072 positions through its "llama3" RoPE scaling (long rows)
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        "confidence": "medium (recalled; Llama-3-8B's shapes, which give 8.03B)",
+        "text": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     tie_word_embeddings=False),
+    },
     "meta-llama/Meta-Llama-3-70B-Instruct": {
         "confidence": "high",
         "text": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,

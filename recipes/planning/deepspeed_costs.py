@@ -61,7 +61,7 @@ times); the optimizer step itself is left out. MFU: model FLOPs of the real toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from recipes.parallel_dims import ParallelDims
 from recipes.planning import step_model
@@ -108,6 +108,7 @@ def checkpoint_bytes(params: int, act_bytes: int, zero_stage: int = 3) -> float:
 
 
 TP_ALL_REDUCES = "TP all-reduces"  # on the critical path of each micro-batch: priced with its compute
+ULYSSES_ALL_TO_ALLS = "Ulysses all-to-alls"  # likewise: each layer's attention waits for its exchange
 
 
 def zero_collectives(params: int, *, zero_stage: int, tp: int, dp: int, ranks_per_node: int, hpz: int,
@@ -178,11 +179,26 @@ class ZeroSettings:
     offload_params: bool = False
     prefetch_bucket: int = 0
     reduce_bucket: int = 0
+    sp: int = 1  # DeepSpeed-Ulysses: each row's positions split over sp ranks
 
 
-def placement(nodes: int, ranks_per_node: int, tp: int = 1) -> Placement:
-    """DeepSpeed's ranks: AutoTP groups of `tp` consecutive ranks, the data-parallel rest (world / tp)."""
-    return Placement(ParallelDims(world=nodes * ranks_per_node, tp=tp), ranks_per_node)
+def placement(nodes: int, ranks_per_node: int, tp: int = 1, sp: int = 1) -> Placement:
+    """DeepSpeed's ranks: AutoTP groups of `tp` consecutive ranks, or Ulysses groups of `sp` consecutive
+    ranks, the data-parallel rest (world / (tp x sp))."""
+    return Placement(ParallelDims(world=nodes * ranks_per_node, tp=tp, cp=sp), ranks_per_node)
+
+
+def ulysses_all_to_alls(s: Shape, tokens: float, sp: int, e: int, checkpointing: bool, where: Placement) -> Collective:
+    """DeepSpeed-Ulysses' exchanges of one micro-batch of `tokens` (the whole rows' tokens) on one GPU:
+    per layer and pass, q, k, v in and the attention output back (each rank sends (sp - 1) / sp of its
+    slice's q, k, v and output: e (2 a d + 2 k d) tokens / sp), forward, backward, and the forward again
+    under gradient checkpointing. KV heads fewer than sp are repeated to sp before the exchange."""
+    kv = max(s.kv_heads, sp)
+    per_pass = e * (2 * s.heads + 2 * kv) * s.head_dim * tokens / sp * (sp - 1) / sp
+    calls = s.layers * (3 if checkpointing else 2)
+    nodes = max(1, -(-sp // where.gpus_per_node))
+    return Collective(ULYSSES_ALL_TO_ALLS, calls * per_pass, nodes, min(sp, where.gpus_per_node), 4 * calls,
+                      "all_to_all", sp)
 
 
 def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSettings, rows: step_model.Rows,
@@ -190,12 +206,13 @@ def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSe
     """Memory, traffic, compute and step time of one GPU (module docstring). `model_states`: bytes to use
     instead of zero_model_states (LoRA's estimate); `trainable`: the
     parameters that get gradients when fewer than `params` (LoRA's adapter)."""
-    t, e, dp, world = where.tp, zero.e, where.dp, where.world
+    t, e, dp, world, sp = where.tp, zero.e, where.dp, where.world, where.dims.cp
+    shard = dp * sp  # ZeRO partitions over every rank of the sequence x data-parallel group
     pl = Plan(ENGINE, where, settings=zero)
-    peak_T = zero.micro_batch_size * rows.peak
+    peak_T = zero.micro_batch_size * rows.peak / sp  # this GPU's positions of the micro-batch's rows
     mem = pl.memory
     mem["model states"] = model_states if model_states is not None else zero_model_states(
-        params, largest, zero.zero_stage, dp, t, e, zero.offload_optimizer, zero.offload_params)
+        params, largest, zero.zero_stage, shard, t, e, zero.offload_optimizer, zero.offload_params)
     if zero.zero_stage == 3 and zero.hpz > 1:
         mem["hpZ copy"] = e * params / (t * zero.hpz)
     mem["activations"] = activation_bytes(s, peak_T, t, rows.peak, e, zero.checkpointing, zero.eager)
@@ -204,9 +221,9 @@ def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSe
                       + step_model.FIXED_BUFFER_GIB * GiB)
     dealt = rows.deal(zero.micro_batch_size, zero.grad_accum, dp, lockstep=zero.zero_stage >= 2)
     mean_T = dealt.padded_tokens / (zero.grad_accum * dp)  # tokens per micro-batch, padding included
-    pl.collectives = zero_collectives(params, zero_stage=zero.zero_stage, tp=t, dp=dp,
+    pl.collectives = zero_collectives(params, zero_stage=zero.zero_stage, tp=t, dp=shard,
                                       ranks_per_node=where.gpus_per_node, hpz=zero.hpz, grad_accum=zero.grad_accum,
-                                      e=e, reduce_bytes=zero.reduce_bytes, trainable=trainable, shape=s, tokens=mean_T,
+                                      e=e, reduce_bytes=zero.reduce_bytes, trainable=trainable, shape=s, tokens=mean_T / sp,
                                       checkpointing=zero.checkpointing, reduce_bucket=zero.reduce_bucket)
     pl.net_bytes = sum(c.net for c in pl.collectives)
     pl.nvlink_bytes = sum(c.nvl for c in pl.collectives)
@@ -216,8 +233,11 @@ def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSe
 
     def cost(tokens: int):
         length = tokens / zero.micro_batch_size  # the reader's rows: each padded to the micro-batch's longest
+        # Ulysses: each GPU runs 1/sp of the rows' tokens through the linears and, after the all-to-all,
+        # heads / sp over the whole rows in attention: priced as a TP group of t x sp at the rows' length
+        # (the same FLOPs; the GEMMs' shapes split the other way)
         c = step_model.micro_batch_compute(
-            s, rows=zero.micro_batch_size, length=length, tp=t, layers=s.layers, hw=hw, engine=ENGINE, dtype=dtype,
+            s, rows=zero.micro_batch_size, length=length, tp=t * sp, layers=s.layers, hw=hw, engine=ENGINE, dtype=dtype,
             recompute="full" if zero.checkpointing else None, head=True,
             head_gemms=(4 if zero.chunked else 3) if trainable is None else 2, weight_grads=trainable is None)
         parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s, "output layer": c.head_s}
@@ -225,10 +245,17 @@ def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSe
             ar = Collective(TP_ALL_REDUCES, tp_calls * step_model.ring_bytes("all_reduce", tokens * s.hidden * e, t),
                             1, t, tp_calls, "all_reduce", t)
             parts[TP_ALL_REDUCES] = ar.time(hw)
+        if sp > 1:
+            parts[ULYSSES_ALL_TO_ALLS] = ulysses_all_to_alls(s, tokens, sp, e, zero.checkpointing, where).time(hw)
         return parts, c.flops, c.rate
 
     work = step_model.price(dealt, cost)
-    zero_colls = [c for c in pl.collectives if c.name != TP_ALL_REDUCES]
+    if sp > 1:  # listed for the traffic; its time is priced with each micro-batch's compute
+        exchange = ulysses_all_to_alls(s, mean_T, sp, e, zero.checkpointing, where)
+        pl.collectives.append(replace(exchange, ring=exchange.ring * zero.grad_accum,
+                                      calls=exchange.calls * zero.grad_accum))
+        pl.net_bytes, pl.nvlink_bytes = pl.net_bytes + pl.collectives[-1].net, pl.nvlink_bytes + pl.collectives[-1].nvl
+    zero_colls = [c for c in pl.collectives if c.name not in (TP_ALL_REDUCES, ULYSSES_ALL_TO_ALLS)]
     pl.t_compute, pl.t_comm = work.seconds, step_model.comm_time(zero_colls, hw)
     pl.step_s = max(pl.t_compute, pl.t_comm)
     pl.flops, pl.rate, pl.padding_ratio = work.flops, work.rate, dealt.padding_ratio

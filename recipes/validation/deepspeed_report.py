@@ -21,6 +21,8 @@ aggregate write rate).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from recipes.engines.deepspeed import plan as deepspeed_plan
 from recipes.engines.deepspeed.contract import autotp_problem
 from recipes.planning import deepspeed_costs, step_model
@@ -56,16 +58,16 @@ def add_plan(rep, recipe, cfg, total: int, largest: int, *, hw: step_model.Hardw
     except AttributeError as err:
         rep.warnings.append(f"memory: no layer shapes in the model config ({err}); activations not estimated")
         return None
-    _memory(rep, recipe, Shape.of(cfg), pl, rows, hw)
+    _memory(rep, recipe, Shape.of(cfg), pl, rows, hw, (total, largest))
     _host_and_disk(rep, recipe, total, largest, est, adapter, pl)
     _traffic_and_time(rep, recipe, cfg, (total, largest), rows, hw, pl, adapter)
     return pl
 
 
-def _memory(rep, recipe, shape: Shape, pl: Plan, rows, hw) -> None:
+def _memory(rep, recipe, shape: Shape, pl: Plan, rows, hw, params: tuple[int, int]) -> None:
     zero, lay = pl.settings, pl.placement
-    other = deepspeed_costs.activation_bytes(shape, zero.micro_batch_size * rows.peak, lay.tp, rows.peak, zero.e,
-                                             not zero.checkpointing, zero.eager)
+    other = deepspeed_costs.activation_bytes(shape, zero.micro_batch_size * rows.peak / lay.dims.cp, lay.tp, rows.peak,
+                                             zero.e, not zero.checkpointing, zero.eager)
     mem = dict(pl.memory)
     mem[f"activations (gradient checkpointing {'on' if zero.checkpointing else 'off'})"] = mem.pop("activations")
     mem[f"head ({'chunked' if zero.chunked else 'logits'})"] = mem.pop("head")
@@ -86,7 +88,26 @@ def _memory(rep, recipe, shape: Shape, pl: Plan, rows, hw) -> None:
                               if not zero.checkpointing and with_ckpt <= hw.mem_gib * GiB else
                               "; turn on model.gradient_checkpointing" if "off" in big else
                               "; use loss.head: chunked" if big.startswith("head (logits") and lay.tp == 1 else
-                              "; offload, more GPUs or a smaller micro-batch"))
+                              "; offload, more GPUs or a smaller micro-batch") + _row_split(shape, pl, rows, hw, params))
+
+
+def _row_split(shape: Shape, pl: Plan, rows, hw, params: tuple[int, int]) -> str:
+    """For a plan that does not fit: the smallest DeepSpeed-Ulysses size (`deepspeed.sp_size`) at which each
+    row's positions split over that many GPUs fit, with its memory and step; empty when none does (or AutoTP)."""
+    lay, zero = pl.placement, pl.settings
+    if lay.tp > 1:
+        return ""
+    for sp in deepspeed_plan.ulysses_sizes(shape, lay.gpus_per_node, lay.world):
+        if sp <= lay.dims.cp:
+            continue
+        where = deepspeed_costs.placement(lay.nodes, lay.gpus_per_node, 1, sp)
+        variant = replace(zero, sp=sp)
+        split = deepspeed_costs.estimate(shape, *params, where, variant, rows, hw)
+        if split.fits(hw.mem_gib):
+            return (f"; or split each row over {sp} GPUs: deepspeed.sp_size={sp} fits ({gib(split.total)} per GPU, "
+                    f"{split.step_s:.2f} s per step; data-parallel {where.dp}: rows per step = micro_batch_size x "
+                    f"grad_accum x {where.dp})")
+    return ""
 
 
 def _host_and_disk(rep, recipe, total, largest, est, trainable, pl: Plan) -> None:
@@ -180,10 +201,16 @@ def layout_line(rep, recipe, cfg) -> tuple[int, str]:
         key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
         rep.refuse_layout([f"deepspeed.tp_size: {ds.tp_size} does not divide {key} {per_node} "
                            "(a TP group must stay inside a node)"])
-    dp = max(1, cl.nodes * per_node // ds.tp_size)
+    if per_node > 0 and ds.sp_size > 1 and per_node % ds.sp_size:
+        key = "cluster.gpus_per_node" if cl.gpus_per_node else "cluster.cpu_ranks_per_node"
+        rep.refuse_layout([f"deepspeed.sp_size: {ds.sp_size} does not divide {key} {per_node} (Ulysses' all-to-alls "
+                           "of every layer stay inside a node)"])
+    dp = max(1, cl.nodes * per_node // (ds.tp_size * ds.sp_size))
     if ds.tp_size > 1:
         _autotp(rep, recipe, cfg)
-    return dp, f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}, data-parallel {dp}, ZeRO-{ds.zero_stage}"
+    split = f", sequence-parallel {ds.sp_size} (Ulysses)" if ds.sp_size > 1 else ""
+    return dp, (f"{cl.nodes} node(s) x {per_node} {unit}, TP {ds.tp_size}{split}, data-parallel {dp}, "
+                f"ZeRO-{ds.zero_stage}")
 
 
 def _autotp(rep, recipe, cfg) -> None:

@@ -44,3 +44,15 @@ def test_problems_name_the_engines_keys():
 def test_bad_degrees_are_refused_when_made(kwargs):
     with pytest.raises(ValueError, match="ParallelDims"):
         ParallelDims(**kwargs)
+
+
+def test_rows_split_over_cp_ranks_take_a_factor_of_the_world():
+    """cp: the ranks that split each row's positions (DeepSpeed's sp_size, Megatron's cp_size) read the same
+    rows, so the data-parallel size is world / (tp x cp x pp); a cp that does not divide is named by its key."""
+    dims = ParallelDims.of(16, tp=2, cp=4)
+    assert (dims.dp, dims.replica, dims.global_batch(2, 3)) == (2, 8, 12)
+    assert ParallelDims.of(8, cp=2, pp=2).dp == 2
+    [problem] = ParallelDims.of(6, cp=4).problems({"tp": "deepspeed.tp_size", "cp": "deepspeed.sp_size"})
+    assert problem.startswith("deepspeed.tp_size 1 x deepspeed.sp_size 4 does not divide the world of 6 ranks")
+    with pytest.raises(ValueError, match="ParallelDims.cp"):
+        ParallelDims.of(4, cp=0)

@@ -32,7 +32,8 @@ from .contract import resume_problem
 
 
 def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -> str | None:
-    """Before `deepspeed.initialize`: when the latest checkpoint was saved at another data-parallel size,
+    """Before `deepspeed.initialize`: when the latest checkpoint was saved over another number of ZeRO
+    partitions (another data-parallel size, or sequence-parallel size: `zero_partitions`),
     convert it to the universal format (rank 0, once), set `ds_config` to load that, and return the tag
     to load (None: load the latest as it is). Refuses a changed tensor-parallel size or ZeRO stage, and
     LoRA at another data-parallel size (`resume_problem`). Every rank calls it."""
@@ -43,12 +44,19 @@ def universal_tag_to_load(dirs: CheckpointDirs, layout: dict, ds_config: dict) -
     problem = resume_problem(saved, layout, dirs.root / tag)
     if problem:
         raise ValueError(problem)
-    if saved.get("data_parallel") == layout.get("data_parallel"):
+    if zero_partitions(saved) == zero_partitions(layout):
         return None
     universal = f"{tag}_universal"
     convert_once(dirs.root / tag, dirs.root / universal, dirs.runtime.is_main)
     ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": True}
     return universal
+
+
+def zero_partitions(layout: dict) -> int | None:
+    """How many ranks ZeRO partitioned the state over: the data-parallel size times the sequence-parallel
+    size (DeepSpeed-Ulysses shards over every rank of the sequence x data-parallel group)."""
+    dp = layout.get("data_parallel")
+    return None if dp is None else dp * layout.get("sequence_parallel", 1)
 
 
 CONVERT_BYTES_PER_S = 100e6  # the slowest conversion rate assumed (one worker reads ~200-500 MB/s)

@@ -43,6 +43,10 @@ def deepspeed_config(recipe, world_size: int, pin_memory: bool = False) -> dict:
         "steps_per_print": 10**9,  # progress and metrics are ours
         "wall_clock_breakdown": False,
     }
+    if ds.sp_size > 1:
+        # DeepSpeed-Ulysses: DeepSpeed counts the batch over world / sp ranks (its config reads this key
+        # where no groups object is given yet: the ZeRO-3 build under HF's live config)
+        config["sequence_parallel_size"] = ds.sp_size
     if recipe.model.dtype == "bfloat16":
         # gradients accumulated in fp32 (ZeRO 1-3) and reduced in deepspeed.reduce_dtype: fp32 by default,
         # as bf16 sums of many ranks' gradients lose the small ones (an 8-bit mantissa); bf16 halves the
@@ -211,10 +215,11 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def data_parallel_size(recipe, world_size: int) -> int:
     """The data-parallel size (`ParallelDims`), or ValueError when the layout or the global batch breaks."""
-    tp = recipe.deepspeed.tp_size
-    dims = ParallelDims.of(world_size, tp=tp)
+    tp, sp = recipe.deepspeed.tp_size, recipe.deepspeed.sp_size
+    dims = ParallelDims.of(world_size, tp=tp, cp=sp)
     if not dims.divides:
-        raise ValueError(f"deepspeed.tp_size={tp} does not divide the world size {world_size}")
+        raise ValueError(f"deepspeed.tp_size={tp} x deepspeed.sp_size={sp} does not divide the world size {world_size}"
+                         if sp > 1 else f"deepspeed.tp_size={tp} does not divide the world size {world_size}")
     dp = dims.dp
     gbs = recipe.train.global_batch_size
     if gbs is not None and gbs != recipe.train.micro_batch_size * recipe.train.grad_accum * dp:

@@ -2,8 +2,10 @@
 refuses, the settings it adopts from another engine's section, its layout rules and data-parallel size,
 its plan, and its checkpoints' resume rules. Pure: no torch, no deepspeed.
 
-Layout: AutoTP (`deepspeed.tp_size`) splits every layer over tp consecutive ranks; the rest is data
-parallel, world / tp, with ZeRO sharding over it. No pipeline, expert or sequence parallelism.
+Layout: AutoTP (`deepspeed.tp_size`) splits every layer over tp consecutive ranks, or DeepSpeed-Ulysses
+(`deepspeed.sp_size`, DeepSpeed's `ulysses_sp`) splits each row's positions over sp consecutive ranks
+(never both: DeepSpeed's Ulysses groups know no tensor-parallel group); the rest is data parallel,
+world / (tp x sp), with ZeRO sharding over every rank. No pipeline or expert parallelism.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class DeepSpeedSection:
     offload_optimizer: bool = False
     offload_params: bool = False
     tp_size: int = 1  # AutoTP; > 1 shards the lm_head along the vocabulary (vocab_parallel_lm_head)
+    # DeepSpeed-Ulysses: each row's positions split over sp_size ranks (attention heads exchanged all-to-all)
+    sp_size: int = 1
     # dtype of the gradient reduce-scatter under bf16: fp32 (the default for loss comparisons: the sum of
     # many ranks' gradients is not rounded to bf16's 8-bit mantissa, so a recipe's loss curve does not
     # depend on its layout through that rounding) | bf16 (half the gradient traffic; the rounding then
@@ -37,7 +41,51 @@ class DeepSpeedSection:
 
 # the recipe key behind each entry of layout.json, for the messages
 _LAYOUT_KEYS = {"tensor_parallel": "deepspeed.tp_size", "zero_stage": "deepspeed.zero_stage", "lora": "model.lora"}
-_DIMS_KEYS = {"tp": "deepspeed.tp_size"}
+_DIMS_KEYS = {"tp": "deepspeed.tp_size", "cp": "deepspeed.sp_size"}
+# attention kernels DeepSpeed's Ulysses wraps (eager builds a dense mask it cannot gather)
+ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def ulysses_problems(recipe, model_cfg=None) -> list[str]:
+    """Why DeepSpeed-Ulysses cannot split this recipe's rows (empty: it can, or sp_size is 1)."""
+    sp = recipe.deepspeed.sp_size
+    if sp == 1:
+        return []
+    problems = []
+    if recipe.deepspeed.tp_size > 1:
+        problems.append(f"deepspeed.sp_size: {sp} with deepspeed.tp_size {recipe.deepspeed.tp_size}: DeepSpeed's "
+                        "Ulysses groups (deepspeed.runtime.sequence_parallel.parallel_state_sp) take every rank as "
+                        "sequence x data parallel and know no AutoTP group; use one of the two")
+    attention = recipe.model.attn_implementation
+    if attention is not None and attention not in ULYSSES_ATTENTION:
+        problems.append(f"deepspeed.sp_size: {sp} needs model.attn_implementation in {list(ULYSSES_ATTENTION)} "
+                        f"(DeepSpeed-Ulysses wraps those), not {attention!r}")
+    zero = (recipe.deepspeed.overrides or {}).get("zero_optimization") or {}
+    if recipe.deepspeed.zero_stage == 3 and zero.get("reduce_scatter") is False:
+        problems.append(f"deepspeed.sp_size: {sp} with deepspeed.overrides.zero_optimization.reduce_scatter false at "
+                        "ZeRO-3: DeepSpeed 0.19.8 then averages some gradient buckets over the data-parallel ranks and "
+                        "others over every rank; keep reduce_scatter on")
+    if recipe.model.vision:
+        problems.append(f"deepspeed.sp_size: {sp} with model.vision: image tokens would be split from their "
+                        "pixels; not supported")
+    if model_cfg is not None:
+        text = getattr(model_cfg, "text_config", None) or model_cfg
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        if heads is not None and heads % sp:
+            problems.append(f"deepspeed.sp_size: {sp} does not divide the model's {heads} attention heads "
+                            "(Ulysses gives each rank heads / sp of them)")
+        if kv is not None and kv % sp and sp % kv:
+            problems.append(f"deepspeed.sp_size: {sp} and the model's {kv} KV heads: one must divide the other")
+        try:
+            moe = MoEShape.of(model_cfg)
+        except ValueError:
+            moe = True
+        if moe is not None:
+            problems.append(f"deepspeed.sp_size: {sp} on a mixture-of-experts model: its router/aux would be each "
+                            "rank's own slice's; not supported (train.engine: megatron splits rows with "
+                            "megatron.cp_size)")
+    return problems
 
 
 def autotp_problem(config, tp_size: int, zero_stage: int) -> str | None:
@@ -75,6 +123,8 @@ def run_layout(recipe, data_parallel: int) -> dict:
     """The layout a DeepSpeed run saves in each checkpoint's layout.json and compares at resume."""
     layout = {"data_parallel": data_parallel, "tensor_parallel": recipe.deepspeed.tp_size,
               "zero_stage": recipe.deepspeed.zero_stage}
+    if recipe.deepspeed.sp_size > 1:
+        layout["sequence_parallel"] = recipe.deepspeed.sp_size
     if recipe.model.lora is not None:
         layout["lora"] = True  # a LoRA checkpoint holds the adapters only: resume LoRA onto LoRA
     return layout
@@ -88,7 +138,8 @@ def resume_problem(saved: dict, layout: dict, where) -> str | None:
         if saved.get(key) != layout.get(key):
             return (f"{recipe_key}: {where} was saved with {key}={saved.get(key)}; this run has {layout.get(key)}: "
                     f"resume with the same {recipe_key}, or train into a new train.out_dir")
-    if layout.get("lora") and saved.get("data_parallel") != layout.get("data_parallel"):
+    if layout.get("lora") and (saved.get("data_parallel"), saved.get("sequence_parallel")) != (
+            layout.get("data_parallel"), layout.get("sequence_parallel")):
         # ds_to_universal expects every parameter in the checkpoint (not run here)
         return (f"model.lora: {where} was saved on {saved.get('data_parallel')} data-parallel ranks; a LoRA run "
                 f"resumes onto the same data-parallel size only (this run has {layout.get('data_parallel')}): run "
@@ -103,6 +154,8 @@ RESUME_RULES: dict[str, c.ResumeRule] = {
     "deepspeed.zero_stage": (c.REFUSED, "DeepSpeed loads ZeRO state at the stage that saved it; the stage is "
                                         "deepspeed.overrides.zero_optimization.stage where that is set"),
     "deepspeed.tp_size": (c.REFUSED, "DeepSpeed loads AutoTP state at the size that saved it"),
+    "deepspeed.sp_size": (c.RUN, "the layout: the weights are whole on every rank; ZeRO state saved over another "
+                                 "number of ranks goes through the universal conversion"),
     "deepspeed.offload_optimizer": (c.REFUSED, "where ZeRO keeps the optimizer state (not tested across a resume)"),
     "deepspeed.offload_params": (c.REFUSED, "where ZeRO keeps the parameters (not tested across a resume)"),
     "deepspeed.reduce_dtype": (c.RUN, "the gradient reduction's dtype"),
@@ -137,6 +190,8 @@ ADOPTIONS = {
                                          "deepspeed.zero_stage 3 shards them with the other weights"),
     c.SEQUENCE_PARALLEL: c.Adoption(refuse="AutoTP keeps each TP rank's activations whole; "
                                            "model.gradient_checkpointing trades compute for activation memory"),
+    c.SEQUENCE_SPLIT: c.Adoption("deepspeed.sp_size", note="DeepSpeed-Ulysses splits each row's positions over as "
+                                                           "many ranks"),
     c.LAYER_IMPLEMENTATION: c.Adoption(refuse="model.attn_implementation picks the Hugging Face attention kernel"),
     c.TOKEN_DISPATCH: c.Adoption(refuse="the DeepSpeed engine runs the Hugging Face model's own MoE block"),
     c.OVERLAP_GRAD_REDUCE: c.Adoption(refuse="deepspeed.overrides: {zero_optimization: {overlap_comm: false}}"),
@@ -163,6 +218,7 @@ class DeepSpeedContract:
         if recipe.model.lora is not None and recipe.deepspeed.tp_size > 1:
             problems.append("model.lora is not supported with deepspeed.tp_size > 1 (AutoTP does not split PEFT's "
                             "adapter layers)")
+        problems += ulysses_problems(recipe)
         # asked again after adopt_settings has written the section's keys
         return problems + override_problems(recipe)
 
@@ -174,6 +230,8 @@ class DeepSpeedContract:
             errors.append(f"deepspeed.zero_stage: {ds.zero_stage} is not 0, 1, 2 or 3")
         if ds.tp_size < 1:
             errors.append(f"deepspeed.tp_size: must be >= 1, got {ds.tp_size}")
+        if not isinstance(ds.sp_size, int) or isinstance(ds.sp_size, bool) or ds.sp_size < 1:
+            errors.append(f"deepspeed.sp_size: must be an integer >= 1, got {ds.sp_size!r}")
         return errors
 
     def stated_intents(self, recipe) -> list[c.Intent]:
@@ -187,6 +245,8 @@ class DeepSpeedContract:
             state(c.SHARD_OPTIMIZER, ds.zero_stage >= 1, "deepspeed.zero_stage", ds.zero_stage, default.zero_stage)
         if ds.tp_size != default.tp_size:
             state(c.TENSOR_PARALLEL, ds.tp_size, "deepspeed.tp_size", ds.tp_size, default.tp_size)
+        if ds.sp_size != default.sp_size:
+            state(c.SEQUENCE_SPLIT, ds.sp_size, "deepspeed.sp_size", ds.sp_size, default.sp_size)
         if ds.offload_optimizer:
             state(c.OFFLOAD_OPTIMIZER, True, "deepspeed.offload_optimizer", True, False)
         if ds.offload_params:
@@ -226,7 +286,7 @@ class DeepSpeedContract:
     # ---- the layout ----
 
     def parallel_dims(self, recipe, world_size: int) -> ParallelDims:
-        return ParallelDims.of(world_size, tp=recipe.deepspeed.tp_size)
+        return ParallelDims.of(world_size, tp=recipe.deepspeed.tp_size, cp=recipe.deepspeed.sp_size)
 
     def cluster_world(self, recipe) -> int:
         return recipe.cluster.nodes * recipe.cluster.ranks_per_node()
@@ -241,7 +301,7 @@ class DeepSpeedContract:
             errors.append(problem)
         if tp > 1:
             errors += autotp_moe_problem(model_cfg, tp)
-        return errors
+        return errors + [p for p in ulysses_problems(recipe, model_cfg) if p not in ulysses_problems(recipe)]
 
     def model_problems(self, recipe, model_cfg) -> list[str]:
         return []  # any Hugging Face causal LM (or image-text model) that transformers builds

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from numloss import NumericVocab, Objective
+from numloss.normalization import reduce_counts
 from recipes.config import Recipe
 from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.reliability.export_writer import ExportRecord
@@ -42,8 +43,9 @@ from .config import deepspeed_config
 from .contract import run_layout
 from .export import export_model
 from .lora import apply_lora, save_adapter, trainable_parameters
-from .model import build_model, training_module
+from .model import attention_used, build_model, training_module
 from .optimizer import build_optimizer
+from .ulysses import Ulysses, split_batch
 
 
 class DeepSpeedEngine:
@@ -56,11 +58,20 @@ class DeepSpeedEngine:
 
         self.recipe, self.runtime = recipe, runtime
         ds_config = deepspeed_config(recipe, runtime.world_size, pin_memory=torch.cuda.is_available())
-        tp = recipe.deepspeed.tp_size
+        tp, sp = recipe.deepspeed.tp_size, recipe.deepspeed.sp_size
         self.dp = DataParallel.tensor_parallel_first(runtime.rank, runtime.world_size, tp)
-        self.layout = run_layout(recipe, self.dp.size)
         self.tokenizer, self.processor = load_tokenizer(recipe)
         model, live_ds_config = build_model(recipe, ds_config, runtime.device)
+        self.ulysses = None
+        if sp > 1:  # every rank of a sequence-parallel group reads the same rows (recipes.engines.deepspeed.ulysses)
+            self.ulysses = Ulysses(model, sp, recipe.train.micro_batch_size, attention_used(model))
+            self.dp = DataParallel(runtime.rank // sp, runtime.world_size // sp, self.ulysses.data_group)
+        self.layout = run_layout(recipe, self.dp.size)
+        # DeepSpeed 0.19.8 sums gradients over the sequence x data-parallel group and divides by the data-
+        # parallel size (world / sp), except ZeRO-3's reduce-scatter (`reduce_scatter_coalesced`), which
+        # divides by every rank of that group: there each rank's loss is scaled by sp more (measured:
+        # without it the gradient norm at sp 2 is half sp 1's, at ZeRO-0 and -2 it is equal)
+        self._zero3_sequence_factor = sp if sp > 1 and recipe.deepspeed.zero_stage == 3 else 1
         self.lora = recipe.model.lora
         self.peft_model = None
         if self.lora is not None:
@@ -81,8 +92,9 @@ class DeepSpeedEngine:
         self._load_tag = checkpoints.universal_tag_to_load(dirs, self.layout, ds_config)
         optimizer, self.optimizer_name = build_optimizer(recipe, trainable_parameters(self.wrapper))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(recipe))
+        mpu = {} if self.ulysses is None else {"mpu": self.ulysses.mpu}
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=self.wrapper, optimizer=optimizer,
-                                                                 lr_scheduler=scheduler, config=ds_config)
+                                                                 lr_scheduler=scheduler, config=ds_config, **mpu)
         del live_ds_config  # only needed while the model was built
         self.batch_options = {"processor": self.processor, "attn_implementation": model.config._attn_implementation,
                               "dtype": getattr(torch, recipe.model.dtype),
@@ -93,8 +105,13 @@ class DeepSpeedEngine:
         # every submodule in train mode: from_pretrained returns the model in eval mode, where HF skips its
         # dropout and its gradient checkpointing (the Megatron engine trains its chunks in train mode too)
         self.engine.module.train()
-        counts = step_counts(self.wrapper.counts, window, self.dp)
-        scale = len(window) * self.dp.size  # undo DeepSpeed's mean over micro-batches and ranks
+        if self.ulysses is not None:  # labels shifted on the whole rows, then each rank's slice
+            window = [split_batch(inputs, self.ulysses.sequence) for inputs in window]
+            counts = reduce_counts([self.wrapper.counts(None, sequence_split=inputs["sequence_split"])
+                                    for inputs in window], group=self.dp.group)  # over data x sequence parallel
+        else:
+            counts = step_counts(self.wrapper.counts, window, self.dp)
+        scale = len(window) * self.dp.size * self._zero3_sequence_factor  # undo DeepSpeed's mean over micro-batches and ranks
         sums: dict[str, float] = {}
         started = time.perf_counter()
         for i, inputs in enumerate(window):
@@ -145,7 +162,11 @@ class DeepSpeedEngine:
         return sums, tokens
 
     def eval_problem(self) -> str | None:
-        """`recipes.training.engine.Engine.eval_problem`: every model this engine trains evaluates."""
+        """`recipes.training.engine.Engine.eval_problem`: every model this engine trains evaluates, except
+        under sequence parallelism (each rank of a group would score the same rows)."""
+        if self.ulysses is not None:
+            return (f"deepspeed.sp_size {self.recipe.deepspeed.sp_size}: held-out evaluation under sequence "
+                    "parallelism is not supported (evaluate the export with python -m recipes.evaluate)")
         return None
 
     def lr(self) -> float:
@@ -168,7 +189,9 @@ class DeepSpeedEngine:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         params = [p for p in self.engine.module.parameters() if p.grad is not None]
-        return float(clip_grad_norm_(params, max_norm=float("inf"), mpu=self.engine.mpu)) if params else 0.0
+        # Ulysses' groups object has no model-parallel group: its ranks hold whole, reduced gradients
+        mpu = None if self.ulysses is not None else self.engine.mpu
+        return float(clip_grad_norm_(params, max_norm=float("inf"), mpu=mpu)) if params else 0.0
 
     def weights_finite(self) -> bool:
         """This rank's parameters are finite: its ZeRO-3 partitions (`ds_tensor`), else the whole tensors."""
@@ -213,7 +236,9 @@ class DeepSpeedEngine:
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
         clear_method_caches([PartitionedParameterCoordinator])
-        self.engine = self.wrapper = self.model = self.peft_model = self.scheduler = None
+        if self.ulysses is not None:
+            self.ulysses.close()
+        self.engine = self.wrapper = self.model = self.peft_model = self.scheduler = self.ulysses = None
 
 
 def _tensor_parallel_group():

@@ -39,7 +39,8 @@ def zero_settings(recipe, shape: Shape, world: int | None = None) -> tuple[Place
     overrides = (ds.overrides or {}).get("zero_optimization", {})
     e = 2 if m.dtype == "bfloat16" else 4
     reduce_dtype = cfg.get("communication_data_type", ds.reduce_dtype if e == 2 else "fp32")
-    where = costs.placement(cl.nodes if cl.gpus_per_node else 1, ranks if cl.gpus_per_node else world, ds.tp_size)
+    where = costs.placement(cl.nodes if cl.gpus_per_node else 1, ranks if cl.gpus_per_node else world, ds.tp_size,
+                            ds.sp_size)
     return where, costs.ZeroSettings(
         zero_stage=ds.zero_stage, hpz=int(zero.get("zero_hpz_partition_size", 1)),
         micro_batch_size=tr.micro_batch_size, grad_accum=tr.grad_accum, e=e,
@@ -47,7 +48,7 @@ def zero_settings(recipe, shape: Shape, world: int | None = None) -> tuple[Place
         checkpointing=m.gradient_checkpointing, chunked=recipe.loss.head == "chunked",
         chunk_size=recipe.loss.chunk_size, eager=m.attn_implementation == "eager",
         offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params,
-        prefetch_bucket=int(overrides.get("stage3_prefetch_bucket_size",
+        sp=ds.sp_size, prefetch_bucket=int(overrides.get("stage3_prefetch_bucket_size",
                                           max(int(0.9 * shape.hidden ** 2), shape.largest_matrix))),
         reduce_bucket=int(overrides.get("reduce_bucket_size", shape.hidden ** 2)))
 
@@ -103,35 +104,61 @@ def layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch: int, p
                       moe_imbalance: float = 1.0) -> list[Candidate]:
     """The layouts of `global_batch` rows per step on the recipe's cluster that fit `hardware.mem_gib`:
     ZeRO-2 and ZeRO-3 (hpZ at the node's ranks across nodes), TP 1, every split of a rank's rows into
-    micro_batch_size x grad_accum, gradient checkpointing off when that fits, else on. AutoTP is left
-    out (tested here with ZeRO-3, not documented by DeepSpeed: docs/cluster.md). The recipe's other
-    settings (dtype, head, reduce dtype, buckets) stay as they are."""
+    micro_batch_size x grad_accum, gradient checkpointing off when that fits, else on; DeepSpeed-Ulysses
+    (`deepspeed.sp_size`) at the smallest sp (a power of two, up to the GPUs of a node, dividing the model's
+    heads) at which a zero-stage's layout fits, for rows too long for one GPU. AutoTP is left out (tested
+    here with ZeRO-3, not documented by DeepSpeed: docs/cluster.md). The recipe's other settings (dtype,
+    head, reduce dtype, buckets) stay as they are."""
     cl = recipe.cluster
     world = cl.nodes * cl.gpus_per_node
-    if global_batch % world:
-        return []
     shape = Shape.of(model_cfg)
     total, largest = params
     where, base = zero_settings(recipe, shape, world)
-    where = costs.placement(where.nodes, where.gpus_per_node, 1)
     out = []
     for zero_stage in (2, 3):
         hpz = cl.gpus_per_node if zero_stage == 3 and cl.nodes > 1 else 1
-        for b in divisors(global_batch // world, MAX_ROWS_PER_MICRO_BATCH):
-            for ckpt in (False, True):
-                zero = replace(base, zero_stage=zero_stage, hpz=hpz, micro_batch_size=b,
-                               grad_accum=global_batch // (world * b), checkpointing=ckpt)
-                pl = costs.estimate(shape, total, largest, where, zero, rows, hardware)
-                if not pl.fits(hardware.mem_gib):
-                    continue
-                text = (f"DeepSpeed ZeRO-{zero_stage}{f' + hpZ {hpz}' if hpz > 1 else ''}, {b} row(s) x "
-                        f"{zero.grad_accum} micro-batch(es) per GPU, checkpointing {'on' if ckpt else 'off'}")
-                settings = [override("train.engine", ENGINE), override("deepspeed.zero_stage", zero_stage),
-                            override("deepspeed.tp_size", 1), override("train.micro_batch_size", b),
-                            override("train.grad_accum", zero.grad_accum),
-                            override("model.gradient_checkpointing", ckpt)]
-                out.append(Candidate(ENGINE, text, settings, pl))
-                break  # checkpointing only where the layout does not fit without it
+        for sp in ulysses_sizes(shape, cl.gpus_per_node or 1, world):
+            found = _fitting(shape, total, largest, costs.placement(where.nodes, where.gpus_per_node, 1, sp),
+                             replace(base, zero_stage=zero_stage, hpz=hpz, sp=sp), rows, hardware, global_batch)
+            out += found
+            if found:
+                break  # the smallest sp that fits: more splits the rows for nothing
+    return out
+
+
+def ulysses_sizes(shape: Shape, gpus_per_node: int, world: int) -> list[int]:
+    """Sequence-parallel sizes to try: 1, then powers of two up to a node's GPUs that divide the world and
+    the attention heads, with KV heads dividing them or divided by them (Ulysses' rules)."""
+    sizes, sp = [1], 2
+    while sp <= min(gpus_per_node, world):
+        if world % sp == 0 and shape.heads % sp == 0 and (shape.kv_heads % sp == 0 or sp % shape.kv_heads == 0):
+            sizes.append(sp)
+        sp *= 2
+    return sizes
+
+
+def _fitting(shape, total, largest, where: Placement, base: costs.ZeroSettings, rows, hardware,
+             global_batch: int) -> list[Candidate]:
+    """The splits of `global_batch` rows over `where`'s data-parallel ranks that fit (checkpointing only
+    where a split does not fit without it)."""
+    out = []
+    if global_batch % where.dp:
+        return out
+    for b in divisors(global_batch // where.dp, MAX_ROWS_PER_MICRO_BATCH):
+        for ckpt in (False, True):
+            zero = replace(base, micro_batch_size=b, grad_accum=global_batch // (where.dp * b), checkpointing=ckpt)
+            pl = costs.estimate(shape, total, largest, where, zero, rows, hardware)
+            if not pl.fits(hardware.mem_gib):
+                continue
+            split = f"sequence-parallel {zero.sp} (Ulysses), " if zero.sp > 1 else ""
+            text = (f"DeepSpeed ZeRO-{zero.zero_stage}{f' + hpZ {zero.hpz}' if zero.hpz > 1 else ''}, {split}{b} row(s)"
+                    f" x {zero.grad_accum} micro-batch(es) per GPU, checkpointing {'on' if ckpt else 'off'}")
+            settings = [override("train.engine", ENGINE), override("deepspeed.zero_stage", zero.zero_stage),
+                        override("deepspeed.tp_size", 1), override("deepspeed.sp_size", zero.sp),
+                        override("train.micro_batch_size", b), override("train.grad_accum", zero.grad_accum),
+                        override("model.gradient_checkpointing", ckpt)]
+            out.append(Candidate(ENGINE, text, settings, pl))
+            break
     return out
 
 

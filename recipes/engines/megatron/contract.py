@@ -2,8 +2,8 @@
 it refuses, the settings it adopts from another engine's section, its layout rules and data-parallel
 size, its plan, its checkpoints' resume rules and its converted weights. Pure: no torch, no megatron.
 
-Layout: world = tp x pp x dp, ranks ordered tensor-parallel fastest, then data-parallel, then pipeline
-(Megatron's default order), so with ranks ordered by node a TP group stays inside a node. Expert
+Layout: world = tp x cp x pp x dp, ranks ordered tensor-parallel fastest, then context-parallel (each
+row's positions split, `cp_size`), then data-parallel, then pipeline (Megatron's default order), so with ranks ordered by node a TP group stays inside a node. Expert
 parallelism (`ep_size`, mixture-of-experts models) is folded into data parallelism as megatron-core
 defines it: each group of `ep_size` consecutive data-parallel ranks splits the experts of every MoE
 layer, so ep_size divides the data-parallel size; the experts' own tensor-parallel size is tp_size.
@@ -20,7 +20,7 @@ from recipes.planning.moe import MoEShape
 from recipes.planning.shape import Shape
 
 from . import plan as engine_plan
-from .kernels import TRANSFORMER_IMPLS, plan_kernels
+from .kernels import TRANSFORMER_IMPLS, plan_kernels, te_missing
 from .layout import DIMS_KEYS, parallel_dims, shape_problems
 from .support import check_supported, converted_problems
 
@@ -36,6 +36,8 @@ class MegatronSection:
     tp_size: int = 1
     pp_size: int = 1
     ep_size: int = 1  # expert-parallel size: ranks among which each MoE layer's experts are split
+    # context parallelism: each row's positions split over cp_size ranks (Transformer Engine's attention)
+    cp_size: int = 1
     # auto: "alltoall" on CUDA, "allgather" on CPU (gloo has no all_to_all_single with uneven splits);
     # alltoall | allgather force one (Megatron's moe_token_dispatcher_type). Routing is dropless
     moe_token_dispatcher: str = "auto"
@@ -65,6 +67,7 @@ def checkpoint_layout(megatron: MegatronSection, data_parallel: int) -> dict:
 RESUME_RULES: dict[str, c.ResumeRule] = {
     "megatron.distributed_optimizer": (c.REFUSED, "the optimizer state's checkpoint format"),
     "megatron.tp_size": (c.RUN, "the layout (the checkpoint reshards)"),
+    "megatron.cp_size": (c.RUN, "the layout (every context-parallel rank holds the same weights)"),
     "megatron.pp_size": (c.RUN, "the layout (the checkpoint reshards)"),
     "megatron.virtual_pp_size": (c.RUN, "the layout (the checkpoint reshards)"),
     "megatron.sequence_parallel": (c.RUN, "the layout"),
@@ -95,6 +98,8 @@ ADOPTIONS = {
                                          "pp_size split them"),
     c.REDUCE_PRECISION: c.Adoption(refuse="the Megatron engine reduces gradients in fp32"),
     c.RAW_ENGINE_CONFIG: c.Adoption(refuse="the megatron section's own settings"),
+    c.SEQUENCE_SPLIT: c.Adoption("megatron.cp_size", note="context parallelism splits each row's positions over as "
+                                                          "many ranks"),
     c.ATTENTION_KERNEL: c.Adoption(refuse="remove the setting", refusal=(
         "{key}: {stated!r} is a Hugging Face attention kernel; the Megatron engine runs Megatron-core's own "
         "attention: remove the setting")),
@@ -120,6 +125,28 @@ def split_for_logits(recipe) -> list[str]:
             f"the same rows per step")
     t.micro_batch_size, t.grad_accum = micro, t.grad_accum * factor
     return [note]
+
+
+def context_parallel_problems(megatron, *, cuda: bool | None, te_missing=te_missing) -> list[str]:
+    """`megatron.cp_size` > 1, refused before any model is built. megatron-core 0.16.1 runs context
+    parallelism through Transformer Engine's attention only (its local spec's DotProductAttention asserts
+    cp 1), with packed rows as THD sequences; where TE does not import (a CPU machine, or `cuda` False) the
+    refusal names both. Where TE imports the engine still refuses: its CP model path (TE's context-parallel
+    attention, the load-balanced split of each batch, counts over data x context parallel) is not built;
+    the layout (`ParallelDims.cp`) and the loss's side (`numloss.sequence_split`, load-balanced order) are.
+    `cuda` None (the start is elsewhere: `recipes.validate`): nothing said."""
+    cp = megatron.cp_size
+    if cp == 1 or cuda is None:
+        return []
+    missing = "CUDA is not available" if not cuda else te_missing()
+    if missing is not None:
+        return [f"megatron.cp_size: {cp} needs Transformer Engine's context-parallel attention (megatron-core 0.16.1 "
+                f"runs context parallelism only through Transformer Engine), and {missing} here: install "
+                "transformer_engine on a GPU machine, set megatron.cp_size: 1, or split rows with train.engine: "
+                "deepspeed and deepspeed.sp_size"]
+    return [f"megatron.cp_size: {cp}: the engine's context-parallel model path (Transformer Engine's attention, THD "
+            "packing split over the CP ranks) is not built in this version; set megatron.cp_size: 1, or split "
+            "rows with train.engine: deepspeed and deepspeed.sp_size"]
 
 
 class MegatronContract:
@@ -151,7 +178,7 @@ class MegatronContract:
         if mg.sequence_parallel and mg.tp_size == 1:
             errors.append("megatron.sequence_parallel: needs megatron.tp_size > 1")
         for key, value in (("megatron.tp_size", mg.tp_size), ("megatron.pp_size", mg.pp_size),
-                           ("megatron.ep_size", mg.ep_size)):
+                           ("megatron.ep_size", mg.ep_size), ("megatron.cp_size", mg.cp_size)):
             if value < 1:
                 errors.append(f"{key}: must be >= 1, got {value}")
         return errors
@@ -160,6 +187,7 @@ class MegatronContract:
         mg, default = recipe.megatron, MegatronSection()
         table = (("tp_size", c.TENSOR_PARALLEL, mg.tp_size), ("pp_size", c.PIPELINE_PARALLEL, mg.pp_size),
                  ("virtual_pp_size", c.VIRTUAL_PIPELINE, mg.virtual_pp_size), ("ep_size", c.EXPERT_PARALLEL, mg.ep_size),
+                 ("cp_size", c.SEQUENCE_SPLIT, mg.cp_size),
                  ("sequence_parallel", c.SEQUENCE_PARALLEL, mg.sequence_parallel),
                  ("distributed_optimizer", c.SHARD_OPTIMIZER, mg.distributed_optimizer),
                  ("recompute", c.RECOMPUTE, mg.recompute),
@@ -192,7 +220,7 @@ class MegatronContract:
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         mg, errors = recipe.megatron, []
         if world_size is not None:
-            errors += parallel_dims(mg, world_size).problems({k: DIMS_KEYS[k] for k in ("tp", "pp")})
+            errors += parallel_dims(mg, world_size).problems({k: DIMS_KEYS[k] for k in ("tp", "pp", "cp")})
             if mg.virtual_pp_size is not None and (mg.pp_size < 2 or mg.virtual_pp_size < 2):
                 errors.append(f"megatron.virtual_pp_size: {mg.virtual_pp_size}: interleaving needs megatron.pp_size "
                               f">= 2 and a value >= 2 (pp_size is {mg.pp_size}); leave it null otherwise")
@@ -228,8 +256,9 @@ class MegatronContract:
         """`megatron.transformer_impl: transformer_engine` where TE cannot run (`cuda`: whether the run's
         devices are GPUs, None when the start is not here: `recipes.validate` runs elsewhere), and a
         `megatron.load_converted` directory that is missing, unfinished, or holds another backbone or
-        dtype (not asked of a run that is `resuming`: it reads its own checkpoint)."""
-        problems = []
+        dtype (not asked of a run that is `resuming`: it reads its own checkpoint), and
+        `megatron.cp_size` > 1 (`context_parallel_problems`)."""
+        problems = context_parallel_problems(recipe.megatron, cuda=cuda)
         if cuda is not None:
             try:
                 plan_kernels(recipe.megatron, cuda=cuda)

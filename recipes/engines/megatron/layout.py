@@ -2,8 +2,8 @@
 shape cannot take (`shape_problems`). Pure: the contract asks them before any model is built, the
 engine's plan (`plan.py`) prices only layouts that pass them.
 
-Layout: world = tp x pp x dp, ranks ordered tensor-parallel fastest, then data-parallel, then pipeline
-(Megatron's default order). Expert parallelism is folded into data parallelism as megatron-core defines
+Layout: world = tp x cp x pp x dp, ranks ordered tensor-parallel fastest, then context-parallel, then
+data-parallel, then pipeline (Megatron's default order, tp-cp-ep-dp-pp). Expert parallelism is folded into data parallelism as megatron-core defines
 it: each group of `ep` consecutive data-parallel ranks splits the experts of every MoE layer, so ep
 divides the data-parallel size; the experts' own tensor-parallel size is tp.
 """
@@ -15,13 +15,13 @@ from recipes.planning.moe import MoEShape
 from recipes.planning.shape import Shape
 
 # the recipe key of each degree, for ParallelDims' messages
-DIMS_KEYS = {"tp": "megatron.tp_size", "pp": "megatron.pp_size", "ep": "megatron.ep_size"}
+DIMS_KEYS = {"tp": "megatron.tp_size", "pp": "megatron.pp_size", "ep": "megatron.ep_size", "cp": "megatron.cp_size"}
 
 
 def parallel_dims(megatron, world_size: int) -> ParallelDims:
     """The layout of `world_size` ranks at a `MegatronSection`'s degrees."""
     return ParallelDims.of(world_size, tp=megatron.tp_size, pp=megatron.pp_size, vpp=megatron.virtual_pp_size,
-                           sp=megatron.sequence_parallel, ep=megatron.ep_size)
+                           sp=megatron.sequence_parallel, ep=megatron.ep_size, cp=megatron.cp_size)
 
 
 def shape_problems(shape: Shape, dims: ParallelDims, grad_accum: int, moe: MoEShape | None = None) -> list[str]:

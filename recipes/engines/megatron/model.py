@@ -62,7 +62,8 @@ def initialize_model_parallel(recipe: Recipe) -> None:
                                              pipeline_model_parallel_size=m.pp_size,
                                              virtual_pipeline_model_parallel_size=m.virtual_pp_size,
                                              expert_model_parallel_size=m.ep_size,
-                                             expert_tensor_parallel_size=m.tp_size)
+                                             expert_tensor_parallel_size=m.tp_size,
+                                             context_parallel_size=m.cp_size)
     seed_model_parallel(recipe.train.seed)
 
 

@@ -104,3 +104,23 @@ def test_deepspeed_through_the_trainer_trains_the_global_batch_and_its_accumulat
         assert logged[key] == pytest.approx(want[key], rel=1e-5), (key, logged[key], want[key])
     assert "DeepSpeed steps every 1 micro-batches but the Trainer's gradient_accumulation_steps is 2" \
         in result["changed"]["error"], result["changed"]
+
+
+@pytest.mark.parametrize("sizes, named", [({"sp_size": 2, "sp_backend": "deepspeed"}, "sp_size 2"),
+                                          ({"cp_size": 2}, "cp_size 2")])
+def test_a_parallelism_config_that_splits_rows_is_refused_at_construction(tok_dir, tmp_path, sizes, named):
+    """accelerate's sequence-parallel backend hands each rank its slice of `shift_labels` only: the whole rows'
+    labels that numbers and sequences are counted from are on no rank. Refused before the Trainer is made
+    (accelerate alone would say only that the config needs a distributed type), naming what to use."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoTokenizer, TrainingArguments
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericTrainer
+
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             parallelism_config=ParallelismConfig(**sizes))
+    vocab = NumericVocab.from_tokenizer(tok, policy="digits")
+    with pytest.raises(ValueError, match=f"parallelism_config with {named} .* deepspeed.sp_size"):
+        NumericTrainer(model=H.model(tok), args=args, train_dataset=H.rows(tok, 4), numeric_vocab=vocab)

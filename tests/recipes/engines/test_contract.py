@@ -36,6 +36,11 @@ OUTCOMES = {
                                               "train.grad_accum": 8}, 3),
     "llama3-8b-gsm8k/megatron.yaml": ("adopted", {"deepspeed.zero_stage": 3, "deepspeed.tp_size": 1,
                                                   "model.gradient_checkpointing": False}, 0),
+    # Ulysses' sp 4 becomes context parallelism 4 (the layout checks pass; CP is refused at start)
+    "llama3.1-8b-reasoning-32k/deepspeed.yaml": ("adopted", {"megatron.cp_size": 4, "deepspeed.sp_size": 1,
+                                                             "megatron.recompute": "full", "loss.head": "logits",
+                                                             "train.micro_batch_size": 1, "train.grad_accum": 8}, 3),
+    "llama3.1-8b-reasoning-32k/megatron.yaml": ("refused", ["megatron.pp_size", "megatron.sequence_parallel"]),
     "ministral3-3b-clock.yaml": ("load", "model.vision"),
     "qwen2.5-1.5b-gsm8k/ce.yaml": ("adopted", {"megatron.recompute": None, "loss.head": "logits"}, 0),
     "qwen2.5-1.5b-gsm8k/dist2.yaml": ("adopted", {"megatron.recompute": None}, 0),
@@ -100,7 +105,8 @@ def test_switching_a_shipped_recipe_to_the_other_engine(name):
     # said once, each naming the key it came from and the key it set
     for note in notes:
         assert note.split(":")[0] in {"model.gradient_checkpointing", "loss.head", "deepspeed.tp_size",
-                                      "deepspeed.zero_stage", "megatron.tp_size", "megatron.recompute"}, note
+                                      "deepspeed.zero_stage", "megatron.tp_size", "megatron.recompute",
+                                      "deepspeed.sp_size", "megatron.cp_size"}, note
         assert " sets " in note
     assert engine_setting_problems(recipe) == ([], [])  # adopted: nothing is left to say
     # the adopted recipe's layout on its own cluster (the model's offline config: no network)
