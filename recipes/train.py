@@ -64,7 +64,7 @@ from .engines.runtime import build_engine
 from .inputs.batches import model_inputs
 from .checks.preflight import RecipeCheckError, preflight
 from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
-from .reliability.export_writer import export_record
+from .reliability.export_writer import ExportWriteFailed, export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.held_out import HeldOut
@@ -86,7 +86,8 @@ from .reliability.watchdog import mark_phase, start_watchdog
 EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 EXIT_STALLED = 4  # the watchdog named a rank that stopped answering and ended the job; the last checkpoint is intact
-EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written on some rank; `latest` names the previous one
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint or the export could not be written on some rank; `latest` names the
+# previous checkpoint (a failed checkpoint) or the one the export was written from; `final/` is as it was
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
 # padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
 # batch. Counted from the loop's batches, unless the engine's train_step returns this key: the positions it ran
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_PREEMPTED)
     except CheckpointSaveFailed as err:
         print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_SAVE_FAILED)
+    except ExportWriteFailed as err:  # the checkpoint it exports is committed: the next start exports it again
+        print(f"[numloss] {err}. The checkpoint of the last step is saved: free space and run the same command "
+              f"to write the export again", file=sys.stderr, flush=True)
         sys.exit(EXIT_SAVE_FAILED)
     finally:
         ignore_stop_signals()  # the run has ended: a repeated SIGTERM while it exits would only make its status -15

@@ -144,6 +144,12 @@ def _chain(err: BaseException) -> Iterator[BaseException]:
         todo += [current.__cause__, current.__context__, *(e for _, e in _rank_errors(current))]
 
 
+def failure_text(err: BaseException, path: str | Path) -> str:
+    """A failed write at `path` in one line: its cause where it can be told, the error, the free space."""
+    cause = cause_of(err, path)
+    return f"{cause + ': ' if cause else ''}{error_text(err)}; {free_space(path)}"
+
+
 def cause_of(err: BaseException, path: str | Path) -> str:
     """The cause of a failed write in words ("the disk is full"), or "" where it cannot be told."""
     for current in _chain(err):
