@@ -35,8 +35,10 @@ What it does, and the decisions behind it (docs/evaluation.md):
   AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
   `recipes.inputs.vision.vision_inputs`, the same function training uses (so the prompt is token for token
   the trained one): the image placeholder goes in front of the user turn and the processor expands it.
-- The results file holds the metrics, the settings (backend, placement, stop strings, length), and one
-  record per example (id, prompt length, generated text, parsed value, target, whether it matched).
+- The results file holds the metrics, the step scored (`export`: from `final/`'s record; a missing
+  `final/` is refused, exit 2, one older than its run's last step scored with a warning:
+  `recipes.evaluation.exported`), the settings (backend, placement, stop strings, length), and one record
+  per example (id, prompt length, generated text, parsed value, target, whether it matched).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from recipes.config import EVAL_BACKENDS
 from . import metrics as M
 from . import vllm_generation
 from .data_parallel import ProcessGroup, Ranks, device_of, ranks_from_env, share
+from .exported import ModelRefused, export_of
 from .generation import IGNORE_INDEX, GenerationSettings, generate_texts, load_model, settings_for, task_kinds
 from .placement import Placement, place_here
 
@@ -203,6 +206,9 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format: {answer_format!r} is not one of {list(ANSWER_FORMATS)}")
     t0 = time.time()
+    export, stale = (None, None) if model_and_tokenizer is not None or generate is not None else export_of(model_dir)
+    if stale and ranks_from_env().is_main:
+        print(f"[numloss] warning: {stale}", file=sys.stderr, flush=True)
     rows = load_rows(data_dir, limit)
     if not rows:
         raise ValueError(f"{data_dir}: no rows to evaluate")
@@ -243,6 +249,7 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     results = {
         "name": name or Path(str(model_dir)).resolve().parent.name or str(model_dir),
         "model": str(model_dir),
+        "export": export,  # the step scored, from final/'s record (recipes.evaluation.exported); None: no record
         "data": str(data_dir),
         "settings": {**settings.to_dict(), "answer_format": answer_format, "limit": limit, "vision": bool(vision),
                      "backend": chosen, "tasks": kinds, "data_parallel_ranks": ranks.world,
@@ -315,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     out = a.out or os.path.join(a.model, "eval_results.json")
     vision = {"auto": None, "yes": True, "no": False}[a.vision]
+    try:
+        export_of(a.model)  # a missing final/ is refused before anything is read
+    except ModelRefused as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        return 2
     res = evaluate(a.model, a.data, out=out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                    answer_format=a.answer_format, limit=a.limit, name=a.name, vision=vision,
                    device=a.device, dtype=a.dtype, device_map=a.device_map,

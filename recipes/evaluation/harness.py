@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 from data_prep.answers import parse_answer
 
+from .exported import ModelRefused, export_of
 from .placement import Placement, place_here
 from .vllm_generation import vllm_importable
 
@@ -142,6 +143,9 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
     chosen = ("vllm" if vllm_importable() else "hf") if backend == "auto" else backend
     if chosen == "vllm" and not vllm_importable():
         raise ValueError("harness backend vllm: `import vllm` fails here; install vllm or use --backend hf")
+    export, stale = export_of(model_dir)  # the step scored (recipes.evaluation.exported)
+    if stale:
+        print(f"[numloss] warning: {stale}", file=sys.stderr, flush=True)
     placement = placement or place_here(model_dir)
     manager = _task_manager(TaskManager, tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
@@ -162,6 +166,7 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
                 "placement": placement.to_dict()}
     results = to_results(raw, model_dir, name or Path(str(model_dir)).resolve().parent.name or str(model_dir),
                          chosen, settings)
+    results["export"] = export
     results["seconds"] = round(time.time() - t0, 3)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -195,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     limit = None if a.limit is None else (int(a.limit) if a.limit >= 1 else a.limit)
     batch = int(a.batch_size) if a.batch_size.isdigit() else a.batch_size
     out = a.out or str(Path(a.model) / "harness_results.json")
+    try:
+        export_of(a.model)  # a missing final/ is refused before lm-eval starts
+    except ModelRefused as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        return 2
     res = run_harness(a.model, tasks, out=out, name=a.name, backend=a.backend, include_path=a.include_path,
                       num_fewshot=a.num_fewshot, limit=limit, batch_size=batch, device=a.device, dtype=a.dtype,
                       gen_kwargs=a.gen_kwargs, apply_chat_template=a.apply_chat_template,
