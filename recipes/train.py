@@ -89,6 +89,9 @@ EXIT_STALLED = 4  # the watchdog named a rank that stopped answering and ended t
 EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint or the export could not be written on some rank; `latest` names the
 # previous checkpoint (a failed checkpoint) or the one the export was written from; `final/` is as it was
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
+# raised on every rank together (their collectives agreed on it): a rank that raises one did not leave on its own
+STOPPED_TOGETHER = (RecipeCheckError, RunLocked, CheckpointCorrupt, ResumeRefused, NonFiniteTraining, Preempted,
+                    CheckpointSaveFailed, ExportWriteFailed)
 # padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
 # batch. Counted from the loop's batches, unless the engine's train_step returns this key: the positions it ran
 TOKENS_RUN = "tokens_run"
@@ -131,6 +134,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
                               Path(recipe.train.out_dir) / "checkpoints", EXIT_STALLED, before_exit=lock.release)
     # torchrun's agent gone (it hosts the store): stop at the next step, saved (recipes.reliability.launcher_watch)
     launcher = watch_launcher(lambda reason: (preemption.ask(reason), watchdog.abandon()), runtime.rank)
+    early = ""  # how this rank left before the run finished, on its own (the watchdog's closing beat says it)
     try:
         # ---- reliability: static checks before anything is built or written (recipes.checks.preflight),
         # then one run per out_dir (recipes.reliability.run_lock) ----
@@ -157,13 +161,28 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         torch.manual_seed(recipe.train.seed)
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption, plan)
+    except STOPPED_TOGETHER:  # every rank raises it together: nobody left early
+        raise
+    except BaseException as err:  # this rank leaves on its own: the others name it (watchdog, "left")
+        if type(err) is RuntimeError or isinstance(err, torch.distributed.DistError):
+            watchdog.peer_lost()  # a collective failed: a rank that left or is gone is named, exit 4
+        early = _how_it_ended(err)
+        raise
     finally:
         if launcher is not None:
             launcher.close()
-        watchdog.close()
+        watchdog.close(early)
         lock.release()
         teardown(engine)
         preemption.close()  # last: a signal repeated while the ranks shut down is still the same request
+
+
+def _how_it_ended(err: BaseException) -> str:
+    """A rank's early end in words, for the others' watchdog line."""
+    if isinstance(err, SystemExit):
+        return f"it exited with status {err.code if err.code is not None else 0} (SystemExit)"
+    said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{type(err).__name__}{': ' + said if said else ''}"
 
 
 def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
