@@ -48,6 +48,7 @@ its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -321,6 +322,13 @@ def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset
         hooks.on_checkpoint(step, path)
 
 
+def _say(err: BaseException | str, every_rank: bool = False) -> None:
+    """A refusal or stop in one line on stderr: a refusal every rank finds alike (the recipe, its checks, the
+    checkpoint) once, on rank 0 (under torchrun N copies of it would bury it); the rest on every rank."""
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -329,25 +337,28 @@ def main(argv: list[str] | None = None) -> None:
     try:
         recipe = load_recipe(argv[0], argv[1:])
     except (ValueError, FileNotFoundError) as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err)
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RecipeCheckError, RunLocked, CheckpointCorrupt, DataError, ResumeRefused) as err:  # refused: the run cannot go on
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+    except (RunLocked, DataError) as err:  # refused on the rank that found it
+        _say(err, every_rank=True)
+        sys.exit(EXIT_REFUSED)
+    except (RecipeCheckError, CheckpointCorrupt, ResumeRefused) as err:  # refused: the run cannot go on
+        _say(err)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err, every_rank=True)
         sys.exit(EXIT_NONFINITE)
-    except Preempted as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+    except Preempted as err:  # each rank says what it was asked by
+        _say(err, every_rank=True)
         sys.exit(EXIT_PREEMPTED)
     except CheckpointSaveFailed as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err, every_rank=True)
         sys.exit(EXIT_SAVE_FAILED)
     except ExportWriteFailed as err:  # the checkpoint it exports is committed: the next start exports it again
-        print(f"[numloss] {err}. The checkpoint of the last step is saved: free space and run the same command "
-              f"to write the export again", file=sys.stderr, flush=True)
+        _say(f"{err}. The checkpoint of the last step is saved: free space and run the same command to write the "
+             f"export again", every_rank=True)
         sys.exit(EXIT_SAVE_FAILED)
     finally:
         ignore_stop_signals()  # the run has ended: a repeated SIGTERM while it exits would only make its status -15

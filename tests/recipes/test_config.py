@@ -173,7 +173,7 @@ def test_non_finite_and_negative_settings_do_not_load(demo_on_test_data, overrid
     ("loss.objective={terms: {smmd: {sigmas: [1.0e-50]}}}", 1e-50,
      "loss.objective.terms.smmd.sigmas: every entry must be a finite float32 number > 0"),
 ])
-def test_numbers_are_checked_in_the_float32_they_train_in(tmp_path, capsys, override, value, said):
+def test_numbers_are_checked_in_the_float32_they_train_in(tmp_path, capsys, monkeypatch, override, value, said):
     """Finite in float64 but inf (or 0) in float32, the dtype of the losses and the optimizer's state under
     either model.dtype: refused when `python -m recipes.train` loads the recipe (exit 2), in one line naming
     the key; the boundary, float32's largest number, loads."""
@@ -188,6 +188,10 @@ def test_numbers_are_checked_in_the_float32_they_train_in(tmp_path, capsys, over
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith(f"[numloss] recipe {recipe}: {said}") and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "1")  # under torchrun: rank 0 alone says it (N copies would bury it), every rank exits 2
+    with pytest.raises(SystemExit) as stop:
+        train_main([str(recipe), f"train.out_dir={tmp_path / 'run'}", override])
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
     largest = torch.finfo(torch.float32).max
     assert recipe_from_dict(RECIPE, [f"optim.lr={largest!r}", f"optim.grad_clip={largest!r}"]).optim.lr == largest
 
