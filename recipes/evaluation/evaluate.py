@@ -28,7 +28,8 @@ What it does, and the decisions behind it (docs/evaluation.md):
   minutes; mae is the same circular gap, r2 is not reported). Rows whose answer is not one number (a
   DeepMind-Math surd "-14 + 4*sqrt(7)" or base-16 numeral "-191b", a ChartQA text answer) are scored by
   exact match of the generated text against `answer_text` (whitespace around it aside) and count in
-  exact_match, not in parse_rate, MAE or R². The metrics say how many rows each used: n_numeric
+  exact_match, not in parse_rate, MAE or R²; `exact_match_95ci` is its 95% Wilson interval over those
+  rows (`recipes.evaluation.stats`). The metrics say how many rows each used: n_numeric
   (parse_rate), n_text, n_exact_match, n_mae_r2 (time: n_time_gap). `relaxed_accuracy` (ChartQA's metric: a
   number within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
@@ -62,6 +63,7 @@ from .data_parallel import ProcessGroup, Ranks, device_of, ranks_from_env, share
 from .exported import ModelRefused, export_of
 from .generation import IGNORE_INDEX, GenerationSettings, generate_texts, load_model, settings_for, task_kinds
 from .placement import Placement, place_here
+from .stats import wilson_interval
 
 ANSWER_FORMATS = ("number", "time")
 
@@ -162,6 +164,9 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
                   "n_mae_r2"):
             out[k] = s[k] if k.startswith("n_") else _finite(s[k])
     out["relaxed_accuracy"] = sum(e["relaxed"] for e in examples) / len(examples) if examples else None
+    if out.get("exact_match") is not None and out.get("n_exact_match"):  # its 95% Wilson interval over those rows
+        out["exact_match_95ci"] = list(wilson_interval(sum(e.get("correct") is True for e in examples),
+                                                       out["n_exact_match"]))
     return out, examples
 
 
