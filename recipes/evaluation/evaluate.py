@@ -1,7 +1,7 @@
 """Evaluate a trained model on data_prep shards: greedy answers, read with data_prep.answers and scored with
 recipes.evaluation.metrics.
 
-    python -m recipes.evaluate --model runs/demo/final --data runs/demo/data/test --out results.json
+    python -m recipes.evaluate --model runs/demo/final --data runs/demo/data/test   # runs/demo/final/eval_results.json
     python -m recipes.evaluate --model DIR --data DIR --answer-format time --limit 500 --name ce
     torchrun --nproc_per_node 8 -m recipes.evaluate --model DIR --data DIR --backend hf   # data-parallel
     python -m recipes.evaluate harness --model DIR --tasks gsm8k    # lm-evaluation-harness (recipes.evaluation.harness)
@@ -296,7 +296,8 @@ def _generate_hf(gen: Callable[..., list[str]], model, tokenizer, processor, row
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluate", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluate",
+                                description=" ".join(__doc__.split("\n\n")[0].split()),  # the first paragraph
                                 epilog="`python -m recipes.evaluate table RESULTS.json ...` prints a "
                                        "Markdown table of several runs (recipes.evaluation.report); "
                                        "`python -m recipes.evaluate harness ...` runs lm-evaluation-harness tasks.")

@@ -3,14 +3,18 @@ results written in numloss's results format so they sit in the same tables as nu
 
     python -m recipes.evaluate harness --model runs/llama8b-smmd/final --tasks gsm8k,gsm8k_cot --name smmd
     python -m recipes.evaluate harness --model DIR --tasks my_task --include-path tasks/   # local task YAMLs
-    python -m recipes.evaluate table runs/*/eval_results.json runs/*/harness_results.json  # one row per run
+    python -m recipes.evaluate table runs/*/final/eval_results.json runs/*/final/harness_results.json  # one row per run
 
 - Backend: lm-eval's vLLM backend where vllm imports (`--backend auto`), tensor-parallel over the GPUs that
   `recipes.evaluation.placement` gives the export (a 70B bf16 export on 80 GiB GPUs: 4), else its Hugging Face
   backend (`parallelize=True`, layers spread over the GPUs, when the export needs more than one). The same
   call runs the standard tasks on a cluster and a local task (JSONL files + a task YAML) offline.
 - Tasks run as lm-eval defines them (prompt, few-shot, stop sequences, filters, metrics), so the numbers are
-  the published kind. lm-eval's version, the backend and its arguments, and each task's version, shots,
+  the published kind. A local task's prompt is what its YAML's `doc_to_text` writes, not data_prep's
+  template: no BOS, no plain separator, no chat template unless `--apply-chat-template`; a model trained
+  on data_prep's rows may answer it differently from `python -m recipes.evaluate` on the same problems
+  (that one scores the rows' own prompt tokens). To compare the two, write the YAML's `doc_to_text` as the
+  build's template writes the prompt. lm-eval's version, the backend and its arguments, and each task's version, shots,
   sample count and whole config (with its sha256) are recorded beside the metrics.
 - Metrics: "<task> <metric>" (filter "none") or "<task> <metric> (<filter>)", e.g. "gsm8k exact_match
   (strict-match)"; stderr beside them under "harness". For generated-answer tasks numloss also reads each
@@ -175,14 +179,17 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluate harness", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluate harness",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph, whole
     p.add_argument("--model", required=True, help="a model directory (e.g. <train.out_dir>/final)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. gsm8k,minerva_math)")
     p.add_argument("--out", default=None, help="results JSON (default: <model>/harness_results.json)")
     p.add_argument("--name", default=None, help="run name in tables (default: the model's parent dir)")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                    help="auto: lm-eval's vLLM backend where vllm imports, else its HF backend")
-    p.add_argument("--include-path", default=None, help="a folder of task YAMLs (local tasks)")
+    p.add_argument("--include-path", default=None,
+                   help="a folder of task YAMLs (local tasks); their prompts are what each YAML's doc_to_text "
+                        "writes, not data_prep's template (no BOS or plain separator): see the module docs")
     p.add_argument("--num-fewshot", type=int, default=None, help="default: each task's own")
     p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     p.add_argument("--batch-size", default="8")

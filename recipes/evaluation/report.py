@@ -251,7 +251,8 @@ def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluation.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluation.report",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph, whole
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table", help="Markdown table of results JSON files (one row per run)")
     t.add_argument("results", nargs="+")
