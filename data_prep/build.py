@@ -43,7 +43,8 @@ from . import shards as S
 from .pack import pack_table
 from .stats import merge_stats, token_stats
 from .sources import SourceConfig, make_source
-from .tokenize import IGNORE_INDEX, Encoder, TokenizeConfig, tokenizer_problem
+from .tokenize import IGNORE_INDEX, Encoder, TokenizeConfig
+from .tokenizer_check import tokenizer_problem
 from .workers import DEFAULT_STALL_TIMEOUT, Stalled, start_encoding
 
 
