@@ -341,10 +341,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RunLocked, DataError) as err:  # refused on the rank that found it
+    except DataError as err:  # bad data, refused on the rank that read it
         _say(err, every_rank=True)
         sys.exit(EXIT_REFUSED)
-    except (RecipeCheckError, CheckpointCorrupt, ResumeRefused) as err:  # refused: the run cannot go on
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt, ResumeRefused) as err:  # refused alike on every rank
         _say(err)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:

@@ -148,8 +148,8 @@ class Stall:
                     f"{'trains' if len(self.waiting) == 1 else 'train'} on")
         elif self.kind == "gone":
             what = (f"is gone: its process ended at step {b.step} in {b.phase} (its last heartbeat) without leaving "
-                    f"the run (killed, or "
-                    f"os._exit), while {_ranks(self.waiting)} {'trains' if len(self.waiting) == 1 else 'train'} on")
+                    f"the run (killed, or os._exit), while {_ranks(self.waiting)} "
+                    f"{'trains' if len(self.waiting) == 1 else 'train'} on")
         else:
             what = (f"has made no progress for {self.seconds:.1f} s (train.watchdog_s {watchdog_s:g}) in {b.phase} of "
                     f"step {b.step}, while {_ranks(self.waiting)} further on {'waits' if len(self.waiting) == 1 else 'wait'}"
