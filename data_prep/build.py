@@ -44,6 +44,7 @@ from .pack import pack_table
 from .stats import merge_stats, token_stats
 from .sources import SourceConfig, make_source
 from .tokenize import IGNORE_INDEX, Encoder, TokenizeConfig
+from .tokenizer_check import tokenizer_problem
 from .workers import DEFAULT_STALL_TIMEOUT, Stalled, start_encoding
 
 
@@ -212,6 +213,12 @@ class Builder:
                 return done  # already built: nothing to do
             raise FileExistsError(f"{self.out_dir} holds a finished build of a different config/input; "
                                   "pass overwrite=True (--overwrite) to replace it")
+        # what is cheap to know first: the input files are there, the tokenizer can be reached from here
+        for source in self.sources:
+            source.check_input()
+        problem = tokenizer_problem(self.cfg.tokenize.tokenizer, self.cfg.tokenize.revision)
+        if problem:
+            raise ValueError(problem)
         # The workers start now and load the tokenizer while this process hashes the input.
         with start_encoding(self.cfg.sources, self.cfg.tokenize, self.workers, self.start_method,
                             self.stall_timeout) as encoding:

@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from numloss import ObjectiveConfig
+from numloss.losses.options import float32_problem
 from numloss.objective import ObjectiveConfigError
 
 from .engines import ENGINES, engine_contract
@@ -346,8 +347,8 @@ class Recipe:
             if value < 1:
                 raise ValueError(f"{key}: must be >= 1, got {value}")
         aux = self.loss.router_aux_coeff
-        if aux is not None and not (math.isfinite(aux) and aux >= 0):
-            raise ValueError(f"loss.router_aux_coeff: must be a finite number >= 0 (0: off, null: the model's"
+        if aux is not None and not (math.isfinite(aux) and aux >= 0 and float32_problem(aux) is None):
+            raise ValueError(f"loss.router_aux_coeff: must be a finite float32 number >= 0 (0: off, null: the model's"
                              f" router_aux_loss_coef), got {aux}")
         if self.train.grad_diagnostics_every is not None and self.train.grad_diagnostics_every < 0:
             raise ValueError(f"train.grad_diagnostics_every: must be >= 0 (0: off), got {self.train.grad_diagnostics_every}")
@@ -361,6 +362,11 @@ class Recipe:
                 raise ValueError(f"{key}: must be a finite number, got {value}")
             if value < 0:
                 raise ValueError(f"{key}: must be >= 0, got {value}")
+            # the optimizer's state and master weights are float32 under either model.dtype: a value finite
+            # in float64 can be inf there (optim.lr 1e40), or 0 (optim.eps 1e-50: a division by zero)
+            in_float32 = float32_problem(value, strict_positive=key == "optim.eps")
+            if in_float32:
+                raise ValueError(f"{key}: {in_float32}")
         if o.eps <= 0:
             raise ValueError(f"optim.eps: must be > 0, got {o.eps}")
         if o.min_lr_ratio > 1:

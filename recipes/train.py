@@ -48,6 +48,7 @@ its shared parts are in `recipes.training`, the engines in `recipes.engines`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ from .engines.runtime import build_engine
 from .inputs.batches import model_inputs
 from .checks.preflight import RecipeCheckError, preflight
 from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
-from .reliability.export_writer import export_record
+from .reliability.export_writer import ExportWriteFailed, export_record
 from .training.diagnostics import diagnosed, finish_row, logged
 from .training.engine import Engine
 from .training.held_out import HeldOut
@@ -86,8 +87,12 @@ from .reliability.watchdog import mark_phase, start_watchdog
 EXIT_REFUSED = 2  # refused: a recipe, data, run-directory or checkpoint check failed (before training; bad data when read)
 EXIT_NONFINITE = 3  # stopped: NaN/inf loss, gradient norm or weights; nothing saved after the last good checkpoint
 EXIT_STALLED = 4  # the watchdog named a rank that stopped answering and ended the job; the last checkpoint is intact
-EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written on some rank; `latest` names the previous one
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint or the export could not be written on some rank; `latest` names the
+# previous checkpoint (a failed checkpoint) or the one the export was written from; `final/` is as it was
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGUSR1/PREEMPT: the current step finished and saved; run it again
+# raised on every rank together (their collectives agreed on it): a rank that raises one did not leave on its own
+STOPPED_TOGETHER = (RecipeCheckError, RunLocked, CheckpointCorrupt, ResumeRefused, NonFiniteTraining, Preempted,
+                    CheckpointSaveFailed, ExportWriteFailed)
 # padding_ratio in metrics.jsonl: token positions the model ran (padding included) / real tokens, over the global
 # batch. Counted from the loop's batches, unless the engine's train_step returns this key: the positions it ran
 TOKENS_RUN = "tokens_run"
@@ -130,6 +135,7 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
                               Path(recipe.train.out_dir) / "checkpoints", EXIT_STALLED, before_exit=lock.release)
     # torchrun's agent gone (it hosts the store): stop at the next step, saved (recipes.reliability.launcher_watch)
     launcher = watch_launcher(lambda reason: (preemption.ask(reason), watchdog.abandon()), runtime.rank)
+    early = ""  # how this rank left before the run finished, on its own (the watchdog's closing beat says it)
     try:
         # ---- reliability: static checks before anything is built or written (recipes.checks.preflight),
         # then one run per out_dir (recipes.reliability.run_lock) ----
@@ -156,13 +162,28 @@ def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
         torch.manual_seed(recipe.train.seed)
         engine = build_engine(recipe, runtime, dirs)
         return _train(recipe, runtime, engine, dirs, hooks or Hooks(), preemption, plan)
+    except STOPPED_TOGETHER:  # every rank raises it together: nobody left early
+        raise
+    except BaseException as err:  # this rank leaves on its own: the others name it (watchdog, "left")
+        if type(err) is RuntimeError or isinstance(err, torch.distributed.DistError):
+            watchdog.peer_lost()  # a collective failed: a rank that left or is gone is named, exit 4
+        early = _how_it_ended(err)
+        raise
     finally:
         if launcher is not None:
             launcher.close()
-        watchdog.close()
+        watchdog.close(early)
         lock.release()
         teardown(engine)
         preemption.close()  # last: a signal repeated while the ranks shut down is still the same request
+
+
+def _how_it_ended(err: BaseException) -> str:
+    """A rank's early end in words, for the others' watchdog line."""
+    if isinstance(err, SystemExit):
+        return f"it exited with status {err.code if err.code is not None else 0} (SystemExit)"
+    said = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    return f"{type(err).__name__}{': ' + said if said else ''}"
 
 
 def _train(recipe: Recipe, runtime: Runtime, engine: Engine, dirs: CheckpointDirs, hooks: Hooks,
@@ -301,6 +322,13 @@ def _save(dirs: CheckpointDirs, engine: Engine, step: int, dataset: ShardDataset
         hooks.on_checkpoint(step, path)
 
 
+def _say(err: BaseException | str, every_rank: bool = False) -> None:
+    """A refusal or stop in one line on stderr: a refusal every rank finds alike (the recipe, its checks, the
+    checkpoint) once, on rank 0 (under torchrun N copies of it would bury it); the rest on every rank."""
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -309,21 +337,28 @@ def main(argv: list[str] | None = None) -> None:
     try:
         recipe = load_recipe(argv[0], argv[1:])
     except (ValueError, FileNotFoundError) as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err)
         sys.exit(EXIT_REFUSED)
     try:
         last = train(recipe)
-    except (RecipeCheckError, RunLocked, CheckpointCorrupt, DataError, ResumeRefused) as err:  # refused: the run cannot go on
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+    except DataError as err:  # bad data, refused on the rank that read it
+        _say(err, every_rank=True)
+        sys.exit(EXIT_REFUSED)
+    except (RecipeCheckError, RunLocked, CheckpointCorrupt, ResumeRefused) as err:  # refused alike on every rank
+        _say(err)
         sys.exit(EXIT_REFUSED)
     except NonFiniteTraining as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err, every_rank=True)
         sys.exit(EXIT_NONFINITE)
-    except Preempted as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+    except Preempted as err:  # each rank says what it was asked by
+        _say(err, every_rank=True)
         sys.exit(EXIT_PREEMPTED)
     except CheckpointSaveFailed as err:
-        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        _say(err, every_rank=True)
+        sys.exit(EXIT_SAVE_FAILED)
+    except ExportWriteFailed as err:  # the checkpoint it exports is committed: the next start exports it again
+        _say(f"{err}. The checkpoint of the last step is saved: free space and run the same command to write the "
+             f"export again", every_rank=True)
         sys.exit(EXIT_SAVE_FAILED)
     finally:
         ignore_stop_signals()  # the run has ended: a repeated SIGTERM while it exits would only make its status -15

@@ -5,6 +5,7 @@ seconds; it trains, and the objective it prints goes down."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -91,3 +92,44 @@ def test_license_and_citation():
     readme = (ROOT / "README.md").read_text()
     for ref in citation["references"]:  # every paper the citation names is linked from the README's table
         assert ref["url"] in readme, ref["url"]
+
+
+def starter_block() -> list[str]:
+    """The commands of the README's CPU starter: the first bash block of its "Recipes" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Recipes", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```bash\n(.*?)```", section, flags=re.S)[0]
+    return [line.split("  #", 1)[0].strip() for line in block.strip().splitlines()]
+
+
+def test_the_readme_cpu_starter_runs_as_written_with_no_hub(tmp_path):
+    """Every command of the starter, in a fresh directory beside a link to the checkout's recipes/ (so
+    runs/ lands there), with the Hub unreachable (HF_HUB_OFFLINE) and no cache: the tokenizer, both
+    builds, the training (20 of its steps here: `train.steps=20 train.save_every=10` appended, the rest as
+    written), the evaluation of its export and the table with the interval."""
+    commands = starter_block()
+    assert [c.split()[:3] for c in commands] == [["python", "-m", "recipes.experiments.tiny"],
+                                                 ["python", "-m", "data_prep"], ["python", "-m", "data_prep"],
+                                                 ["python", "-m", "recipes.train"], ["python", "-m", "recipes.evaluate"],
+                                                 ["python", "-m", "recipes.evaluate"]], commands
+    (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2",
+           "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "no-cache"), "TRANSFORMERS_VERBOSITY": "error"}
+    outputs = []
+    for command in commands:
+        argv = [sys.executable, *command.split()[1:]]
+        if "recipes.train" in command:
+            argv += ["train.steps=20", "train.save_every=10"]
+        run = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+        assert run.returncode == 0, (command, run.stdout[-2000:], run.stderr[-3000:])
+        outputs.append(run.stdout)
+    final = tmp_path / "runs" / "starter" / "final"
+    results = json.loads((final / "eval_results.json").read_text())
+    assert results["export"]["step"] == 20 and results["metrics"]["n"] == 100
+    low, high = results["metrics"]["exact_match_95ci"]
+    assert 0 <= low <= results["metrics"]["exact_match"] <= high <= 1
+    table = outputs[-1].strip().splitlines()
+    assert "exact match [95% CI]" in table[0] and table[2].startswith("| starter |"), table
+    train_out = outputs[3]
+    assert "predicted on the recipe's GPUs (" in train_out  # one short line, not the plan's assumptions
+    assert max(len(line) for line in train_out.splitlines() if line.startswith("[numloss] predicted")) < 200

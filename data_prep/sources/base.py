@@ -119,6 +119,12 @@ class Source:
                 return
             yield item
 
+    def check_input(self) -> None:
+        """Raise FileNotFoundError when the source's local input is missing (a listing, no hashing): before
+        a build starts its workers and fetches the tokenizer."""
+        if self.cfg.path and not self.cfg.hub:
+            resolve_files(self.cfg.path)
+
     def _iter_raw(self) -> Iterator[tuple[str, Any]]:
         if self.cfg.hub:
             yield from iter_hub(self.cfg)

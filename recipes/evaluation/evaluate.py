@@ -1,7 +1,7 @@
 """Evaluate a trained model on data_prep shards: greedy answers, read with data_prep.answers and scored with
 recipes.evaluation.metrics.
 
-    python -m recipes.evaluate --model runs/demo/final --data runs/demo/data/test --out results.json
+    python -m recipes.evaluate --model runs/demo/final --data runs/demo/data/test   # runs/demo/final/eval_results.json
     python -m recipes.evaluate --model DIR --data DIR --answer-format time --limit 500 --name ce
     torchrun --nproc_per_node 8 -m recipes.evaluate --model DIR --data DIR --backend hf   # data-parallel
     python -m recipes.evaluate harness --model DIR --tasks gsm8k    # lm-evaluation-harness (recipes.evaluation.harness)
@@ -28,15 +28,18 @@ What it does, and the decisions behind it (docs/evaluation.md):
   minutes; mae is the same circular gap, r2 is not reported). Rows whose answer is not one number (a
   DeepMind-Math surd "-14 + 4*sqrt(7)" or base-16 numeral "-191b", a ChartQA text answer) are scored by
   exact match of the generated text against `answer_text` (whitespace around it aside) and count in
-  exact_match, not in parse_rate, MAE or R². The metrics say how many rows each used: n_numeric
+  exact_match, not in parse_rate, MAE or R²; `exact_match_95ci` is its 95% Wilson interval over those
+  rows (`recipes.evaluation.stats`). The metrics say how many rows each used: n_numeric
   (parse_rate), n_text, n_exact_match, n_mae_r2 (time: n_time_gap). `relaxed_accuracy` (ChartQA's metric: a
   number within 5% relative, else a case-insensitive string match against `answer_text`) is over all rows.
 - Vision: when the shards carry images (or `vision=True`), the model is loaded with
   AutoModelForImageTextToText and its AutoProcessor, and the inputs are built by
   `recipes.inputs.vision.vision_inputs`, the same function training uses (so the prompt is token for token
   the trained one): the image placeholder goes in front of the user turn and the processor expands it.
-- The results file holds the metrics, the settings (backend, placement, stop strings, length), and one
-  record per example (id, prompt length, generated text, parsed value, target, whether it matched).
+- The results file holds the metrics, the step scored (`export`: from `final/`'s record; a missing
+  `final/` is refused, exit 2, one older than its run's last step scored with a warning:
+  `recipes.evaluation.exported`), the settings (backend, placement, stop strings, length), and one record
+  per example (id, prompt length, generated text, parsed value, target, whether it matched).
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ from recipes.config import EVAL_BACKENDS
 from . import metrics as M
 from . import vllm_generation
 from .data_parallel import ProcessGroup, Ranks, device_of, ranks_from_env, share
+from .exported import ModelRefused, export_of
 from .generation import IGNORE_INDEX, GenerationSettings, generate_texts, load_model, settings_for, task_kinds
 from .placement import Placement, place_here
+from .stats import wilson_interval
 
 ANSWER_FORMATS = ("number", "time")
 
@@ -159,6 +164,9 @@ def score(predictions: Sequence[str], rows: Sequence[dict], answer_format: str =
                   "n_mae_r2"):
             out[k] = s[k] if k.startswith("n_") else _finite(s[k])
     out["relaxed_accuracy"] = sum(e["relaxed"] for e in examples) / len(examples) if examples else None
+    if out.get("exact_match") is not None and out.get("n_exact_match"):  # its 95% Wilson interval over those rows
+        out["exact_match_95ci"] = list(wilson_interval(sum(e.get("correct") is True for e in examples),
+                                                       out["n_exact_match"]))
     return out, examples
 
 
@@ -203,6 +211,9 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"answer_format: {answer_format!r} is not one of {list(ANSWER_FORMATS)}")
     t0 = time.time()
+    export, stale = (None, None) if model_and_tokenizer is not None or generate is not None else export_of(model_dir)
+    if stale and ranks_from_env().is_main:
+        print(f"[numloss] warning: {stale}", file=sys.stderr, flush=True)
     rows = load_rows(data_dir, limit)
     if not rows:
         raise ValueError(f"{data_dir}: no rows to evaluate")
@@ -243,6 +254,7 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     results = {
         "name": name or Path(str(model_dir)).resolve().parent.name or str(model_dir),
         "model": str(model_dir),
+        "export": export,  # the step scored, from final/'s record (recipes.evaluation.exported); None: no record
         "data": str(data_dir),
         "settings": {**settings.to_dict(), "answer_format": answer_format, "limit": limit, "vision": bool(vision),
                      "backend": chosen, "tasks": kinds, "data_parallel_ranks": ranks.world,
@@ -284,7 +296,8 @@ def _generate_hf(gen: Callable[..., list[str]], model, tokenizer, processor, row
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluate", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluate",
+                                description=" ".join(__doc__.split("\n\n")[0].split()),  # the first paragraph
                                 epilog="`python -m recipes.evaluate table RESULTS.json ...` prints a "
                                        "Markdown table of several runs (recipes.evaluation.report); "
                                        "`python -m recipes.evaluate harness ...` runs lm-evaluation-harness tasks.")
@@ -315,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     out = a.out or os.path.join(a.model, "eval_results.json")
     vision = {"auto": None, "yes": True, "no": False}[a.vision]
+    try:
+        export_of(a.model)  # a missing final/ is refused before anything is read
+    except ModelRefused as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        return 2
     res = evaluate(a.model, a.data, out=out, batch_size=a.batch_size, max_new_tokens=a.max_new_tokens,
                    answer_format=a.answer_format, limit=a.limit, name=a.name, vision=vision,
                    device=a.device, dtype=a.dtype, device_map=a.device_map,

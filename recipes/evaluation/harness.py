@@ -3,14 +3,18 @@ results written in numloss's results format so they sit in the same tables as nu
 
     python -m recipes.evaluate harness --model runs/llama8b-smmd/final --tasks gsm8k,gsm8k_cot --name smmd
     python -m recipes.evaluate harness --model DIR --tasks my_task --include-path tasks/   # local task YAMLs
-    python -m recipes.evaluate table runs/*/eval_results.json runs/*/harness_results.json  # one row per run
+    python -m recipes.evaluate table runs/*/final/eval_results.json runs/*/final/harness_results.json  # one row per run
 
 - Backend: lm-eval's vLLM backend where vllm imports (`--backend auto`), tensor-parallel over the GPUs that
   `recipes.evaluation.placement` gives the export (a 70B bf16 export on 80 GiB GPUs: 4), else its Hugging Face
   backend (`parallelize=True`, layers spread over the GPUs, when the export needs more than one). The same
   call runs the standard tasks on a cluster and a local task (JSONL files + a task YAML) offline.
 - Tasks run as lm-eval defines them (prompt, few-shot, stop sequences, filters, metrics), so the numbers are
-  the published kind. lm-eval's version, the backend and its arguments, and each task's version, shots,
+  the published kind. A local task's prompt is what its YAML's `doc_to_text` writes, not data_prep's
+  template: no BOS, no plain separator, no chat template unless `--apply-chat-template`; a model trained
+  on data_prep's rows may answer it differently from `python -m recipes.evaluate` on the same problems
+  (that one scores the rows' own prompt tokens). To compare the two, write the YAML's `doc_to_text` as the
+  build's template writes the prompt. lm-eval's version, the backend and its arguments, and each task's version, shots,
   sample count and whole config (with its sha256) are recorded beside the metrics.
 - Metrics: "<task> <metric>" (filter "none") or "<task> <metric> (<filter>)", e.g. "gsm8k exact_match
   (strict-match)"; stderr beside them under "harness". For generated-answer tasks numloss also reads each
@@ -32,6 +36,7 @@ from typing import Any, Sequence
 
 from data_prep.answers import parse_answer
 
+from .exported import ModelRefused, export_of
 from .placement import Placement, place_here
 from .vllm_generation import vllm_importable
 
@@ -142,6 +147,9 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
     chosen = ("vllm" if vllm_importable() else "hf") if backend == "auto" else backend
     if chosen == "vllm" and not vllm_importable():
         raise ValueError("harness backend vllm: `import vllm` fails here; install vllm or use --backend hf")
+    export, stale = export_of(model_dir)  # the step scored (recipes.evaluation.exported)
+    if stale:
+        print(f"[numloss] warning: {stale}", file=sys.stderr, flush=True)
     placement = placement or place_here(model_dir)
     manager = _task_manager(TaskManager, tasks, include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
@@ -162,6 +170,7 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
                 "placement": placement.to_dict()}
     results = to_results(raw, model_dir, name or Path(str(model_dir)).resolve().parent.name or str(model_dir),
                          chosen, settings)
+    results["export"] = export
     results["seconds"] = round(time.time() - t0, 3)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -170,14 +179,17 @@ def run_harness(model_dir: str, tasks: Sequence[str], out: str | None = None, na
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluate harness", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluate harness",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph, whole
     p.add_argument("--model", required=True, help="a model directory (e.g. <train.out_dir>/final)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (e.g. gsm8k,minerva_math)")
     p.add_argument("--out", default=None, help="results JSON (default: <model>/harness_results.json)")
     p.add_argument("--name", default=None, help="run name in tables (default: the model's parent dir)")
     p.add_argument("--backend", choices=("auto", *BACKENDS), default="auto",
                    help="auto: lm-eval's vLLM backend where vllm imports, else its HF backend")
-    p.add_argument("--include-path", default=None, help="a folder of task YAMLs (local tasks)")
+    p.add_argument("--include-path", default=None,
+                   help="a folder of task YAMLs (local tasks); their prompts are what each YAML's doc_to_text "
+                        "writes, not data_prep's template (no BOS or plain separator): see the module docs")
     p.add_argument("--num-fewshot", type=int, default=None, help="default: each task's own")
     p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     p.add_argument("--batch-size", default="8")
@@ -195,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     limit = None if a.limit is None else (int(a.limit) if a.limit >= 1 else a.limit)
     batch = int(a.batch_size) if a.batch_size.isdigit() else a.batch_size
     out = a.out or str(Path(a.model) / "harness_results.json")
+    try:
+        export_of(a.model)  # a missing final/ is refused before lm-eval starts
+    except ModelRefused as err:
+        print(f"[numloss] {err}", file=sys.stderr, flush=True)
+        return 2
     res = run_harness(a.model, tasks, out=out, name=a.name, backend=a.backend, include_path=a.include_path,
                       num_fewshot=a.num_fewshot, limit=limit, batch_size=batch, device=a.device, dtype=a.dtype,
                       gen_kwargs=a.gen_kwargs, apply_chat_template=a.apply_chat_template,

@@ -48,7 +48,7 @@ TABLE_COLUMNS = [
     ("n_time_gap", "n gap"),
     ("relaxed_accuracy", "relaxed acc."),
 ]
-_SKIP = {"n_text"}  # in n_exact_match
+_SKIP = {"n_text", "exact_match_95ci"}  # in n_exact_match; in exact match's cell with --interval
 
 
 # ---- table --------------------------------------------------------------------------------------------
@@ -129,7 +129,8 @@ def markdown_table(results: Sequence[dict], interval: bool = False) -> str:
             cell = _fmt(m.get(k))
             scored = m.get("n_exact_match", m.get("n_numeric"))  # older results: numeric rows only
             if interval and k == "exact_match" and m.get(k) is not None and scored:
-                low, high = wilson_interval(round(m[k] * scored), scored)
+                # the results' own interval; results written before they carried one: from the share and count
+                low, high = m.get("exact_match_95ci") or wilson_interval(round(m[k] * scored), scored)
                 cell += f" [{low:.3f}, {high:.3f}]"
             cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -250,11 +251,14 @@ def plot_curves(runs: dict[str, list[dict]], out: str, keys: Sequence[str] | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m recipes.evaluation.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m recipes.evaluation.report",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))  # the first paragraph, whole
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("table", help="Markdown table of results JSON files (one row per run)")
     t.add_argument("results", nargs="+")
     t.add_argument("--out", default=None, help="write here instead of stdout")
+    t.add_argument("--interval", action="store_true",
+                   help="exact match with its 95%% Wilson interval, [low, high], over the rows it was scored on")
     c = sub.add_parser("curves", help="training curves from metrics.jsonl files")
     c.add_argument("runs", nargs="+", help="[NAME=]metrics.jsonl")
     c.add_argument("--out", required=True)
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--json", default=None, help="also write the probe matrices here")
     a = p.parse_args(argv)
     if a.cmd == "table":
-        text = markdown_table(load_results(a.results))
+        text = markdown_table(load_results(a.results), interval=a.interval)
         if a.out:
             Path(a.out).write_text(text)
         else:

@@ -1,10 +1,18 @@
 """Small offline stand-ins for what a real run downloads: a tokenizer trained on the fly, a tiny
 Llama config, and a tiny LLaVA (processor + config) for the vision-language path.
 Used by the CPU demo, the study and the tests; a real recipe names a hub model instead.
+
+    python -m recipes.experiments.tiny FILE... --out DIR [--style digits|groups3]
+
+trains a tokenizer on the text of FILEs (every digit its own token, or Llama-3-style groups of up to
+three) and saves it into DIR, a local tokenizer directory for `data_prep build --tokenizer DIR` and a
+recipe's `model.tokenizer`: the README's CPU starter makes its tokenizer this way, with no Hub.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from data_prep.sources.arithmetic_gen import generate
@@ -137,3 +145,24 @@ def build_jsonl_shards(jsonl: str | Path, tokenizer_dir: str | Path, out_dir: st
 
     return build_plain_shards(SourceConfig(kind="generic", path=str(jsonl)), tokenizer_dir, out_dir,
                               numeric_policy=numeric_policy, **template)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m recipes.experiments.tiny",
+                                description="Train a small local tokenizer on text files (no Hub).")
+    p.add_argument("files", nargs="+", help="text or JSONL files whose text it is trained on")
+    p.add_argument("--out", required=True, help="the tokenizer directory to write")
+    p.add_argument("--style", choices=("digits", "groups3"), default="digits",
+                   help="digits: every digit its own token; groups3: groups of up to three digits (Llama-3-style)")
+    a = p.parse_args(argv)
+    missing = [f for f in a.files if not Path(f).is_file()]
+    if missing:
+        print(f"no such file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    tok = train_tokenizer([Path(f).read_text() for f in a.files], a.out, style=a.style)
+    print(f"wrote {a.out}: {len(tok)} tokens ({a.style})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

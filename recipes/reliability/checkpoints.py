@@ -34,7 +34,7 @@ previous checkpoint, and `python -m recipes.train` exits 74.
 Verified: at resume the checkpoint `latest` names is checked as at save before anything loads it: a
 missing, truncated or changed file is reported by name, and the run falls back to the newest older step
 directory that is complete and intact, with a warning (the corrupt ones are renamed `corrupt_<tag>` and
-`latest` rewritten); with `train.resume_fallback: false` it refuses instead and says how to fall back.
+`latest` rewritten; a step directory `latest` names that is gone is said to be missing in that one line); with `train.resume_fallback: false` it refuses instead and says how to fall back.
 Checkpoints saved before verification (no `checkpoint.json`) load unchecked when `latest` names them.
 The per-rank state files hold plain data and are read with `torch.load(weights_only=True)`: a file
 planted in a shared run directory cannot run code at resume.
@@ -277,11 +277,14 @@ class CheckpointDirs:
         """Rank 0, after a failed save: remove its staging directory (and its step directory when the
         rename happened but `latest` does not name it). Returns what the message says about them."""
         problems: list[str] = []
-        for path in (staging, final):
-            if path.exists() and not (path == final and self.latest_tag() == final.name):
-                shutil.rmtree(path, onerror=lambda _f, p, info: problems.append(f"{p}: {info[1]}"))
+        written = [path for path in (staging, final)
+                   if path.exists() and not (path == final and self.latest_tag() == final.name)]
+        for path in written:
+            shutil.rmtree(path, onerror=lambda _f, p, info: problems.append(f"{p}: {info[1]}"))
         if problems:
             return f"What it wrote could not all be removed ({'; '.join(problems[:3])}): remove {staging} by hand. "
+        if not written:  # refused before its directory existed (a read-only or full filesystem)
+            return "Nothing of it was written. "
         return f"What it wrote ({staging}) was removed. "
 
     def _prune(self, newest: int) -> None:
@@ -420,8 +423,11 @@ class CheckpointDirs:
         older = sorted((p.name for p in self.root.iterdir() if p.is_dir() and STEP_DIR.fullmatch(p.name)
                         and tag_step(p.name) < tag_step(tag) and (p / MANIFEST).is_file()),
                        key=tag_step, reverse=True)
-        report = f"checkpoint {self.root / tag} is corrupt: " + "; ".join(problems[:5]) + (
-            f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+        if not (self.root / tag).is_dir():
+            report = f"{self.root / LATEST} names {tag}, but {self.root / tag} is missing"
+        else:
+            report = f"checkpoint {self.root / tag} is corrupt: " + "; ".join(problems[:5]) + (
+                f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
         corrupt = [tag]
         for candidate in older:
             if self._problems(candidate):
@@ -434,18 +440,22 @@ class CheckpointDirs:
                 aside = [self._set_aside(bad) for bad in corrupt]
                 _atomic_write(self.root / LATEST, candidate)
                 fsync_path(self.root)
-                print(f"[numloss] warning: {report}. Resuming from {candidate}, the newest intact checkpoint; "
-                      f"the corrupt ones are kept as {', '.join(map(str, aside))}", file=sys.stderr, flush=True)
+                print(f"[numloss] warning: {report}. Resuming from {candidate}, the newest intact checkpoint "
+                      f"({'; '.join(aside)})", file=sys.stderr, flush=True)
             dist.barrier()
             return
         raise CheckpointCorrupt(f"{report}; no older checkpoint is intact either. Remove {self.root} to start over")
 
-    def _set_aside(self, tag: str) -> Path:
-        """Rank 0: a corrupt checkpoint renamed `corrupt_<tag>` (kept for a look), its conversion removed."""
+    def _set_aside(self, tag: str) -> str:
+        """Rank 0: a corrupt checkpoint renamed `corrupt_<tag>` (kept for a look), its conversion removed;
+        what became of it, in words. A step directory that is missing (`latest` names a directory removed
+        by hand or by a cleanup) has nothing to set aside."""
+        shutil.rmtree(self.root / f"{tag}_universal", ignore_errors=True)  # derived data, rebuilt from a good one
+        if not (self.root / tag).exists():
+            return f"{tag} is missing"
         aside = _free_name(self.root / f"corrupt_{tag}")
         os.replace(self.root / tag, aside)
-        shutil.rmtree(self.root / f"{tag}_universal", ignore_errors=True)  # derived data, rebuilt from a good one
-        return aside
+        return f"{tag} is kept as {aside}"
 
 
 def _free_name(path: Path) -> Path:

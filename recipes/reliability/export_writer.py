@@ -18,8 +18,11 @@ How it is written (`write_export`, a collective every rank calls):
    file and directory, and switches it in: one atomic exchange with `final/` where the file system has
    it (Linux renameat2 RENAME_EXCHANGE), else two renames; the previous export is removed after, and the
    parent directory fsynced;
-4. rank 0 broadcasts the outcome: every rank returns, or every rank raises the same RuntimeError naming
-   each failed rank, and the previous `final/` is as it was.
+4. rank 0 broadcasts the outcome: every rank returns, or every rank raises the same `ExportWriteFailed`
+   naming each failed rank, the cause where it can be told (a full disk), its error and the free space of
+   the filesystem it wrote to, and the previous `final/` is as it was (`python -m recipes.train` exits 74,
+   as for a checkpoint; the next start writes the export again from the same checkpoint). What a writer
+   raises is caught whatever its class but a stop request (`checkpoint_writes.STOP_REQUESTS`).
 
 A process killed anywhere in this leaves `final/` whole, old or new (with the exchange; with two renames a
 kill between them leaves `final/` missing and the old export in `.final.old`), and leftovers beside it:
@@ -44,11 +47,17 @@ import torch.distributed as dist
 
 from recipes.training.file_modes import give_default_mode
 
+from .checkpoint_writes import STOP_REQUESTS, failure_text
 from .checkpoints import CheckpointDirs, fsync_path
 
 INDEX = "model.safetensors.index.json"
 RECORD = "numloss_export.json"
 SINGLE = "model.safetensors"
+
+
+class ExportWriteFailed(RuntimeError):
+    """The export could not be written on some rank (every rank raises it together); the previous export,
+    if any, is as it was (`python -m recipes.train` exits 74)."""
 
 
 @dataclass(frozen=True)
@@ -176,21 +185,23 @@ class ShardWriter:
         self.pending, self.pending_bytes = {}, 0
 
 
-def agree(step: str, error: BaseException | str | None, what: str = "export") -> None:
-    """Collective: raise on every rank if `step` of `what` failed on any (each rank gives its own error or
-    None); the message names each failed rank and its error."""
+def agree(step: str, error: BaseException | str | None, what: str = "export", where: str | Path | None = None,
+          raises: type[Exception] = RuntimeError) -> None:
+    """Collective: raise `raises` on every rank if `step` of `what` failed on any (each rank gives its own
+    error or None); the message names each failed rank and its error (with `where`, the directory it wrote
+    to: the cause and the free space there)."""
     errors: list = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, _said(error))
+    dist.all_gather_object(errors, _said(error, where))
     failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
     if failed:
-        raise RuntimeError(f"{what}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from (
-            error if isinstance(error, BaseException) else None)
+        raise raises(f"{what}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)}") from (
+            error if isinstance(error, Exception) else None)
 
 
-def _said(error: BaseException | str | None) -> str | None:
+def _said(error: BaseException | str | None, where: str | Path | None = None) -> str | None:
     if error is None or isinstance(error, str):
         return error
-    return f"{type(error).__name__}: {error}"
+    return failure_text(error, where) if where is not None else f"{type(error).__name__}: {error}"
 
 
 @dataclass
@@ -221,27 +232,34 @@ def write_export(path: str | Path, write_shards: Callable[[Path], list[Shard]], 
             for line in clean_leftovers(path):
                 print(f"[numloss] {line}", file=sys.stderr, flush=True)
             staging.mkdir(parents=True)
-        except OSError as err:
+        except STOP_REQUESTS:
+            raise
+        except BaseException as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
             error = err
-    agree("preparing the directory", error, f"export to {path}")  # it exists before anyone writes into it
+    # it exists before anyone writes into it
+    agree("preparing the directory", error, f"export to {path}", where=staging, raises=ExportWriteFailed)
 
     shards: list[Shard] = []
     error = None
     try:
         shards = list(write_shards(staging))
-    except Exception as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
+    except STOP_REQUESTS:
+        raise
+    except BaseException as err:  # noqa: BLE001  (every rank must learn of it, or the others wait forever)
         error = err
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, ([asdict(s) for s in shards], _said(error)))  # every shard is on disk now
+    dist.all_gather_object(everyone, ([asdict(s) for s in shards], _said(error, staging)))  # every shard is on disk
     failed = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e is not None]
     step = "writing the shards"
     names: dict[str, str] = {}
     if not failed and rank == 0:
         try:
             names = _assemble([[Shard(**s) for s in part] for part, _ in everyone], staging, path, files, record)
-        except Exception as err:  # noqa: BLE001
+        except STOP_REQUESTS:
+            raise
+        except BaseException as err:  # noqa: BLE001
             step = "assembling the export"
-            failed = [f"rank 0: {type(err).__name__}: {err}"]
+            failed = [f"rank 0: {_said(err, staging)}"]
     verdict = [(step, failed, names)]
     dist.broadcast_object_list(verdict, src=0)  # rank 0 has switched `path` in, or not
     step, failed, names = verdict[0]
@@ -249,7 +267,8 @@ def write_export(path: str | Path, write_shards: Callable[[Path], list[Shard]], 
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         kept = f"the previous {path} is unchanged" if path.is_dir() else f"no {path} was written"
-        raise RuntimeError(f"{what} to {path}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)} ({kept})")
+        raise ExportWriteFailed(f"{what} to {path}: {step} failed on {len(failed)} rank(s); {'; '.join(failed)} "
+                                f"({kept}; {staging} removed)")
     return [Shard(names[s.file], s.keys, s.bytes) for s in shards]
 
 

@@ -17,6 +17,14 @@ counter that moves every period (watchdog_s / 5, between 0.2 and 10 s). The loop
   the same place are not judged: a slow step looks the same on every rank (the collective timeout
   stays the bound there).
 
+- left: a rank that left the run before it finished, on its own (`Watchdog.close(early=...)`: it returned
+  or exited, `sys.exit(0)` included, or raised what the others did not: bad data on its rank), while
+  others still train: they would fail in their next collective with a bare socket error naming no rank
+  (gloo) or wait in it for the collective timeout (NCCL).
+- gone: a rank whose process ended without leaving (killed, `os._exit`), seen at once on its own host
+  (its pid and start time), elsewhere as a heartbeat that stops: after a collective of this rank failed
+  (`Watchdog.peer_lost`), two periods without one are enough.
+
 The long phases are never called stuck: `start` (the distributed set-up, the checks, the engine build
 with its Hugging Face load or Megatron conversion, the checkpoint load), `save` and `export` take as long
 as storage and model size make them, their collectives are bounded by `dist_timeout_minutes`, and a rank
@@ -87,6 +95,7 @@ class Beat:
     moves: int  # phase changes so far
     beat: int  # heartbeats so far
     closed: bool = False  # the rank has left training (done, failed or preempted): not watched any more
+    early: str = ""  # closed before the run finished, on its own (how, in words); "": finished, or stopped with all
 
     def position(self) -> tuple[int, int]:
         return self.step, PHASES.index(self.phase)
@@ -99,6 +108,7 @@ class Seen:
     beat: Beat | None
     heard_at: float  # when its heartbeat last moved (or when the monitor started)
     moved_at: float  # when its phase last moved
+    gone: bool = False  # its process, on this monitor's host, has ended without closing its beat
 
     def update(self, beat: Beat, now: float) -> None:
         if self.beat is None or beat.beat != self.beat.beat:
@@ -133,6 +143,13 @@ class Stall:
         if self.kind == "silent":
             where = f"last heard at step {b.step} in {b.phase}" if b else "it never published its progress"
             what = f"has stopped answering: no heartbeat for {self.seconds:.1f} s (train.watchdog_s {watchdog_s:g}), {where}"
+        elif self.kind == "left":
+            what = (f"left the run early, at step {b.step} in {b.phase} ({b.early}), while {_ranks(self.waiting)} "
+                    f"{'trains' if len(self.waiting) == 1 else 'train'} on")
+        elif self.kind == "gone":
+            what = (f"is gone: its process ended at step {b.step} in {b.phase} (its last heartbeat) without leaving "
+                    f"the run (killed, or os._exit), while {_ranks(self.waiting)} "
+                    f"{'trains' if len(self.waiting) == 1 else 'train'} on")
         else:
             what = (f"has made no progress for {self.seconds:.1f} s (train.watchdog_s {watchdog_s:g}) in {b.phase} of "
                     f"step {b.step}, while {_ranks(self.waiting)} further on {'waits' if len(self.waiting) == 1 else 'wait'}"
@@ -149,10 +166,20 @@ def _ranks(ranks: tuple[int, ...], shown: int = 8) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {head}{more}"
 
 
-def find_stall(seen: dict[int, Seen], now: float, watchdog_s: float) -> Stall | None:
-    """The rule (module docstring): the longest-silent rank, else the stuck rank furthest behind, else None."""
+def find_stall(seen: dict[int, Seen], now: float, watchdog_s: float, silent_s: float | None = None) -> Stall | None:
+    """The rule (module docstring): the first rank that left early or is gone while others train, else the
+    longest-silent rank (no heartbeat for `silent_s`, default `watchdog_s`), else the stuck rank furthest
+    behind, else None."""
     open_ = {r: s for r, s in seen.items() if not (s.beat is not None and s.beat.closed)}
-    silent = [(now - s.heard_at, r) for r, s in open_.items() if now - s.heard_at >= watchdog_s]
+    left = [(s.heard_at, r, "left") for r, s in seen.items() if s.beat is not None and s.beat.closed and s.beat.early]
+    left += [(s.heard_at, r, "gone") for r, s in open_.items() if s.gone and s.beat is not None]
+    if left:
+        heard_at, rank, kind = min(left)
+        others = tuple(sorted(r for r in open_ if r != rank and not open_[r].gone))
+        if others:
+            return Stall(rank, kind, now - heard_at, seen[rank].beat, others)
+    silent_s = watchdog_s if silent_s is None else silent_s
+    silent = [(now - s.heard_at, r) for r, s in open_.items() if now - s.heard_at >= silent_s]
     if silent:
         seconds, rank = max(silent)
         return Stall(rank, "silent", seconds, open_[rank].beat, tuple(sorted(r for r in open_ if r != rank)))
@@ -165,6 +192,16 @@ def find_stall(seen: dict[int, Seen], now: float, watchdog_s: float) -> Stall | 
     _, minus_seconds, rank = min(stuck)
     return Stall(rank, "stuck", -minus_seconds, open_[rank].beat,
                  tuple(sorted(o for o, p in where.items() if p > where[rank])))
+
+
+def _ended(pid: int, started: str) -> bool:
+    """Whether the process `pid` that started at `started` has ended: gone, a zombie, or the pid reused."""
+    if process_start(pid) != started:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def start_watchdog(watchdog_s: float, rank: int, world_size: int, checkpoints: Path, exit_status: int,
@@ -196,7 +233,10 @@ class Watchdog:
         self.host, self.pid, self.process_start = socket.gethostname(), os.getpid(), process_start(os.getpid())
         self._phase, self._step, self._moves, self._beats = "start", 0, 0, 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the thread's wait for the next period: a stop, a failed collective
         self._abandoned = False
+        self._lost = False  # a collective of this rank failed: a peer's heartbeat that stops for 2 periods is enough
+        self._early = ""
         self._thread: threading.Thread | None = None
         if watchdog_s <= 0 or world_size <= 1 or store is None:
             return
@@ -215,14 +255,29 @@ class Watchdog:
         calling it, and do not wait for a call in flight at `close` (each would wait STORE_TIMEOUT_S)."""
         self._abandoned = True
         self._stop.set()
+        self._wake.set()
 
-    def close(self) -> None:
-        """Stop watching; the thread's last beat says this rank has left (monitors stop judging it)."""
+    def peer_lost(self) -> None:
+        """This rank's collective failed (a peer's socket closed, as gloo says when a rank has ended): give the
+        watchdog up to three periods to name the rank that left or is gone (it then ends this process, exit
+        `exit_status`); returns when it names none, and the caller raises what it caught."""
+        if self._thread is None or self._abandoned:
+            return
+        self._lost = True
+        self._wake.set()  # judge now, not at the end of the period
+        self._thread.join(timeout=3 * self.period + 5)  # the thread runs on: a verdict ends the process from it
+
+    def close(self, early: str = "") -> None:
+        """Stop watching; the thread's last beat says this rank has left (monitors stop judging it). `early`:
+        how it left before the run finished on its own ("" when it finished, or stopped with every rank):
+        the others name it (module docstring, "left")."""
         global _active
+        self._early = early
         if _active is self:
             _active = None
         if self._thread is not None:
             self._stop.set()
+            self._wake.set()
             self._thread.join(timeout=0 if self._abandoned else self.period + STORE_TIMEOUT_S)
             self._thread = None
 
@@ -234,7 +289,7 @@ class Watchdog:
     def _beat(self, closed: bool = False) -> Beat:
         self._beats += 1
         return Beat(self.rank, self.host, self.pid, self.process_start, self._step, self._phase, self._moves,
-                    self._beats, closed)
+                    self._beats, closed, self._early if closed else "")
 
     def _run(self) -> None:
         started = time.monotonic()
@@ -252,7 +307,8 @@ class Watchdog:
                 verdict, mine = self._verdict(), False
                 if verdict is None and seen:
                     self._look(seen, present)
-                    stall = find_stall(seen, time.monotonic(), self.watchdog_s)
+                    stall = find_stall(seen, time.monotonic(), self.watchdog_s,
+                                       silent_s=min(self.watchdog_s, 2 * self.period) if self._lost else None)
                     if stall is not None:  # the first verdict written wins; every rank acts on that one
                         payload = stall.to_json()
                         stored = self.store.compare_set(f"{self.prefix}/verdict", "", payload)
@@ -266,7 +322,8 @@ class Watchdog:
                     reported = said
                     print(f"[numloss] rank {self.rank}: watchdog: the store did not answer ({type(err).__name__}: "
                           f"{said}); trying again every {self.period:g} s", file=sys.stderr, flush=True)
-            self._stop.wait(self.period)
+            self._wake.wait(self.period)
+            self._wake.clear()
 
     def _verdict(self) -> Stall | None:
         key = f"{self.prefix}/verdict"
@@ -279,7 +336,11 @@ class Watchdog:
         ranks = sorted(present)
         now = time.monotonic()
         for rank, value in zip(ranks, self.store.multi_get([self._key(r) for r in ranks]) if ranks else []):
-            seen[rank].update(Beat(**json.loads(value)), now)
+            beat = Beat(**json.loads(value))
+            seen[rank].update(beat, now)
+            # a process of this host that ended without its closing beat (pid and start time: never a reused pid)
+            seen[rank].gone = (rank != self.rank and not beat.closed and beat.host == self.host
+                               and beat.process_start is not None and _ended(beat.pid, beat.process_start))
 
     def _act(self, stall: Stall, mine: bool) -> None:
         """Print, kill a silent rank on this host, run the exit callback, end this process."""

@@ -43,7 +43,7 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out / "tb"), purge_step=resumed_step + 1 if resumed_step else None)
-        self.trackers = Trackers(recipe, out)  # W&B / MLflow, as train.tracking names them
+        self.trackers = Trackers(recipe, out, resumed_step)  # W&B / MLflow, as train.tracking names them
 
     def log(self, row: dict) -> None:
         if not self.enabled:

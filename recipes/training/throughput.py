@@ -116,9 +116,10 @@ class StepMeter:
         print(f"[numloss] measured: step {m['step_s']:.3f} s (data {m['data_s']:.3f} s), "
               f"{m['tflops_per_rank']:.3g} TFLOP/s per rank{mfu}, peak memory {max(self.peaks, default=0):.2f} GiB "
               f"(max over ranks)", flush=True)
-        if p:
-            print(f"[numloss] predicted for {p['hardware']}: step {p['step_s']:.3f} s ({p['limit']}), MFU "
-                  f"{p['mfu']:.1%}, {p['memory_gib']:.2f} GiB per GPU", flush=True)
+        if p:  # one short line; what the prediction assumed (GEMM rates, NICs, ...) is in throughput.json
+            print(f"[numloss] predicted on the recipe's GPUs ({p['hardware'].split(':')[0].removeprefix('GEMM rates ')}): "
+                  f"step {p['step_s']:.3f} s ({p['limit']}), MFU {p['mfu']:.1%}, {p['memory_gib']:.2f} GiB per GPU; "
+                  f"assumptions in {out / 'throughput.json'}", flush=True)
         return result
 
 

@@ -12,6 +12,11 @@ its own, even under the same recipe name. tracking.json also keeps the last step
 older checkpoint re-runs steps the trackers already hold (with the same values: resumes are bit-exact),
 and those are not sent twice (W&B drops steps below its last one; MLflow would keep both).
 
+A resume's recipe changes (a term's weight, the lr, ... as the resume policy lets them change) are recorded
+in both: W&B's run config is updated to the recipe in effect; MLflow's params cannot change once logged, so
+the first start's stay, each changed key is logged again as `from_step_<N>/<key>` (N: the resume's first
+step; a prefix, not a suffix: MLflow's file store keeps a param as a file named by its key) and the tag `numloss.recipe_changes` lists every change as `step N: key: old -> new`.
+
 Offline: W&B's `mode: offline` writes its files under `<run dir>/wandb` (`wandb sync` uploads them later
 with the same id); MLflow offline logs to the run directory's file store (`<run dir>/mlruns`; MLflow 3 keeps
 that store in maintenance mode, so MLFLOW_ALLOW_FILE_STORE=true is set for it; `mlflow ui
@@ -81,6 +86,39 @@ def _flat(data: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+FROM_STEP = re.compile(r"from_step_(\d+)(?:\.(\d+))?/(.+)")
+CHANGES_TAG = "numloss.recipe_changes"
+
+
+def _record_changes(client, run_id: str, recipe: dict[str, str], first_step: int) -> None:
+    """MLflow: the keys of `recipe` (flat, as logged) whose value differs from the one in effect in the run
+    (its first params, then each `from_step_<N>/<key>` in order), logged as `from_step_<first_step>/<key>`,
+    and the `numloss.recipe_changes` tag extended (module docstring)."""
+    from mlflow.entities import Param, RunTag
+
+    run = client.get_run(run_id)
+    logged = run.data.params
+    in_effect = {k: v for k, v in logged.items() if not FROM_STEP.fullmatch(k)}
+    later = sorted(((int(m.group(1)), int(m.group(2) or 0)), m.group(3), v)
+                   for k, v in logged.items() if (m := FROM_STEP.fullmatch(k)))
+    for _, key, value in later:
+        in_effect[key] = value
+    changed = {k: v[:6000] for k, v in recipe.items() if in_effect.get(k) != v[:6000]}
+    if not changed:
+        return
+    params = []
+    for key, value in sorted(changed.items()):
+        name, again = f"from_step_{first_step}/{key}", 1
+        while name in logged:  # a second resume from the same step with other values: params never change
+            name, again = f"from_step_{first_step}.{again}/{key}", again + 1
+        params.append(Param(name, value))
+    said = [f"step {first_step}: {k}: {in_effect.get(k, '(unset)')} -> {v}" for k, v in sorted(changed.items())]
+    before = run.data.tags.get(CHANGES_TAG)
+    tag = RunTag(CHANGES_TAG, "\n".join(([before] if before else []) + said)[-5000:])
+    for start in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+        client.log_batch(run_id, params=params[start:start + 100], tags=[tag] if start == 0 else [])
+
+
 def _import(name: str):
     try:
         return __import__(name)
@@ -91,8 +129,9 @@ def _import(name: str):
 class Trackers:
     """The run's trackers (none when the recipe names none). `log(row)` after metrics.jsonl's line."""
 
-    def __init__(self, recipe, out: Path):
+    def __init__(self, recipe, out: Path, resumed_step: int = 0):
         self.settings = settings(recipe)
+        self.resumed_step = resumed_step
         self.path = Path(out) / STATE
         self.state = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.sent = int(self.state.get("logged_step", 0))
@@ -142,6 +181,7 @@ class Trackers:
         ids = self.state["ids"]
         if "mlflow" in ids:
             client.update_run(ids["mlflow"], status="RUNNING")
+            _record_changes(client, ids["mlflow"], _flat(recipe.to_dict()), self.resumed_step + 1)
             return client
         experiment = client.get_experiment_by_name(s["project"])
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(s["project"])

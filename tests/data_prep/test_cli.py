@@ -48,3 +48,32 @@ def test_cli_errors_are_clear(tmp_path, digits_tok, capsys):
     assert "unknown option" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path)]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_a_missing_input_and_an_unreachable_tokenizer_are_one_line_before_any_worker(tmp_path, digits_tok, capsys,
+                                                                                        monkeypatch):
+    """Both found before the worker pool starts: a missing input file first (it was reported only after the
+    workers had fetched the tokenizer), then a tokenizer that cannot be loaded from here, in one line naming
+    --tokenizer and that a local directory works (offline it was a minute of Hub retries, then a worker
+    pool traceback). Workers are started by nobody: `start_encoding` is replaced by one that fails."""
+    import importlib
+
+    B = importlib.import_module("data_prep.build")  # the module: `data_prep.build` is also its function
+    from data_prep.__main__ import main
+
+    monkeypatch.setattr(B, "start_encoding", lambda *a, **k: (_ for _ in ()).throw(AssertionError("workers started")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))  # nothing cached: the hub would be asked
+    data = write_jsonl(str(tmp_path / "train.jsonl"), GSM8K_ROWS)
+    cases = [
+        (str(tmp_path / "missing.jsonl"), "nobody/never-cached", f"error: no such file or directory: {tmp_path / 'missing.jsonl'}"),
+        (data, "nobody/never-cached", "error: --tokenizer nobody/never-cached: not in the Hugging Face cache and "
+                                      "HF_HUB_OFFLINE is set (a local directory that holds the tokenizer (one saved "
+                                      "with save_pretrained) works offline)"),
+        (data, str(tmp_path / "no" / "tok"), f"error: --tokenizer {tmp_path / 'no' / 'tok'}: no such directory"),
+    ]
+    for path, tokenizer, said in cases:
+        code = main(["build", "--source", "gsm8k", "--path", path, "--tokenizer", tokenizer,
+                     "--out", str(tmp_path / "o"), "--workers", "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith(said), err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,40 @@ def test_non_finite_and_negative_settings_do_not_load(demo_on_test_data, overrid
     `recipes.validate` reports it as its first error."""
     rep = validate_recipe(CONFIGS / "demo.yaml", [*demo_on_test_data, override], offline=True, size=False)
     assert rep.numbers.get("load_error") and key in rep.errors[0], rep.errors
+
+
+@pytest.mark.parametrize("override, value, said", [
+    ("optim.lr=1e40", 1e40, "optim.lr: must be a finite float32 number"),
+    ("optim.grad_clip=1e39", 1e39, "optim.grad_clip: must be a finite float32 number"),
+    ("optim.weight_decay=1e39", 1e39, "optim.weight_decay: must be a finite float32 number"),
+    ("optim.eps=1e-50", 1e-50, "optim.eps: must be > 0 in float32"),
+    ("loss.router_aux_coeff=1e39", 1e39, "loss.router_aux_coeff: must be a finite float32 number"),
+    ("loss.objective={terms: {smmd: 1.0e+39}}", 1e39,
+     "loss.objective.terms.smmd.weight: must be a finite float32 number"),
+    ("loss.objective={terms: {smmd: {sigmas: [1.0e-50]}}}", 1e-50,
+     "loss.objective.terms.smmd.sigmas: every entry must be a finite float32 number > 0"),
+])
+def test_numbers_are_checked_in_the_float32_they_train_in(tmp_path, capsys, monkeypatch, override, value, said):
+    """Finite in float64 but inf (or 0) in float32, the dtype of the losses and the optimizer's state under
+    either model.dtype: refused when `python -m recipes.train` loads the recipe (exit 2), in one line naming
+    the key; the boundary, float32's largest number, loads."""
+    import torch
+
+    from recipes.train import main as train_main
+
+    assert math.isfinite(value) and torch.tensor(value, dtype=torch.float32).item() in (math.inf, 0.0)
+    recipe = _write(tmp_path / "r.yaml", {**RECIPE, "model": {**RECIPE["model"], "dtype": "float32"}})
+    with pytest.raises(SystemExit) as stop:
+        train_main([str(recipe), f"train.out_dir={tmp_path / 'run'}", override])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"[numloss] recipe {recipe}: {said}") and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("RANK", "1")  # under torchrun: rank 0 alone says it (N copies would bury it), every rank exits 2
+    with pytest.raises(SystemExit) as stop:
+        train_main([str(recipe), f"train.out_dir={tmp_path / 'run'}", override])
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
+    largest = torch.finfo(torch.float32).max
+    assert recipe_from_dict(RECIPE, [f"optim.lr={largest!r}", f"optim.grad_clip={largest!r}"]).optim.lr == largest
 
 
 def test_the_dump_is_the_recipe_as_written(tmp_path):

@@ -68,6 +68,7 @@ OUTCOMES = {
     "smollm3-3b-dm-math.yaml": ("adopted", {"loss.head": "logits", "train.micro_batch_size": 1,
                                             "train.grad_accum": 16}, 2, ["model"]),
     "study.yaml": ("adopted", {"megatron.recompute": None}, 0),
+    "starter/cpu.yaml": ("adopted", {"megatron.distributed_optimizer": True, "megatron.recompute": None}, 0),
 }
 
 

@@ -128,3 +128,24 @@ def test_cli_writes_results_and_the_table_has_a_row_per_run(rec_model_dir, rec_d
 def test_bad_answer_format_is_refused(rec_data_dir):
     with pytest.raises(ValueError, match="answer_format"):
         E.evaluate("unused", rec_data_dir, answer_format="date")
+
+
+def test_the_results_carry_a_wilson_interval_and_the_table_shows_it_from_the_command_line(rec_data_dir, tmp_path,
+                                                                                            capsys):
+    """7 of 10 rows right: 95% Wilson interval [0.3968, 0.8922] (the published value for 7/10, e.g.
+    statsmodels' proportion_confint(7, 10, method="wilson")), in the results and in
+    `python -m recipes.evaluate table --interval`."""
+    def seven_of_ten(model, tokenizer, rows, **kwargs):
+        return [f"{r['answer'] + (0 if i < 7 else 1):g}" for i, r in enumerate(rows)]
+
+    out = tmp_path / "res.json"
+    E.evaluate("unused", rec_data_dir, model_and_tokenizer=(None, None), generate=seven_of_ten, out=str(out),
+               limit=10, name="seven")
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["exact_match"] == 0.7 and metrics["n_exact_match"] == 10
+    assert metrics["exact_match_95ci"] == pytest.approx([0.3968, 0.8922], abs=5e-5)
+    capsys.readouterr()
+    assert evaluate_cli(["table", "--interval", str(out)]) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert "exact match [95% CI]" in table[0] and "| 0.7 [0.397, 0.892] |" in table[2], table
+    assert evaluate_cli(["table", str(out)]) == 0 and "[0.397" not in capsys.readouterr().out  # without: the value

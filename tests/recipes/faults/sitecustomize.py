@@ -8,7 +8,10 @@ named, deterministically:
 - slow_commit: at the rename that commits that staging directory (after its checkpoint.json), the same
   SIGTERMs, and the rank then takes 60 s there, so torchrun's shutdown timeout SIGKILLs it mid-commit;
 - kill_mid_export: the rank SIGKILLs itself right after writing its shard into the export's staging
-  directory (`.final.partial`).
+  directory (`.final.partial`);
+- exit_early: once step STEP is logged (its line in `train.out_dir`/metrics.jsonl, watched from a thread),
+  the rank's main thread raises SystemExit(0) (through a SIGUSR2 handler), as a user's code that calls
+  `sys.exit(0)` there would: the rank leaves the run with status 0 while the others train on.
 Every other process, file and moment is untouched."""
 
 import os
@@ -59,3 +62,21 @@ if _spec and os.environ.get("RANK") == _rank:
             return result
 
         safetensors.torch.save_file = _save_file
+    if _fault == "exit_early":
+        import threading
+        from pathlib import Path
+
+        _argv = Path("/proc/self/cmdline").read_bytes().decode().split("\0")  # sys.argv is not set yet here
+        _out = next(a.split("=", 1)[1] for a in _argv if a.startswith("train.out_dir="))
+
+        def _exit(signum, frame):
+            raise SystemExit(0)
+
+        def _when_logged():
+            metrics = Path(_out) / "metrics.jsonl"
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= int(_step)):
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+        signal.signal(signal.SIGUSR2, _exit)
+        threading.Thread(target=_when_logged, daemon=True).start()

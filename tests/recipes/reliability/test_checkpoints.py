@@ -10,7 +10,7 @@ engine that writes one state file per rank, as DeepSpeed writes its shards.
 - every save wrote checkpoint.json (size and sha256 of every file) before `latest` named it;
 - a save whose commit is cut short after its checkpoint.json (rank 0 SIGKILLed where it renames the staging
   directory) is verified and committed at the next start; a missing or unreadable `latest` resumes from the
-  newest intact checkpoint, a damaged newer one named.
+  newest intact checkpoint, a damaged newer one named; so does a `latest` whose step directory is gone.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def _failed_and_unfinished_saves(rank, world, root: str):
             resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     message = str(err.value)
     assert f"checkpoint step 4 was not saved: rank 1 could not write {root / '.step_00000004.partial'}" in message
-    assert "model_rank1.pt (RuntimeError: " in message and " GiB free of " in message, message
+    assert "model_rank1.pt (a write came up short (torch's 'unexpected pos': a full disk, a quota or a file-size limit): " \
+           "RuntimeError: " in message and " GiB free of " in message, message
     assert "rank 0 could not" not in message and "`latest` names step_00000002" in message, message
     dist.barrier()
     assert (root / "latest").read_text() == "step_00000002"
@@ -280,3 +281,12 @@ def test_a_verified_save_cut_short_is_committed_and_a_lost_latest_resumes_the_ne
     err = capfd.readouterr().err
     assert f"{tmp_path / 'step_00000006'} was not resumed from: {shard}: 50 bytes" in err, err
     assert "resuming from step_00000004, the newest intact checkpoint" in err
+
+    # `latest` names a step directory that was removed (by hand, by a cleanup): the newest intact one, said in
+    # one line, not a FileNotFoundError from setting the missing directory aside (every start crashed the same)
+    shutil.rmtree(tmp_path / "step_00000004")
+    run_ranks(2, _resume, str(tmp_path), 2, None, timeout=120)
+    said = [line for line in capfd.readouterr().err.splitlines() if "step_00000004" in line]
+    assert said == [f"[numloss] warning: {tmp_path / 'latest'} names step_00000004, but {tmp_path / 'step_00000004'} "
+                    "is missing. Resuming from step_00000002, the newest intact checkpoint (step_00000004 is missing)"], said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "skipped_step_00000006", "step_00000002"]

@@ -368,7 +368,7 @@ def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from
     code, output = _run(launch(recipe, out, site=DISK_FULL, env={"NUMLOSS_TEST_DISK_FULL": "1:4"}))
     assert code != 0 and "exitcode  : 74" in output, output[-4000:]
     failed = checkpoints / ".step_00000004.partial" / "zero_pp_rank_1_mp_rank_00_model_states.pt"  # DeepSpeed's write
-    assert f"checkpoint step 4 was not saved: rank 1 could not write {failed} (OSError: [Errno 28] No space" in output
+    assert f"checkpoint step 4 was not saved: rank 1 could not write {failed} (the disk is full: OSError: [Errno 28] No space" in output
     assert " GiB free of " in output and f"on that filesystem ({checkpoints / '.step_00000004.partial'})" in output
     assert "rank 0 could not" not in output and "`latest` names step_00000002" in output
     assert (checkpoints / "latest").read_text() == "step_00000002"

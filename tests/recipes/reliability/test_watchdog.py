@@ -4,7 +4,9 @@
 - The rule (`find_stall`), by hand: silent ranks, stuck ranks that others wait for, and what is never
   judged (the start, a save, ranks all in one place, ranks that left).
 - 2 gloo ranks with the real watchdog thread: rank 1 stays alive but makes no progress (a hung data
-  read) while rank 0 waits in an all-reduce; rank 0 names rank 1 and exits 4 within seconds.
+  read) while rank 0 waits in an all-reduce; rank 0 names rank 1 and exits 4 within seconds. Rank 1 ends
+  early (exit 0, saying how; or gone without a word) while rank 0 enters a collective: rank 0 names it
+  (rank, host, pid, step) and exits 4, where it died on gloo's "Connection closed by peer".
 - A real 2-rank torchrun job (tiny Llama, DeepSpeed ZeRO-3, save_every 2, train.watchdog_s 5): rank 0
   is SIGSTOPped mid-training (the monitor itself, watched by rank 1). The job ends within the watchdog's
   time and a margin, not the collective timeout; the output names rank 0 and its pid; the exit is
@@ -28,6 +30,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from recipes.reliability.watchdog import Beat, Seen, Stall, find_stall
 from tests.distributed import run_ranks
+from tests.recipes.torchrun_helpers import read_metrics
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,6 +71,20 @@ def test_the_rule_names_silent_and_stuck_ranks_and_leaves_long_phases_alone():
     assert find_stall({0: _seen(6, "eval", 0, 6), 1: _seen(6, "log", 0, 6)}, 1000.0, w).rank == 0
     # a rank that left training (done, failed, preempted) is not watched
     assert find_stall({0: _seen(7, "log", 0, 0), 1: _seen(7, "log", 60, 60, closed=True)}, 1000.0, w) is None
+    # ... unless it left early on its own while others train: named at once, the first to leave first
+    left = Seen(Beat(2, "h", 1, None, 3, "log", 1, 1, True, "it exited with status 0 (SystemExit)"), 999.0, 999.0)
+    later = Seen(Beat(1, "h", 1, None, 4, "data", 1, 1, True, "DataError: bad row"), 999.5, 999.5)
+    stall = find_stall({0: _seen(4, "collective", 0, 0), 1: later, 2: left}, 1000.0, w)
+    assert (stall.rank, stall.kind, stall.waiting) == (2, "left", (0,))
+    assert find_stall({0: _seen(4, "collective", 0, 0, closed=True), 2: left}, 1000.0, w) is None  # nobody left
+    # a process gone without its closing beat (seen on its host); after a failed collective, 2 periods of
+    # silence are enough (`silent_s`), not train.watchdog_s
+    gone = _seen(3, "log", 0.5, 0.5)
+    gone.gone = True
+    assert find_stall({0: _seen(4, "collective", 0, 0), 1: gone}, 1000.0, w).kind == "gone"
+    assert find_stall({0: _seen(4, "collective", 0, 0), 1: _seen(3, "log", 2.5, 2.5)}, 1000.0, w) is None
+    assert find_stall({0: _seen(4, "collective", 0, 0), 1: _seen(3, "log", 2.5, 2.5)}, 1000.0, w, silent_s=2).kind \
+        == "silent"
 
 
 def test_a_verdict_travels_through_the_store_as_json_and_reads_as_a_line():
@@ -110,6 +127,48 @@ def _stuck_in_data(rank: int, world: int, out: str) -> None:
         mark_phase("train_step", 3)
         dist.all_reduce(torch.ones(1))  # waits for rank 1, as a ZeRO-3 gather in the forward would
     raise AssertionError(f"rank {rank} went on: the watchdog did not end it")
+
+
+def _one_leaves_early(rank: int, world: int, out: str, how: str) -> None:
+    """Two steps together, then rank 1 ends at step 3 (`how`: "exit", leaving as recipes.train's rank does on
+    a SystemExit; "gone", os._exit without a word) while rank 0 goes on into a collective (gloo: a socket
+    error naming no rank); rank 0 asks its watchdog (`peer_lost`, as recipes.train does)."""
+    from recipes.reliability.watchdog import mark_phase, start_watchdog
+
+    Path(out, f"pid_{rank}").write_text(str(os.getpid()))
+    # the default train.watchdog_s, whose period is 10 s: the failed collective wakes the watchdog at once
+    watchdog = start_watchdog(600.0, rank, world, Path(out) / "checkpoints", 4)
+    for step in (1, 2, 3):
+        for phase in ("data", "train_step", "collective", "log"):
+            mark_phase(phase, step)
+            if phase == "collective" and step < 3:
+                dist.all_reduce(torch.ones(1))
+    if rank == 1:
+        if how == "exit":
+            watchdog.close(early="it exited with status 0 (SystemExit)")
+        os._exit(0)
+    mark_phase("collective", 3)
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        watchdog.peer_lost()
+        raise
+    raise AssertionError("rank 0's collective went through without rank 1")
+
+
+@pytest.mark.parametrize("how, said", [("exit", "left the run early, at step 3 in log (it exited with status 0 "
+                                                "(SystemExit)), while rank 0 trains on"),
+                                       # the step it last published: a heartbeat ago (10 s), here its start
+                                       ("gone", "is gone: its process ended at step 0 in start (its last heartbeat) without leaving the "
+                                                "run (killed, or os._exit), while rank 0 trains on")])
+def test_a_rank_that_ends_early_is_named_by_the_others(tmp_path, capfd, how, said):
+    with pytest.raises(ProcessExitedException) as failed:
+        run_ranks(2, _one_leaves_early, str(tmp_path), how, timeout=90)
+    err = capfd.readouterr().err
+    assert failed.value.exit_code == 4 and failed.value.error_index == 0, err[-3000:]
+    pid = int((tmp_path / "pid_1").read_text())
+    assert f"[numloss] watchdog: rank 1 (host {socket.gethostname()}, pid {pid}) {said}" in err, err[-3000:]
+    assert "no checkpoint was saved yet" in err and err.count("[numloss] watchdog: ") == 1
 
 
 def test_a_rank_stuck_while_another_waits_is_named_and_every_rank_exits(tmp_path, capfd):
@@ -181,3 +240,27 @@ def test_a_stopped_rank_under_torchrun_is_named_and_the_job_ends_long_before_the
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert int(latest.split("_")[1]) >= 4
     _intact(out / "checkpoints" / latest)
+
+
+def test_a_rank_that_exits_0_early_under_torchrun_is_named_by_the_others(tmp_path):
+    """`recipes.train` on 2 torchrun ranks (DeepSpeed ZeRO-3, the default train.watchdog_s, 600 s): rank 1
+    raises SystemExit(0) once step 3 is logged (tests/recipes/faults' exit_early). Rank 0, whose next
+    collective fails on gloo's closed socket, names rank 1, its pid and how it ended, and exits 4 within
+    seconds (the default period is 10 s: the failed collective wakes the watchdog), not 1 on a bare socket
+    error naming no rank."""
+    pytest.importorskip("deepspeed")
+    from tests.recipes.test_train_final import FAULTS
+    from tests.recipes.torchrun_helpers import launch, rank_pids, tiny_workspace
+
+    path = tiny_workspace(tmp_path, problems=64, max_digits=2, hidden=32,
+                          train={"steps": 40, "max_epochs": 40, "micro_batch_size": 2, "save_every": 0,
+                                 "tensorboard": False, "export": False})
+    proc = launch(path, tmp_path / "run", site=FAULTS, env={"NUMLOSS_TEST_FAULT": "1:exit_early:3"})
+    ranks = rank_pids(proc)
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0 and "exitcode  : 4" in output, output[-4000:]
+    assert (f"[numloss] watchdog: rank 1 (host {socket.gethostname()}, pid {ranks[1]}) left the run early, at step "
+            in output), output[-4000:]
+    assert "(it exited with status 0 (SystemExit)), while rank 0 trains on" in output, output[-4000:]
+    assert "Connection closed by peer" not in output and "[rank0]: Traceback" not in output, output[-4000:]
+    assert len(read_metrics(tmp_path / "run")) < 40  # rank 0 did not train on alone

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from numloss import ObjectiveConfig
 from recipes.config import Recipe, TrackingSection
 from recipes.training.run_log import MetricsLog
 from recipes.training.runtime import Runtime
@@ -141,6 +142,23 @@ def test_mlflow_file_store_one_run_per_run_directory_across_resumes(tmp_path):
         assert history == [(r["step"], r[key]) for r in metrics], (key, history)
     assert client.get_metric_history(run.info.run_id, "grad_norm") == []  # null: not a number to plot
     assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert "numloss.recipe_changes" not in run.data.tags  # the same recipe resumed: nothing changed
+
+    # a resume at step 4 with a lower lr and another term weight (as the resume policy lets them change):
+    # the first start's params stay (MLflow never changes one), each change is logged from its step
+    recipe.optim.lr = 1e-4
+    recipe.loss.objective = ObjectiveConfig.from_dict({"terms": {"smmd": {"weight": 1.0}}})
+    _run(recipe, out, 4, [5])
+    run = client.get_run(state["ids"]["mlflow"])
+    assert run.data.params["optim.lr"] == "1e-05" and run.data.params["from_step_5/optim.lr"] == "0.0001"
+    weight = "loss.objective.terms.smmd.weight"
+    assert run.data.params[f"from_step_5/{weight}"] == "1.0", sorted(run.data.params)
+    assert "step 5: optim.lr: 1e-05 -> 0.0001" in run.data.tags["numloss.recipe_changes"].splitlines()
+    recipe.optim.lr = 3e-5  # a later resume: compared with the value in effect, not the first start's
+    _run(recipe, out, 5, [6])
+    run = client.get_run(state["ids"]["mlflow"])
+    assert run.data.tags["numloss.recipe_changes"].splitlines()[-1] == "step 6: optim.lr: 0.0001 -> 3e-05"
+    assert sum(k.endswith(weight) for k in run.data.params) == 1  # unchanged since step 5: not logged again
     other = tmp_path / "other"
     other.mkdir()
     _run(recipe, other, 0, [1])
