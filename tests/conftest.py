@@ -18,11 +18,18 @@ count of tests says little about their time (tests/launch has fewer tests than s
 files and the most CPU time). With two workers the order of the longest units sets the tail: a
 100-200 s file handed out last (test_gpu_check.py is collected near the end) finishes alone. Without
 xdist (`pytest tests/...`) nothing here applies.
+
+Skips: every skip of the run is compared with tests/expected_skips.py at its end; under `CI=true` a skip
+not listed there, or a listed one whose test ran instead, fails the run (that file says why).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from tests.expected_skips import SkipLedger
 
 # the units over 100 s in the durations of a fresh-clone `make test` (2026-12-07, 2-core machine), longest first
 LONGEST_FIRST = (
@@ -64,3 +71,9 @@ def pytest_collection_modifyitems(config, items):
         return
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(unit_of(item.nodeid), len(rank)))  # stable: a unit keeps its order
+
+
+def pytest_configure(config):
+    # where every report arrives: the xdist controller, or the one process of a plain run
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SkipLedger(ci=os.environ.get("CI") == "true"), "expected-skips")
