@@ -249,3 +249,36 @@ def test_a_term_many_times_ce_is_named_before_the_first_optimizer_step(tmp_path,
     ce, value = float(out.ce), float(out.terms["ntl_was"])
     assert 0.3 * value > 5 * ce, (ce, value)
     assert f"term ntl_was = {value:.4g} x weight 0.3" in line and f"weight {ce / value:.3g} would make" in line, line
+
+
+@pytest.mark.parametrize("found,accepted", [("5.19.0", True), ("5.25.0", True), ("5.99.1", True), ("5.18.2", False),
+                                            ("4.57.1", False), ("6.0.0", False)])
+def test_the_transformers_version_floor_is_checked_when_the_trainer_is_made(tok, tmp_path, monkeypatch, found, accepted):
+    """transformers 5.x from 5.19 (whose Trainer reads `loss_is_scaled_for_ga`): another version installed
+    (the version lookup answering it) is refused by NumericTrainer before anything is built, naming it."""
+    import importlib.metadata
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericTrainer, check_transformers
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: found if name == "transformers" else real(name))
+    if accepted:
+        check_transformers()
+        return
+    with pytest.raises(RuntimeError, match=rf"needs transformers 5.x from 5.19 \(tested with 5.25.0\); found {found}"):
+        NumericTrainer(model=H.model(tok), args=_args(tmp_path), train_dataset=H.rows(tok, 4),
+                       data_collator=_collator(tok), numeric_vocab=NumericVocab.from_tokenizer(tok, policy="digits"))
+
+
+def test_without_transformers_the_trainer_names_the_extra_to_install(monkeypatch):
+    import importlib.metadata
+
+    from numloss.integrations.hf_trainer import check_transformers
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(ImportError, match=r"needs transformers: pip install -e '\.\[hf\]'"):
+        check_transformers()
