@@ -6,12 +6,15 @@ MASTER_PORT) are already set; run as a plain `python -m recipes.train`, this bec
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import importlib
+import multiprocessing
 import os
 import socket
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Iterable
@@ -48,10 +51,6 @@ def exit_finished(code: int = 0) -> None:
     still run (logging's flush, the trackers', a test's exit report), then stdout and stderr are flushed.
     A non-daemon thread still running, or a child process (which a normal exit joins), falls back to the
     normal exit."""
-    import atexit
-    import multiprocessing
-    import threading
-
     if multiprocessing.active_children() or any(
             t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
