@@ -33,9 +33,10 @@ from tests.expected_skips import SkipLedger
 
 # the units over ~90 s, longest first, each file run alone (`python -m pytest -q --durations=0 <file>`) on the
 # shared 2-core machine, 2026-12-08, after the runs whose properties are numbers moved into pre-started ranks:
-# tests/launch (test_ray + test_sweep alone 356 s, the SLURM files besides), test_train_final 171, test_train_layouts 153,
-# test_engine_moe 151, test_gpu_check 141, test_train 99-107, the DeepSpeed test_moe 103 (then test_resume_policy
-# 87, test_train_length_bucketing 78, test_lora 67, test_preemption 65, test_eval_step_in_training 55)
+# tests/launch (test_ray + test_sweep alone 356 s, the SLURM files besides), test_train_final 171,
+# test_train_layouts 153, test_engine_moe 151, test_gpu_check 141, test_train 99-107, the DeepSpeed test_moe
+# 103 (then test_resume_policy 87, test_train_length_bucketing 78, test_lora 67, test_preemption 65,
+# test_eval_step_in_training 55)
 LONGEST_FIRST = (
     "tests/launch",
     "tests/recipes/test_train_final.py",
