@@ -5,8 +5,8 @@ whole global batch computed by hand in one forward, at the initial weights:
 - the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
   evaluation afterwards: `eval_loss`, `eval_ce`, `eval_term/*` are the objective of the whole evaluated
   set at evaluation batch 1 and 4 alike;
-- the same snippet on 2 processes (torchrun, gloo; micro-batch 1 x accumulation 2 per rank), and its
-  evaluation of 5 rows at batch 1 per rank (accelerate repeats one row to even the ranks out);
+- the same snippet on 2 processes (pre-started, with torchrun's variables; gloo; micro-batch 1 x
+  accumulation 2 per rank), and its evaluation of 5 rows at batch 1 per rank (accelerate repeats one row to even the ranks out);
 - the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
 - every term weight 0 changes nothing: bit-identical losses and weights to the integration's plain CE,
@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -106,14 +105,12 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
 def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
     from numloss import NumericVocab
 
+    from tests.distributed import run_ranks
+    from tests.numloss.integrations.hf_trainer_ranks import launched_rank
+
     tok.save_pretrained(str(tmp_path / "tok"))
-    script = Path(__file__).with_name("hf_trainer_ranks.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path / "tok"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(H.REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(cmd, cwd=H.REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # the script torchrun would run (hf_trainer_ranks.py), on pre-started ranks with torchrun's variables
+    run_ranks(2, launched_rank, str(tmp_path / "tok"), str(tmp_path), timeout=300)
     logged = json.loads((tmp_path / "log_history.json").read_text())[0]
     initial = H.model(tok)
     initial.load_state_dict(torch.load(tmp_path / "init.pt"))
