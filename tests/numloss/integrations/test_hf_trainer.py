@@ -6,7 +6,8 @@ whole global batch computed by hand in one forward, at the initial weights:
   evaluation afterwards: `eval_loss`, `eval_ce`, `eval_term/*` are the objective of the whole evaluated
   set at evaluation batch 1 and 4 alike;
 - the same snippet on 2 processes (pre-started, with torchrun's variables; gloo; micro-batch 1 x
-  accumulation 2 per rank), and its evaluation of 5 rows at batch 1 per rank (accelerate repeats one row to even the ranks out);
+  accumulation 2 per rank), and its evaluation of 5 rows at batch 1 per rank (accelerate repeats one row
+  to even the ranks out);
 - the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
 - every term weight 0 changes nothing: bit-identical losses and weights to the integration's plain CE,
