@@ -33,16 +33,16 @@ from tests.expected_skips import SkipLedger
 
 # the units over ~90 s, longest first, each file run alone (`python -m pytest -q --durations=0 <file>`) on the
 # shared 2-core machine, 2026-12-08, after the runs whose properties are numbers moved into pre-started ranks:
-# tests/launch (test_ray + test_sweep alone 356 s, the SLURM files besides), test_train_final 171,
-# test_train_layouts 153, test_engine_moe 151, test_gpu_check 141, test_train 99-107, the DeepSpeed test_moe
-# 103 (then test_resume_policy 87, test_train_length_bucketing 78, test_lora 67, test_preemption 65,
+# tests/launch (test_ray + test_sweep alone 356 s, the SLURM files besides), test_train_layouts 153,
+# test_engine_moe 151, test_gpu_check 141, test_train_final 106, test_train 99-107, the DeepSpeed test_moe
+# 103, test_resume_policy 87 (then test_train_length_bucketing 78, test_lora 67, test_preemption 65,
 # test_eval_step_in_training 55)
 LONGEST_FIRST = (
     "tests/launch",
-    "tests/recipes/test_train_final.py",
     "tests/recipes/test_train_layouts.py",
     "tests/recipes/engines/megatron/test_engine_moe.py",
     "tests/test_gpu_check.py",
+    "tests/recipes/test_train_final.py",
     "tests/recipes/test_train.py",
     "tests/recipes/engines/deepspeed/test_moe.py",
     "tests/recipes/reliability/test_resume_policy.py",
