@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	# DeepSpeed's CPU Adam (ZeRO-Offload's optimizer), compiled here once into TORCH_EXTENSIONS_DIR (about
+	# 2 min of gcc) rather than inside the first test or run that offloads
+	$(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 	touch $(STAMP)
 
 lock: $(STAMP)

@@ -77,7 +77,7 @@ from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fall
 from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .reliability.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, nonfinite_keys, progress_bar
-from .training.runtime import Runtime, setup_distributed, teardown
+from .training.runtime import Runtime, exit_finished, setup_distributed, teardown
 from .training.scale_check import first_step_scale, scale_advice
 from .training.throughput import StepMeter
 from .reliability.watchdog import mark_phase, start_watchdog
@@ -367,4 +367,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main()  # a refusal or a failure exits inside, the normal way
+    exit_finished()  # recipes.training.runtime: no interpreter finalisation after a finished run

@@ -53,7 +53,8 @@ def _entry(rank: int, world: int, init_file: str, env: dict, stdio: tuple, fn, a
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
-        dist.barrier()
+        if dist.is_initialized():  # a run of recipes.train ends its group itself (its teardown)
+            dist.barrier()
     except BaseException:
         # When, before this rank's group goes down and breaks the other ranks' collectives: the clock
         # is system-wide, so `_every_error` can put the rank that failed first first.
@@ -61,7 +62,8 @@ def _entry(rank: int, world: int, init_file: str, env: dict, stdio: tuple, fn, a
             f.write(str(time.monotonic_ns()))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _start_method() -> str:
@@ -117,3 +119,67 @@ def run_ranks(world: int, fn, *args, timeout: float = 240.0) -> None:
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+
+
+def _train_rank(rank: int, world: int, argv: list[str], hooks: str | None, result: str, log: str | None) -> None:
+    """One rank of `train_in_ranks`: the variables torchrun would set, then the run; its outcome (the
+    exception's type and text, or none) into `result`.<rank>.json."""
+    import importlib
+    import json
+    import sys
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if log is not None:  # both streams, every rank, appended as a torchrun job's shared output would be
+        sink = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        for fd in (1, 2):
+            os.dup2(sink, fd)
+        os.close(sink)
+        sys.stdout.reconfigure(line_buffering=True)
+    from recipes.config import load_recipe
+    from recipes.train import train
+
+    outcome = {"error": None, "message": "", "last": {}}
+    try:
+        made = None
+        if hooks:
+            module, _, name = hooks.partition(":")
+            made = getattr(importlib.import_module(module), name)(rank)
+        outcome["last"] = train(load_recipe(argv[0], argv[1:]), made)
+    except Exception as err:  # the run's own refusals and stops are what a test reads
+        outcome.update(error=type(err).__name__, message=str(err))
+    # this process's threads once the run has returned (its teardown done): a process group left alive
+    # still has its gloo threads here, as it would at a torchrun rank's last exit handler
+    outcome["threads"] = sorted(_thread_names())
+    Path(f"{result}.{rank}.json").write_text(json.dumps(outcome))
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # a thread that ended while we looked
+            continue
+    return names
+
+
+def train_in_ranks(world: int, argv: list[str], *, hooks: str | None = None, log: str | Path | None = None,
+                   timeout: float = 600.0) -> list[dict]:
+    """`recipes.train.train` of the recipe `argv` ([path, *overrides]) on `world` fork-server ranks that
+    already hold the group (gloo): the same loop, engine and files as a torchrun of `python -m
+    recipes.train`, without each rank's interpreter start and imports. For properties that are numbers
+    (losses, files written, a refusal's text); a property of processes (signals, exit codes, the
+    launcher's death) needs the real launch (tests/recipes/torchrun_helpers.py).
+
+    `hooks`: "module:function", called on every rank with the rank, returning the run's `Hooks` (or None:
+    the function may also patch the loop's module in that rank's process). `log`: a file that gets every
+    rank's stdout and stderr (else they go to the caller's). Returns
+    each rank's {"error": the exception's class name or None, "message", "last": the last row on rank 0,
+    "threads": the rank's thread names after the run returned}."""
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "outcome")
+        run_ranks(world, _train_rank, list(argv), hooks, result, None if log is None else str(log),
+                  timeout=timeout)
+        return [json.loads(Path(f"{result}.{r}.json").read_text()) for r in range(world)]

@@ -147,6 +147,8 @@ class PreemptionWatch:
         after = now - self.first_signal_at
         if after < self.window_s:
             self.repeats += 1
+            print(f"[numloss] rank {self.rank}: {sig.name} repeated {after:.1f} s after the first request, within "
+                  f"train.preempt_window_s: the same request", file=sys.stderr, flush=True)
             return
         print(f"[numloss] rank {self.rank}: {sig.name} again, {after:.0f} s after the first request "
               f"(train.preempt_window_s {self.window_s:g}): the save has not finished in that time; stopping now "

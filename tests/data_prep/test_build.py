@@ -156,7 +156,9 @@ def _finish(proc, timeout: float) -> str:
 
 @pytest.mark.timeout(400)
 def test_resume_after_kill_at_random_points(tmp_path, build_tok):
-    rng = random.Random(int(os.environ.get("DATA_PREP_TEST_SEED", time.time_ns() % 10_000)))
+    seed = int(os.environ.get("DATA_PREP_TEST_SEED", time.time_ns() % 10_000))  # a failure reruns with this seed
+    print(f"kill points drawn with DATA_PREP_TEST_SEED={seed}")  # pytest shows it with the failure
+    rng = random.Random(seed)
     ref = str(tmp_path / "ref")
     assert cli_main(_cli_args(build_tok, ref)) == 0
     n_parts = len(json.load(open(os.path.join(ref, "manifest.json")))["shards"])

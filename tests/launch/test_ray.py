@@ -8,8 +8,11 @@
 
 Neither needs a separate uninterrupted run: the fault comes after the last step's row, so a job's first
 attempt logs every row an uninterrupted run logs before it dies. The test keeps that file (a hard link;
-the restarted rank 0 truncates metrics.jsonl by renaming a new file over it), and the restarted group,
-resumed from the step-4 checkpoint, must log exactly its values. Beside them: a head started by
+the restarted rank 0 truncates metrics.jsonl by renaming a new file over it). The restarted group must
+have resumed from the step-4 checkpoint: the rows of steps 1-4 are the first attempt's own lines (each
+carries its step's measured wall time, `step_s`, which a group that trained again from step 0 would
+have measured anew), and the rows of steps 5-6 are logged again, with a new wall time and exactly the
+first attempt's values. Beside them: a head started by
 `launch.ray` with a token file in HOME, and the job submission, result parsing, auth and placement
 rules without a job.
 """
@@ -40,6 +43,7 @@ from .conftest import STEPS, env_without_host_ray, head_args_on_spare_ports, run
 pytestmark = pytest.mark.timeout(600)  # a fixture's Ray job (420 s at most) runs inside its first test's time
 
 FAULT = {"step": STEPS, "rank": 1}  # after the last step's row; checkpoints every 2 steps: resumes from 4
+RESUMED = STEPS - 2  # the committed checkpoint the restart resumes from
 KEYS = ("loss", "ce", "term/smmd", "grad_norm", "lr")
 
 
@@ -74,15 +78,22 @@ class FirstAttempt:
         self.thread.join()
 
 
-def assert_restart_logged_the_uninterrupted_values(out: Path, first: Path, extra_keys=()) -> None:
-    """The first attempt logged steps 1..STEPS uninterrupted; the restart rewrote metrics.jsonl (another
-    file) and its rows, steps 5 and 6 run again from the step-4 checkpoint, are the first attempt's."""
+def assert_restart_resumed_and_logged_the_uninterrupted_values(out: Path, first: Path, extra_keys=()) -> None:
+    """The first attempt logged steps 1..STEPS uninterrupted, then died. The restart rewrote metrics.jsonl
+    (another file): its first RESUMED rows are the first attempt's lines byte for byte, so the restarted
+    group logged none of them (a retrain from step 0 would have logged them again, each with its own
+    measured `step_s`), and the rows after RESUMED were logged by the restart (a `step_s` of its own)
+    with the first attempt's values: it continued from the checkpoint as the uninterrupted run did."""
     assert (out / f".fault_injected_step{FAULT['step']}_rank{FAULT['rank']}").is_file(), "the fault was never injected"
-    want, got = read_metrics(first), read_metrics(out)
+    want_lines = first.read_text().splitlines()
+    got_lines = (out / "metrics.jsonl").read_text().splitlines()
+    want, got = [json.loads(x) for x in want_lines], [json.loads(x) for x in got_lines]
     assert [r["step"] for r in want] == list(range(1, STEPS + 1)), "the first attempt did not reach the fault"
     assert not os.path.samefile(first, out / "metrics.jsonl"), "the restart never rewrote metrics.jsonl"
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got, want):
+    assert got_lines[:RESUMED] == want_lines[:RESUMED], "the restart logged the checkpoint's steps again"
+    for a, b in zip(got[RESUMED:], want[RESUMED:]):
+        assert a["step_s"] != b["step_s"], f"step {a['step']} was not logged by the restarted group"
         for key in (*KEYS, *extra_keys):
             assert a[key] == b[key], f"step {a['step']} {key}: {a[key]!r} != {b[key]!r}"
 
@@ -130,7 +141,7 @@ def test_killed_worker_restarts_from_the_committed_checkpoint_with_the_same_loss
     """Rank 1 SIGKILLs itself after step 6 (checkpoints every 2 steps): Ray restarts the group, which
     resumes from step 4 and logs exactly the uninterrupted first attempt's values from there on."""
     out, first, summary = deepspeed_killed
-    assert_restart_logged_the_uninterrupted_values(out, first, extra_keys=(f"term/{plugin_helpers.TERM}",))
+    assert_restart_resumed_and_logged_the_uninterrupted_values(out, first, extra_keys=(f"term/{plugin_helpers.TERM}",))
     assert summary["metrics"]["step"] == STEPS and summary["checkpoint"]["step"] == STEPS
     # the group started twice, and the same nodes held the same ranks both times
     starts = rank_starts(out)
@@ -292,8 +303,13 @@ def test_megatron_engine_restarts_on_ray_with_the_same_losses(megatron_local):
     proc, out, first, _ = megatron_local
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    assert "resuming from step_00000004 (latest)" in text, text[-4000:]
+    # printed by recipes.train once the engine loaded the checkpoint, with the step its state was saved at
+    # (Ray's log forwarding may repeat a worker's line: one rank 0 said it, once per start that resumed)
+    resumed = {line.split("pid=", 1)[1].split(")", 1)[0] for line in text.splitlines()
+               if f"[numloss] resumed tiny from step {RESUMED}" in line and "pid=" in line}
+    assert len(resumed) == 1 and "[numloss] resumed tiny from step" not in text.replace(
+        f"[numloss] resumed tiny from step {RESUMED}", ""), text[-4000:]
     assert (out / "checkpoints" / f"step_{STEPS:08d}" / "megatron").is_dir()  # the engine's own state
-    assert_restart_logged_the_uninterrupted_values(out, first)
+    assert_restart_resumed_and_logged_the_uninterrupted_values(out, first)
     starts = rank_starts(out)
     assert len(starts) == 2 and starts[0] == starts[1], starts

@@ -22,7 +22,7 @@ from tests.recipes import plugin_helpers
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_a_grid_runs_on_ray_and_writes_the_table(workspace, cluster, tmp_path):
+def test_a_grid_runs_on_ray_and_writes_the_table(workspace, cluster, tmp_path, monkeypatch, capsys):
     """A 2 x 2 spec expands to its 4 jobs in order; one backbone's row of it (2 jobs: training on the Ray
     cluster, export, evaluation) runs and fills the table, and a second start skips the finished jobs.
     The table's comparisons across backbones and seeds are checked on synthetic results below; here
@@ -61,10 +61,15 @@ def test_a_grid_runs_on_ray_and_writes_the_table(workspace, cluster, tmp_path):
     table = (tmp_path / "sweep" / "results.md").read_text()
     assert "| l2-smmd-s0 | l2 | smmd | 0 | 2 |" in table and "Mean ± std over seeds" in table
     assert "| l2 | smmd | 1 | " in table and "1 seed: no ranking" in table  # one seed ranks nothing
-    # a second run skips the finished jobs (no training: only the table is rebuilt)
-    t1 = time.time()
+    # a second run skips the finished jobs: none trains or is evaluated again, and the table is rebuilt
+    calls = []
+    monkeypatch.setattr(launch.sweep, "run_job", lambda sweep, job, address=None: calls.append(("train", job.name)))
+    monkeypatch.setattr(launch.sweep, "EVALUATE", lambda sweep, job: calls.append(("evaluate", job.name)))
+    (tmp_path / "sweep" / "results.md").unlink()
     assert main([str(path)]) == 0
-    assert time.time() - t1 < 20
+    assert calls == []
+    assert (tmp_path / "sweep" / "results.md").read_text() == table
+    assert capsys.readouterr().out.count(": done already") == 2
 
 
 def test_the_table_compares_each_loss_with_the_baseline_of_its_backbone(tmp_path):

@@ -1,5 +1,6 @@
-"""recipes.train end to end: 2-rank DeepSpeed ZeRO-3 on CPU (torchrun, gloo), a tiny random Llama on
-generated arithmetic built through data_prep.
+"""recipes.train end to end: 2-rank DeepSpeed ZeRO-3 on CPU (gloo), a tiny random Llama on generated
+arithmetic built through data_prep. The runs whose properties are numbers train in pre-started ranks
+(`run_in_ranks`); the killed run and its restart are real torchrun jobs (the property is a process's).
 
 - training lowers the loss; the exported safetensors model equals the checkpoint's fp32 weights
   (recovered independently with DeepSpeed's zero_to_fp32) and loads into a fresh model;
@@ -19,7 +20,8 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from tests.recipes.torchrun_helpers import kill_after_logged_steps, launch, read_metrics, run_to_end, tiny_workspace  # noqa: E402
+from tests.recipes.torchrun_helpers import (kill_after_logged_steps, launch, read_metrics, run_in_ranks,  # noqa: E402
+                                           run_to_end, tiny_workspace)
 
 STEPS = 8
 
@@ -37,7 +39,7 @@ def workspace(tmp_path_factory):
 def reference_run(workspace):
     root, recipe = workspace
     out = root / "reference"
-    run_to_end(recipe, out)
+    run_in_ranks(recipe, out)
     return out
 
 
@@ -102,8 +104,8 @@ def test_bf16_training_on_cpu_lowers_the_loss_and_both_heads_agree(workspace, re
     runs = {}
     for head in ("logits", "chunked"):
         out = root / f"bf16-{head}"
-        run_to_end(recipe, out, "model.dtype=bfloat16", f"loss.head={head}", "train.save_every=0",
-                   "train.tensorboard=false")
+        run_in_ranks(recipe, out, "model.dtype=bfloat16", f"loss.head={head}", "train.save_every=0",
+                     "train.tensorboard=false")
         runs[head] = read_metrics(out)
     logits, chunked = runs["logits"], runs["chunked"]
     assert [r["step"] for r in logits] == [r["step"] for r in chunked] == list(range(1, STEPS + 1))
@@ -128,7 +130,7 @@ def test_zero_stages_and_cpu_offload_train_the_same_model(workspace, reference_r
     runs = {}
     for name, overrides in {"offload": ("deepspeed.offload_optimizer=true", "deepspeed.offload_params=true"),
                             "zero2": ("deepspeed.zero_stage=2",), "zero0": ("deepspeed.zero_stage=0",)}.items():
-        run_to_end(recipe, root / name, *overrides, *fast)
+        run_in_ranks(recipe, root / name, *overrides, *fast)
         runs[name] = read_metrics(root / name)
     reference = read_metrics(reference_run)
     for a, b in zip(reference, runs["offload"]):

@@ -1,5 +1,7 @@
 """Layout invariance of recipes.train: the same recipe, data and initial weights train the same at every
-layout (real torchrun jobs on CPU, gloo, fp32).
+layout (CPU, gloo, fp32). The DeepSpeed layouts run the loop in pre-started ranks (`train_in_ranks`: their
+properties are numbers, and each rank's threads once its run returned); the Megatron layout and the
+killed TP-2 run are real torchrun jobs.
 
 A tiny Llama is saved to disk once, so every layout (ZeRO-2 or ZeRO-3, 1 or 2 ranks, tensor-parallel
 or not) starts from the same weights. The objective is CE + SMMD + NTL-WAS + NTIL (noise 0) + DIST2
@@ -43,6 +45,7 @@ checkpoint resumes to the same losses to the bit and exports a model that loads 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -51,6 +54,7 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
+from tests.distributed import train_in_ranks  # noqa: E402
 from tests.recipes.torchrun_helpers import (exit_threads, kill_after_logged_steps, launch, read_metrics, run_to_end,  # noqa: E402
                               save_tiny_llama)
 
@@ -106,13 +110,22 @@ def workspace(tmp_path_factory):
 
 
 def _run(workspace, name: str, nproc: int, overrides, *extra) -> list[dict]:
+    """One layout's run: the DeepSpeed layouts in pre-started ranks (`train_in_ranks`: their properties are
+    numbers, and each rank's threads once the run returned); the Megatron layout as a torchrun job whose
+    every process (the ranks and the helper processes they start) reports its threads at its last exit
+    handler."""
     root, recipe = workspace
     out = root / name
     export = f"train.export={str(name in EXPORTS).lower()}"
+    if name not in MEGATRON:
+        outcomes = train_in_ranks(nproc, [str(recipe), f"train.out_dir={out}", *overrides, *FAST, export, *extra])
+        assert all(o["error"] is None for o in outcomes), f"{name}: {outcomes}"
+        (out / "threads.json").write_text(json.dumps({r: [o["threads"]] for r, o in enumerate(outcomes)}))
+        return read_metrics(out)
     proc = launch(recipe, out, *overrides, *FAST, export, *extra, nproc=nproc, exit_report=True)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
-    (out / "torchrun.log").write_text(output)  # _groups_left_at_exit reads it
+    (out / "threads.json").write_text(json.dumps(exit_threads(output)))  # _groups_left_at_exit reads it
     return read_metrics(out)
 
 
@@ -180,7 +193,7 @@ def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str,
     """{"rank r, process i": thread names} for each process of layout `name` that exits with gloo threads."""
     nproc = (MEGATRON if name in MEGATRON else LAYOUTS)[name][0]
     (megatron_runs if name in MEGATRON else runs)[name]
-    threads = exit_threads((workspace[0] / name / "torchrun.log").read_text())
+    threads = {int(r): reports for r, reports in json.loads((workspace[0] / name / "threads.json").read_text()).items()}
     assert sorted(threads) == list(range(nproc)), f"{name}: exit reports from ranks {sorted(threads)}"
     return {f"rank {rank}, process {i}": names for rank, reports in threads.items()
             for i, names in enumerate(reports) if any("gloo" in n for n in names)}
@@ -189,7 +202,8 @@ def _groups_left_at_exit(workspace, runs, megatron_runs, name: str) -> dict[str,
 @pytest.mark.parametrize("name", [*LAYOUTS, *MEGATRON])
 def test_no_process_group_outlives_a_run(workspace, runs, megatron_runs, name):
     """Every rank has freed its process groups before the interpreter shuts down: no gloo thread is left
-    when the last exit handler runs. A group left alive is freed during finalisation, where a rank that
+    when the run has returned (the DeepSpeed layouts' pre-started ranks) or when the last exit handler
+    runs (the Megatron torchrun job's every process). A group left alive is freed during finalisation, where a rank that
     finished its run sometimes aborted ("terminate called without an active exception", exit -6; seen
     once in the dp2-accum run here), which the launcher reports as a failed job. The leak this checks
     for is deterministic where the abort is not. The holders, each released by
@@ -272,10 +286,11 @@ def test_a_dp2_run_resumes_on_one_rank(workspace, runs):
     out = root / "dp2-then-1"
     rows = _run(workspace, "dp2-then-1", 2, LAYOUTS["dp2"][1], "train.steps=2")
     assert len(rows) == 2
-    proc = launch(root / "recipe.yaml", out, "train.micro_batch_size=8", "train.grad_accum=1",
-                  "deepspeed.zero_stage=3", *FAST, "train.export=false", nproc=1)
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-4000:]
+    log = root / "dp2-then-1.log"
+    outcomes = train_in_ranks(1, [str(root / "recipe.yaml"), f"train.out_dir={out}", "train.micro_batch_size=8",
+                                  "train.grad_accum=1", "deepspeed.zero_stage=3", *FAST, "train.export=false"], log=log)
+    output = log.read_text()
+    assert outcomes[0]["error"] is None, (outcomes, output[-4000:])
     assert "resumed layouts from step 2" in output
     _same_curve(read_metrics(out), runs["dp2"], "dp2 resumed on 1 rank")
 

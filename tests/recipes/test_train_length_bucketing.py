@@ -1,9 +1,11 @@
-"""`data.length_bucketing` in recipes.train (real 2-rank torchrun jobs on CPU, gloo, fp32): sorting each
+"""`data.length_bucketing` in recipes.train (2 ranks on CPU, gloo, fp32: `tests.distributed.train_in_ranks`,
+the loop and engine of a torchrun job in pre-started ranks; the properties are numbers): sorting each
 global batch by length before it is dealt out changes which rank and micro-batch computes a row, not what
 the step trains on, so step 1 logs the same loss and gradient norm (1e-6 relative) with and without it,
 on 2 data-parallel ranks x 2 accumulated micro-batches of a skewed length mix, and a lower
 `padding_ratio`. Both runs' `padding_ratio` are checked against the step's rows counted from the Parquet
-files (pyarrow) and the reader's plain order."""
+files (pyarrow) and the reader's plain order. The Megatron engine, bucketed, logs the bucketed DeepSpeed
+run's loss and the positions it ran. The three runs are made once (module fixture) and read by the tests."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import yaml
 
 pytest.importorskip("deepspeed")
 
-from tests.recipes.torchrun_helpers import read_metrics, run_to_end, save_tiny_llama  # noqa: E402
+from tests.distributed import train_in_ranks  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics, save_tiny_llama  # noqa: E402
 
 G, B, PAD = 8, 2, 8  # global batch, rows per micro-batch (2 ranks x 2 micro-batches), data.pad_to_multiple_of
 SEED = 3  # its step 1 has long and short rows mixed in each micro-batch: 1.56x padded without bucketing, 1.23x with
@@ -66,28 +69,35 @@ def expected_padding_ratio(root, bucketing: bool) -> float:
     return padded / sum(rows)
 
 
-def test_bucketing_keeps_the_loss_and_gradient_and_cuts_padding(workspace):
-    rows = {}
-    for bucketing in (False, True):
-        out = workspace / f"bucketing-{bucketing}"
-        run_to_end(workspace / "recipe.yaml", out, f"data.length_bucketing={str(bucketing).lower()}")
-        rows[bucketing] = read_metrics(out)[0]
-    plain, sorted_ = rows[False], rows[True]
+RUNS = {"plain": ["data.length_bucketing=false"], "bucketed": ["data.length_bucketing=true"],
+        "megatron": ["data.length_bucketing=true", "train.engine=megatron", "deepspeed.zero_stage=3"]}
+
+
+@pytest.fixture(scope="module")
+def rows(workspace):
+    """Step 1's logged row of each run of RUNS, on 2 ranks."""
+    found = {}
+    for name, overrides in RUNS.items():
+        out = workspace / name
+        outcomes = train_in_ranks(2, [str(workspace / "recipe.yaml"), f"train.out_dir={out}", *overrides])
+        assert [o["error"] for o in outcomes] == [None, None], outcomes
+        found[name] = read_metrics(out)[0]
+    return found
+
+
+def test_bucketing_keeps_the_loss_and_gradient_and_cuts_padding(workspace, rows):
+    plain, sorted_ = rows["plain"], rows["bucketed"]
     for key in ("loss", "ce", "term/smmd", "term/ntl_was", "grad_norm"):
         assert sorted_[key] == pytest.approx(plain[key], rel=1e-6), key
-    for bucketing, row in rows.items():
+    for bucketing, row in ((False, plain), (True, sorted_)):
         assert row["padding_ratio"] == pytest.approx(expected_padding_ratio(workspace, bucketing), rel=1e-12)
     assert sorted_["padding_ratio"] < plain["padding_ratio"] - 0.2, (sorted_["padding_ratio"], plain["padding_ratio"])
 
 
-def test_megatron_logs_the_positions_it_ran(workspace):
+def test_megatron_logs_the_positions_it_ran(workspace, rows):
     """The Megatron engine cuts each micro-batch at its last real column, rounded up to data.pad_to_multiple_of
     (and TP under SP; the CPU path's block-mask form), and returns the positions it ran (tokens_run):
-    padding_ratio is that count, and the loss the DeepSpeed run's."""
-    out = workspace / "megatron"
-    run_to_end(workspace / "recipe.yaml", out, "train.engine=megatron", "deepspeed.zero_stage=3")
-    row = read_metrics(out)[0]
+    padding_ratio is that count, and the loss the bucketed DeepSpeed run's."""
+    row = rows["megatron"]
     assert row["padding_ratio"] == pytest.approx(expected_padding_ratio(workspace, True), rel=1e-12)
-    deepspeed = workspace / "bucketing-True" / "metrics.jsonl"
-    if deepspeed.exists():  # the first test's run, when it ran in this session
-        assert row["loss"] == pytest.approx(read_metrics(workspace / "bucketing-True")[0]["loss"], rel=1e-4)
+    assert row["loss"] == pytest.approx(rows["bucketed"]["loss"], rel=1e-4)

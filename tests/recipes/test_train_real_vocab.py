@@ -1,5 +1,5 @@
 """The Megatron-core engine at a real vocabulary size: a Qwen2.5-sized tokenizer (151,665 tokens,
-assembled offline, every digit a token) under a tiny random Llama, trained by `recipes.train` at TP 2
+assembled offline, every digit a token) under a tiny random Llama, trained by `recipes.train` (its loop in pre-started ranks) at TP 2
 with sequence parallelism, must log the DeepSpeed single-rank run's values at every step (1e-4
 relative), as test_train_layouts.py checks at 300 tokens.
 
@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")
 
 from tests.data_prep.helpers import assemble_tokenizer
-from tests.recipes.torchrun_helpers import launch, read_metrics, save_tiny_llama  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics, run_in_ranks, save_tiny_llama  # noqa: E402
 
 STEPS = 3
 KEYS = ("loss", "ce", "grad_norm", "term/smmd", "term/ntil", "term/ntl_was", "numeric_positions", "lr",
@@ -53,10 +53,9 @@ def workspace(tmp_path_factory):
 
 
 def _run(workspace, name: str, nproc: int, *overrides: str) -> list[dict]:
+    """The loop in pre-started ranks (`run_in_ranks`): the property is numbers."""
     root, recipe = workspace
-    proc = launch(recipe, root / name, *overrides, nproc=nproc)
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
+    run_in_ranks(recipe, root / name, *overrides, nproc=nproc)
     return read_metrics(root / name)
 
 

@@ -129,6 +129,21 @@ def run_to_end(recipe: Path, out_dir: Path, *overrides: str, env: dict | None = 
     return output
 
 
+def run_in_ranks(recipe: Path, out_dir: Path, *overrides: str, nproc: int = 2) -> str:
+    """`run_to_end` where the property is a number (losses, files written, what the run says), not a
+    process's life: the same loop and engine in `nproc` fork-server ranks (`tests.distributed.
+    train_in_ranks`), without the interpreter starts and imports of a torchrun job. Fails with every rank's
+    error; returns every rank's output (also kept beside `out_dir`, one file per run)."""
+    from tests.distributed import train_in_ranks
+
+    out_dir = Path(out_dir)
+    log = out_dir.with_name(f"{out_dir.name}.{len(list(out_dir.parent.glob(f'{out_dir.name}.*.log')))}.log")
+    outcomes = train_in_ranks(nproc, [str(recipe), f"train.out_dir={out_dir}", *overrides], log=log)
+    output = log.read_text()
+    assert all(o["error"] is None for o in outcomes), f"{outcomes}\n{output[-4000:]}"
+    return output
+
+
 def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 

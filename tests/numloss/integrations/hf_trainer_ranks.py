@@ -74,6 +74,13 @@ def layout_rank(rank: int, world: int, tok_dir: str, out: str, launched: bool) -
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
+def launched_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
+    """`main` on a rank under `run_ranks` with the variables torchrun sets: the torchrun job's numbers
+    without its interpreter starts."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    main(tok_dir, out)
+
+
 if __name__ == "__main__":
     main(*sys.argv[1:])
 

@@ -5,8 +5,9 @@ whole global batch computed by hand in one forward, at the initial weights:
 - the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
   evaluation afterwards: `eval_loss`, `eval_ce`, `eval_term/*` are the objective of the whole evaluated
   set at evaluation batch 1 and 4 alike;
-- the same snippet on 2 processes (torchrun, gloo; micro-batch 1 x accumulation 2 per rank), and its
-  evaluation of 5 rows at batch 1 per rank (accelerate repeats one row to even the ranks out);
+- the same snippet on 2 processes (pre-started, with torchrun's variables; gloo; micro-batch 1 x
+  accumulation 2 per rank), and its evaluation of 5 rows at batch 1 per rank (accelerate repeats one row
+  to even the ranks out);
 - the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
 - every term weight 0 changes nothing: bit-identical losses and weights to the integration's plain CE,
@@ -24,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -106,14 +106,12 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
 def test_trainer_on_two_processes_logs_the_whole_batch_objective(tok, tmp_path):
     from numloss import NumericVocab
 
+    from tests.distributed import run_ranks
+    from tests.numloss.integrations.hf_trainer_ranks import launched_rank
+
     tok.save_pretrained(str(tmp_path / "tok"))
-    script = Path(__file__).with_name("hf_trainer_ranks.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-           str(tmp_path / "tok"), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(H.REPO), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(cmd, cwd=H.REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # the script torchrun would run (hf_trainer_ranks.py), on pre-started ranks with torchrun's variables
+    run_ranks(2, launched_rank, str(tmp_path / "tok"), str(tmp_path), timeout=300)
     logged = json.loads((tmp_path / "log_history.json").read_text())[0]
     initial = H.model(tok)
     initial.load_state_dict(torch.load(tmp_path / "init.pt"))
@@ -249,3 +247,36 @@ def test_a_term_many_times_ce_is_named_before_the_first_optimizer_step(tmp_path,
     ce, value = float(out.ce), float(out.terms["ntl_was"])
     assert 0.3 * value > 5 * ce, (ce, value)
     assert f"term ntl_was = {value:.4g} x weight 0.3" in line and f"weight {ce / value:.3g} would make" in line, line
+
+
+@pytest.mark.parametrize("found,accepted", [("5.19.0", True), ("5.25.0", True), ("5.99.1", True), ("5.18.2", False),
+                                            ("4.57.1", False), ("6.0.0", False)])
+def test_the_transformers_version_floor_is_checked_when_the_trainer_is_made(tok, tmp_path, monkeypatch, found, accepted):
+    """transformers 5.x from 5.19 (whose Trainer reads `loss_is_scaled_for_ga`): another version installed
+    (the version lookup answering it) is refused by NumericTrainer before anything is built, naming it."""
+    import importlib.metadata
+
+    from numloss import NumericVocab
+    from numloss.integrations.hf_trainer import NumericTrainer, check_transformers
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: found if name == "transformers" else real(name))
+    if accepted:
+        check_transformers()
+        return
+    with pytest.raises(RuntimeError, match=rf"needs transformers 5.x from 5.19 \(tested with 5.25.0\); found {found}"):
+        NumericTrainer(model=H.model(tok), args=_args(tmp_path), train_dataset=H.rows(tok, 4),
+                       data_collator=_collator(tok), numeric_vocab=NumericVocab.from_tokenizer(tok, policy="digits"))
+
+
+def test_without_transformers_the_trainer_names_the_extra_to_install(monkeypatch):
+    import importlib.metadata
+
+    from numloss.integrations.hf_trainer import check_transformers
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    with pytest.raises(ImportError, match=r"needs transformers: pip install -e '\.\[hf\]'"):
+        check_transformers()

@@ -8,15 +8,18 @@ SLURM cluster never makes, would not show that. One run directory, five starts, 
 
 1. `<out_dir>/PREEMPT` appears (the SLURM template's trap). Only rank 0 looks for it; rank 1 learns of
    it through the step's all-reduce. Both save the step and exit 75; the file is gone.
-2. SIGTERM to torchrun and to both ranks in the same instant (SLURM's delivery): torchrun forwards its
-   own, so each rank gets two; both save and exit 75.
-3. Two SIGTERMs 50 ms apart to rank 1: saved, both ranks exit 75 (torchrun's summary lists the ranks
-   that had exited when it looked: 75 each).
-4. Two SIGTERMs 50 ms apart to every rank: the same.
+2. SLURM's delivery: SIGTERM to rank 0, to torchrun (which forwards its own to every rank) and to rank 1,
+   so each rank gets two.
+3. Two SIGTERMs to rank 1: saved, both ranks exit 75 (torchrun's summary lists the ranks that had exited
+   when it looked: 75 each).
+4. Two SIGTERMs to every rank: the same.
 5. SIGTERM to both ranks while they start (handlers installed, engine not yet built): both exit 75
    before their first step; nothing new is trained or saved, `latest` is unchanged.
 After each: `latest` names the step, the next start resumes from it, and metrics.jsonl holds every step
-once. The racy deliveries (2-4) are three chances for a second signal to land before the first is handled.
+once. No delivery races the run: each signal is sent once the rank said it had the one before (its
+request noted, then each repeat), while the rank is held inside the run by its peer, SIGSTOPped, which
+it waits for in the step's collectives (SIGCONT once the rank has said so); so every second SIGTERM lands
+on a live rank with its handlers installed, mid-run, and is shown to be the same request.
 """
 
 from __future__ import annotations
@@ -66,6 +69,69 @@ def _finish(proc, log: Path) -> str:
     return log.read_text()
 
 
+def _send(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Ranks:
+    """A running job's ranks, signalled one event at a time: each SIGTERM is followed by a wait for the
+    rank's own line saying it got it (the first noted as the request, a later one as its repeat)."""
+
+    def __init__(self, proc, log: Path, pids: dict[int, int]):
+        self.proc, self.log, self.pids = proc, log, pids
+
+    def said(self, text: str, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while text not in self.log.read_text():
+            assert self.proc.poll() is None, f"the job ended before {text!r}: {self.log.read_text()[-3000:]}"
+            assert time.time() < deadline, f"no {text!r} in {timeout} s: {self.log.read_text()[-3000:]}"
+            time.sleep(0.02)
+
+    def term(self, rank: int, first: bool) -> None:
+        os.kill(self.pids[rank], signal.SIGTERM)
+        self.said(f"rank {rank}: SIGTERM: the run stops" if first else f"rank {rank}: SIGTERM repeated")
+
+    def hold(self, rank: int) -> None:
+        """SIGSTOP `rank`: its peer, waiting for it in the step's collectives, cannot leave the run."""
+        os.kill(self.pids[rank], signal.SIGSTOP)
+
+    def release(self, rank: int) -> None:
+        os.kill(self.pids[rank], signal.SIGCONT)
+
+
+def _slurm_delivery(r: Ranks) -> None:
+    r.hold(1)
+    r.term(0, first=True)  # SLURM's own to rank 0
+    os.kill(r.proc.pid, signal.SIGTERM)  # SLURM's to torchrun: it forwards SIGTERM to every rank
+    r.said("rank 0: SIGTERM repeated")  # torchrun's reached rank 0
+    r.hold(0)
+    r.release(1)  # rank 1 takes torchrun's SIGTERM, held for it while stopped
+    r.said("rank 1: SIGTERM: the run stops")
+    r.term(1, first=False)  # SLURM's own to rank 1
+    r.release(0)
+
+
+def _twice_to_rank_1(r: Ranks) -> None:
+    r.hold(0)
+    r.term(1, first=True)
+    r.term(1, first=False)
+    r.release(0)
+
+
+def _twice_to_every_rank(r: Ranks) -> None:
+    r.hold(0)
+    r.term(1, first=True)
+    r.term(1, first=False)
+    r.hold(1)
+    r.release(0)
+    r.term(0, first=True)
+    r.term(0, first=False)
+    r.release(1)
+
+
 def test_preemption_saves_once_whatever_the_delivery_and_resumes(recipe, monkeypatch):
     root, path = recipe
     out = root / "run"
@@ -85,34 +151,36 @@ def test_preemption_saves_once_whatever_the_delivery_and_resumes(recipe, monkeyp
     assert (step_dir / "rank_00000.pt").is_file() and (step_dir / "rank_00001.pt").is_file()
     assert [r["step"] for r in read_metrics(out)] == list(range(1, saved + 1))
 
-    deliveries = {
-        "SIGTERM to torchrun and to every rank at once (SLURM)": lambda ranks: [proc.pid, ranks[0], ranks[1]],
-        "two SIGTERMs 50 ms apart to rank 1": lambda ranks: [ranks[1]],
-        "two SIGTERMs 50 ms apart to every rank": lambda ranks: [ranks[0], ranks[1]],
+    deliveries = {  # name: (what it does, whether torchrun is signalled, the signals each rank said it got)
+        "SLURM: SIGTERM to rank 0, torchrun (forwarding its own) and rank 1": (_slurm_delivery, True, (2, 2)),
+        "two SIGTERMs to rank 1": (_twice_to_rank_1, False, (0, 2)),
+        "two SIGTERMs to every rank": (_twice_to_every_rank, False, (2, 2)),
     }
-    for n, (delivery, targets) in enumerate(deliveries.items(), start=2):
+    for n, (delivery, (deliver, to_torchrun, got)) in enumerate(deliveries.items(), start=2):
         log = root / f"start{n}.log"
         proc = launch(path, out, log=log)
         ranks = rank_pids(proc)
         _wait_for_rows(proc, out, saved + 2)
-        for pid in targets(ranks):
-            os.kill(pid, signal.SIGTERM)
-        if "50 ms" in delivery:
-            time.sleep(0.05)
-            for pid in targets(ranks):
-                os.kill(pid, signal.SIGTERM)
+        try:
+            deliver(Ranks(proc, log, ranks))
+        finally:  # a failed delivery must not leave a rank stopped
+            for pid in ranks.values():
+                _send(pid, signal.SIGCONT)
         output = _finish(proc, log)
         assert f"resumed tiny from step {saved}" in output, (delivery, output[-3000:])
         previous, saved = saved, _latest(out)
         assert saved >= previous + 2, delivery
         # each rank ends on its `Preempted` (the line `python -m recipes.train` prints before it exits 75)
-        said = {"rank 0": "SIGTERM" if ranks[0] in targets(ranks) else "asked on another rank", "rank 1": "SIGTERM"}
+        for rank, count in enumerate(got):  # each signal noted: the first as the request, the second as its repeat
+            assert (output.count(f"rank {rank}: SIGTERM: the run stops"), output.count(f"rank {rank}: SIGTERM repeated")) \
+                == ((1, count - 1) if count else (0, 0)), (delivery, output[-4000:])
+        said = {"rank 0": "SIGTERM" if got[0] else "asked on another rank", "rank 1": "SIGTERM"}
         assert sorted(re.findall(rf"preempted \((.*?)\) after step {saved}: checkpoint", output)) == sorted(said.values()), (
             delivery, output[-4000:])
         # torchrun's summary, when torchrun was not signalled itself (then it ends on its SignalException):
         # the ranks' statuses it saw (the first to exit; the other, if it had not yet, it then stops)
         statuses = set(re.findall(r"exitcode\s+: (-?\d+)", output))
-        assert statuses == (set() if proc.pid in targets(ranks) else {"75"}), (delivery, output[-4000:])
+        assert statuses == (set() if to_torchrun else {"75"}), (delivery, output[-4000:])
         assert "Signal 15 (SIGTERM) received" not in output, delivery
         assert [r["step"] for r in read_metrics(out)] == list(range(1, saved + 1)), delivery  # each step once
 
@@ -172,4 +240,5 @@ def test_repeated_signals_inside_the_window_are_one_request_and_one_after_it_sto
     assert done.returncode == -signal.SIGKILL, (done.returncode, done.stdout, done.stderr[-2000:])
     assert "survived" not in done.stdout and time.monotonic() - started < 60  # not after the 30 s wait
     assert "rank 0: SIGTERM again" in done.stderr and "stopping now without saving" in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("rank 0: SIGTERM repeated") == 1 and "rank 0: SIGUSR1 repeated" in done.stderr
     assert done.stderr.count("rank 0: SIGTERM: the run stops after the current step") == 1  # one request noted

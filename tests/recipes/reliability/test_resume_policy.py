@@ -11,7 +11,8 @@ batch compared across layouts and splits.
 Every start that ends before an engine is built (the refusals below, and a finished run started again)
 is a call of `recipes.train.main`, the function `python -m recipes.train` runs, in one long-lived Python
 process shared by the module (`Starts`): its exit status, stdout and stderr, without ~10 s of imports per
-start. Starts that train are processes of their own (`_one_process`, torchrun's `launch`).
+start. Starts that train run the loop in pre-started ranks (`run_in_ranks`: what they show is numbers and
+lines), but for the one whose property is a process's (the full disk's exit status, a torchrun `launch`).
 
 Refusals, on one real run (DeepSpeed ZeRO-3, one process, 2 steps), then each start on it: a global
 batch the checkpoint cannot take (unchecked, the engine would be built and the reader raise a plain
@@ -59,7 +60,7 @@ import yaml
 from recipes.config import recipe_from_dict
 from recipes.reliability.recipe_history import HISTORY, read_history, record_start, recipe_of_step
 from recipes.reliability.resume_policy import ResumeRefused, decide
-from tests.recipes.torchrun_helpers import REPO, launch, read_metrics, save_tiny_llama, tiny_workspace
+from tests.recipes.torchrun_helpers import REPO, launch, read_metrics, run_in_ranks, save_tiny_llama, tiny_workspace
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -179,12 +180,6 @@ def test_the_global_batch_is_compared_across_layouts_and_splits():
         recipe(1, 1), saved, 2, 3, "ckpt")
 
 
-def _one_process(recipe: Path, out: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "recipes.train", str(recipe), f"train.out_dir={out}", *overrides],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-
-
 # One Python process that runs `recipes.train.main` (what `python -m recipes.train` runs) once per request,
 # each with its own stdout and stderr and its exit status: a start that ends before any engine is built
 # costs a few hundred milliseconds here, where a process of its own pays ~10 s of imports first. Each
@@ -213,7 +208,7 @@ for line in sys.stdin:
 class Starts:
     """`recipes.train` starts that end before any engine is built (refused, or finished: nothing to do),
     each a call of `recipes.train.main` in one long-lived process (STARTS_DRIVER); the same exit status,
-    stdout and stderr as `_one_process`. A start that would build an engine belongs in `_one_process`."""
+    stdout and stderr as a process of its own. A start that would build an engine belongs in `run_in_ranks`."""
 
     def __init__(self):
         import queue
@@ -268,8 +263,7 @@ def run(tmp_path_factory):
                             train={"steps": 2, "micro_batch_size": 2, "save_every": 2, "tensorboard": False,
                                    "export": False})
     out = root / "run"
-    done = _one_process(recipe, out)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_in_ranks(recipe, out, nproc=1)
     return root, recipe, out
 
 
@@ -375,8 +369,7 @@ def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from
     assert sorted(p.name for p in checkpoints.glob("*step_*")) == ["step_00000002"]
 
     # 2. the same command, saving every step: resumes from step 2, keep_last 1 leaves the newest alone
-    code, output = _run(launch(recipe, out, "train.save_every=1"))
-    assert code == 0, output[-4000:]
+    output = run_in_ranks(recipe, out, "train.save_every=1")  # (numbers and what it says: pre-started ranks)
     assert "resumed tiny from step 2" in output and "train.save_every: 2 -> 1" in output
     assert sorted(p.name for p in checkpoints.glob("*step_*")) == ["step_00000006"]
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
@@ -385,8 +378,7 @@ def test_deepspeed_a_failed_save_loses_nothing_and_a_changed_recipe_applies_from
     # 3. more steps, a 10x lower lr and another SMMD weight on resume
     changed = ("train.save_every=1", "train.steps=8", f"optim.lr={LOW}",
                "loss.objective={terms: {smmd: {weight: 1.0}}}")
-    code, output = _run(launch(recipe, out, *changed))
-    assert code == 0, output[-4000:]
+    output = run_in_ranks(recipe, out, *changed)
     assert "resumed tiny from step 6" in output
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 9))
@@ -432,12 +424,10 @@ def test_megatron_a_lower_lr_on_resume_runs_from_the_resume_step(workspace):
     root, recipe = workspace
     out = root / "megatron"
     megatron = ("train.engine=megatron", "train.save_every=0", "train.export=false")
-    first = _one_process(recipe, out, *megatron, "train.steps=4")
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _one_process(recipe, out, *megatron, "train.steps=6", f"optim.lr={LOW}")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed tiny from step 4" in resumed.stdout
-    assert "optim.lr: 0.003 -> 0.0003; train.steps: 4 -> 6" in resumed.stdout, resumed.stdout[-3000:]
+    run_in_ranks(recipe, out, *megatron, "train.steps=4", nproc=1)  # numbers and lines: a pre-started rank
+    resumed = run_in_ranks(recipe, out, *megatron, "train.steps=6", f"optim.lr={LOW}", nproc=1)
+    assert "resumed tiny from step 4" in resumed
+    assert "optim.lr: 0.003 -> 0.0003; train.steps: 4 -> 6" in resumed, resumed[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert rows[3]["lr"] == pytest.approx(cosine_lr(LR, 4, 4), rel=1e-12)

@@ -2,12 +2,12 @@
 once: the terms' scale against CE before step 1 (`recipes.training.scale_check`) and the held-out
 evaluation every `eval.every` steps (`recipes.training.held_out`).
 
-Through `python -m recipes.train` on 2 gloo ranks, on both engines, a tiny Llama whose attention has dropout
+Through the loop of `python -m recipes.train` on 2 gloo ranks (pre-started: `tests.distributed.train_in_ranks`), on both engines, a tiny Llama whose attention has dropout
 (so a forward left in eval mode, or one that moved the RNG, would change the training), SMMD at weight 200,
 micro-batch 2 x grad_accum 2. Per engine two runs of 4 steps:
 
 - checked: the scale check and `eval.every: 2`, exported, with TensorBoard;
-- baseline: the scale check replaced by a no-op (`scale_check_off/sitecustomize.py`) and no `eval.every`.
+- baseline: the scale check replaced by a no-op in the ranks' processes and no `eval.every`.
 
 What they show:
 
@@ -46,7 +46,6 @@ ENGINES = {"deepspeed": ["deepspeed.zero_stage=3"]}
 if importlib.util.find_spec("megatron.core"):
     ENGINES["megatron"] = ["train.engine=megatron"]
 TRAINING_KEYS = ("loss", "ce", "term/smmd", "grad_norm")
-CHECK_OFF = Path(__file__).parent / "scale_check_off"
 LINE = re.compile(r"term smmd = (\S+) x weight (\S+) = (\S+) is (\S+)x CE \((\S+)\) on (.*?): its scale, not its "
                   r"weight, will drive the update; weight (\S+) would make it equal CE")
 
@@ -76,13 +75,26 @@ def workspace(tmp_path_factory):
     return root, path
 
 
-def _run(workspace, name: str, *overrides: str, site: Path | None = None) -> tuple[str, list[dict]]:
-    from tests.recipes.torchrun_helpers import launch, read_metrics
+def without_the_scale_check(rank: int):
+    """`train_in_ranks` hooks: the loop's `first_step_scale` replaced by one that runs no forward and says
+    nothing (in this rank's process only), so the run trains as one without the check would."""
+    import recipes.train
+
+    recipes.train.first_step_scale = lambda *args, **kwargs: []
+
+
+def _run(workspace, name: str, *overrides: str, check: bool = True) -> tuple[str, list[dict]]:
+    """`python -m recipes.train`'s loop on WORLD pre-started ranks (`train_in_ranks`: the properties are
+    numbers and lines said); (every rank's output, metrics rows)."""
+    from tests.distributed import train_in_ranks
+    from tests.recipes.torchrun_helpers import read_metrics
 
     root, recipe = workspace
-    proc = launch(recipe, root / name, *overrides, nproc=WORLD, site=site)
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, f"{name}:\n{output[-4000:]}"
+    log = root / f"{name}.{len(list(root.glob(f'{name}.*.log')))}.log"
+    outcomes = train_in_ranks(WORLD, [str(recipe), f"train.out_dir={root / name}", *overrides], log=log,
+                              hooks=None if check else f"{__name__}:without_the_scale_check")
+    output = log.read_text()
+    assert all(o["error"] is None for o in outcomes), f"{name}: {outcomes}\n{output[-4000:]}"
     return output, read_metrics(root / name)
 
 
@@ -95,7 +107,7 @@ def runs(request, workspace) -> dict:
     found = {"engine": engine,
              "checked": _run(workspace, f"{engine}-checked", *ENGINES[engine], f"eval.every={EVERY}",
                              "train.export=true", "train.tensorboard=true"),
-             "baseline": _run(workspace, f"{engine}-baseline", *ENGINES[engine], site=CHECK_OFF)}
+             "baseline": _run(workspace, f"{engine}-baseline", *ENGINES[engine], check=False)}
     if engine == "deepspeed":  # the loop decides, the same for every engine
         found["resumed"] = _run(workspace, f"{engine}-checked", *ENGINES[engine], f"train.steps={STEPS + 1}")
     return found

@@ -173,3 +173,38 @@ def _python(code: str, ok: bool = True) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert (out.returncode == 0) == ok, out.stderr[-3000:]
     return out
+
+
+EXIT_PROBE = """
+import atexit, os, sys, threading, time
+from pathlib import Path
+from recipes.training.runtime import exit_finished
+
+out = Path(sys.argv[1])
+
+class Finalised:  # says so when the interpreter's finalisation frees it (what it calls bound early)
+    def __del__(self, path=str(out / "finalised"), open_=os.open, close=os.close, flags=os.O_CREAT | os.O_WRONLY):
+        close(open_(path, flags))
+
+kept = Finalised()
+atexit.register(lambda: out.joinpath("exit_handler").write_text("ran"))
+print("flushed last", end="")  # no newline: only a flush writes it out
+if sys.argv[2] == "thread":  # a non-daemon thread still at work: a normal exit joins it
+    threading.Thread(target=lambda: (time.sleep(0.5), out.joinpath("thread").write_text("done"))).start()
+exit_finished(0)
+"""
+
+
+@pytest.mark.parametrize("case", ["clean", "thread"])
+def test_a_finished_run_exits_without_finalisation_only_where_nothing_is_lost(tmp_path, case):
+    """exit_finished: the exit handlers run and the output is flushed; the interpreter's finalisation is
+    skipped (an object freed by it says nothing), unless a non-daemon thread is still running: then the
+    normal exit joins it (its file is written) and finalises."""
+    out = subprocess.run([sys.executable, "-c", EXIT_PROBE, str(tmp_path), case], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0 and out.stdout == "flushed last", (out.returncode, out.stdout, out.stderr[-2000:])
+    assert (tmp_path / "exit_handler").read_text() == "ran"
+    if case == "clean":
+        assert not (tmp_path / "finalised").exists()
+    else:
+        assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "finalised").exists()

@@ -1,4 +1,5 @@
-"""LoRA in the recipes (`model.lora`): 2-rank DeepSpeed runs on CPU (torchrun, gloo) of a tiny Llama
+"""LoRA in the recipes (`model.lora`): 2-rank DeepSpeed runs on CPU (gloo; the loop in pre-started ranks,
+`run_in_ranks`: the properties are numbers) of a tiny Llama
 saved as a pretrained base, adapters on q_proj and v_proj, the numeric objective (SMMD + NTL).
 
 - ZeRO-3: the checkpoints hold the adapters only; the merged export keeps every frozen weight of the
@@ -19,7 +20,7 @@ import torch
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
 
-from tests.recipes.torchrun_helpers import read_metrics, run_to_end, tiny_workspace  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics, run_in_ranks, tiny_workspace  # noqa: E402
 
 STEPS, R, ALPHA = 4, 4, 8.0
 ADAPTED = ("q_proj", "v_proj")
@@ -39,7 +40,7 @@ def workspace(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_run(workspace):
     root, recipe = workspace
-    run_to_end(recipe, root / "zero3")
+    run_in_ranks(recipe, root / "zero3")
     return root / "zero3"
 
 
@@ -113,7 +114,7 @@ def test_zero3_lora_trains_the_adapter_only_and_exports_adapter_and_merged_model
 def test_zero2_lora_logs_and_exports_what_zero3_does(workspace, zero3_run):
     root, recipe = workspace
     out = root / "zero2"
-    run_to_end(recipe, out, "deepspeed.zero_stage=2", "train.save_every=0")
+    run_in_ranks(recipe, out, "deepspeed.zero_stage=2", "train.save_every=0")
     for a, b in zip(read_metrics(zero3_run), read_metrics(out)):
         for key in ("loss", "ce", "term/smmd", "term/ntl_was", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
@@ -125,8 +126,8 @@ def test_zero2_lora_logs_and_exports_what_zero3_does(workspace, zero3_run):
 def test_lora_resume_from_a_checkpoint_is_bit_exact(workspace, zero3_run):
     root, recipe = workspace
     out = root / "resumed"
-    run_to_end(recipe, out, "train.steps=2", "train.export=false")  # stops at its step-2 checkpoint
-    output = run_to_end(recipe, out, "train.export=false")
+    run_in_ranks(recipe, out, "train.steps=2", "train.export=false")  # stops at its step-2 checkpoint
+    output = run_in_ranks(recipe, out, "train.export=false")
     assert "resumed tiny from step 2" in output
     for got, want in zip(read_metrics(out), read_metrics(zero3_run)):
         for key in KEYS:

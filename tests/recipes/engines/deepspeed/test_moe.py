@@ -1,7 +1,7 @@
 """Mixture-of-experts models on the DeepSpeed engine: router/aux and what a user gets.
 
-Tiny random Qwen3-MoE (q/k norms, norm_topk_prob) and Mixtral (softmax-then-top-k renormalised), 4 experts,
-top-2, 2 layers, router_aux_loss_coef 0.3 (large, so that a wrong router term moves the loss far past 1e-5).
+Tiny random Qwen3-MoE (q/k norms, norm_topk_prob), Mixtral (softmax-then-top-k renormalised) and Qwen2-MoE
+(a shared expert, top-k not renormalised, q/k/v biases), 4 experts, top-2, 2 layers, router_aux_loss_coef 0.3 (large, so that a wrong router term moves the loss far past 1e-5).
 
 - one process: packed rows (sdpa's 4-D mask, segment 0 padding) give the router/aux of the same examples
   unpacked; the training module's router/aux equals a NumPy computation of the definition
@@ -40,6 +40,9 @@ FAMILIES = {
     "qwen3_moe": {**COMMON, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
                   "norm_topk_prob": True},
     "mixtral": {**COMMON, "intermediate_size": 32, "num_local_experts": 4, "sliding_window": None},
+    # a shared expert beside the routed ones, top-k probabilities not renormalised, q/k/v biases
+    "qwen2_moe": {**COMMON, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
+                  "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
 }
 
 
@@ -311,8 +314,11 @@ def test_the_export_is_the_checkpoint_format_and_reloads(engine_runs, family):
             keys |= set(f.keys())
     # transformers' own checkpoint names: one tensor per expert, as save_pretrained writes them
     expert = {"qwen3_moe": "model.layers.1.mlp.experts.3.down_proj.weight",
+              "qwen2_moe": "model.layers.1.mlp.experts.3.down_proj.weight",
               "mixtral": "model.layers.1.block_sparse_moe.experts.3.w2.weight"}[family]
     assert expert in keys and not any("gate_up_proj" in k for k in keys)
+    if family == "qwen2_moe":  # its shared expert and that expert's gate
+        assert {"model.layers.1.mlp.shared_expert.down_proj.weight", "model.layers.1.mlp.shared_expert_gate.weight"} <= keys
     logits = {}
     for name in ("zero2", "zero3"):  # the export reloads with the engine's own model's logits
         model = AutoModelForCausalLM.from_pretrained(out / f"{family}_{name}_export", dtype=torch.float32).eval()

@@ -1,5 +1,5 @@
-"""Mixture-of-experts through the whole Megatron engine: `python -m recipes.train` under torchrun (gloo
-ranks, fp32; 2 each, one resume on 4) on a tiny random Qwen3-MoE and a tiny Mixtral (hidden 64, 2 layers, 4 experts, top-2, routers
+"""Mixture-of-experts through the whole Megatron engine: `recipes.train`'s loop on pre-started gloo ranks
+(`tests.distributed.train_in_ranks`; fp32; 2 each, one resume on 4) on a tiny random Qwen3-MoE and a tiny Mixtral (hidden 64, 2 layers, 4 experts, top-2, routers
 with random weights so every expert is used; `test_moe.save_moe`), CE + SMMD + NTL-WAS on arithmetic rows
 of 16-32 tokens, 8 rows a step, Adam at lr 3e-3.
 
@@ -40,7 +40,7 @@ The layout refusals `recipes.validate` (exit 2) and preflight (`recipes.train`, 
 give for an MoE model: TP > 1 without sequence parallelism (megatron-core builds no MoE layer under it),
 EP not dividing the experts or the data-parallel size.
 
-The runs are launched once (module fixture, ~2 min on 2 cores); the tests read them.
+The runs are made once (module fixture); the tests read them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ if importlib.util.find_spec("megatron.core") is None:
     raise ImportError("tests/recipes/engines/megatron needs megatron-core (pip install -e '.[megatron]')")
 
 from tests.recipes.engines.megatron.test_moe import MIXTRAL, QWEN3_MOE, router_aux_reference, save_moe  # noqa: E402
-from tests.recipes.torchrun_helpers import launch, read_metrics  # noqa: E402
+from tests.distributed import train_in_ranks  # noqa: E402
+from tests.recipes.torchrun_helpers import read_metrics  # noqa: E402
 
 TERMS = {"smmd": 3.0, "ntl_was": 0.3}  # weights: the logged loss is CE + Σ weight x term + router/aux
 MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}
@@ -82,10 +83,14 @@ FIRST_STEP = ("q_ep2", "q_tp2_sp", "m_ep2", "m_tp2_sp", *WIDE_RUNS)
 
 
 def _run(root: Path, name: str, model: str, *overrides: str, nproc: int = 2) -> dict:
-    """`recipes.train` on `nproc` ranks into root/<name>; returns its exit status and output."""
-    proc = launch(root / "recipe.yaml", root / name, f"model.name_or_path={root / model}", *overrides, nproc=nproc)
-    output, _ = proc.communicate(timeout=300)
-    return {"code": proc.returncode, "output": output}
+    """`recipes.train`'s loop on `nproc` pre-started ranks into root/<name> (`train_in_ranks`: what is
+    checked is numbers and what the run says); returns its status (0, or 1 with the ranks' errors appended
+    to the output) and every rank's output."""
+    log = root / f"{name}.{len(list(root.glob(f'{name}.*.log')))}.log"
+    outcomes = train_in_ranks(nproc, [str(root / "recipe.yaml"), f"train.out_dir={root / name}",
+                                      f"model.name_or_path={root / model}", *overrides], log=log, timeout=300)
+    errors = "".join(f"\nrank {r}: {o['error']}: {o['message']}" for r, o in enumerate(outcomes) if o["error"])
+    return {"code": 1 if errors else 0, "output": log.read_text() + errors}
 
 
 @pytest.fixture(scope="module")
