@@ -208,7 +208,7 @@ class NumericTrainerMixin:
         cannot run that way. (loss, outputs: `token_metrics` [3] sums under SFTTrainer, `aux_loss`)."""
         if self._numeric_head_problem is None:
             inputs, shifted = self._numeric_inputs(inputs)
-            pass  # register_zero3_head(self.accelerator.unwrap_model(model))
+            register_zero3_head(self.accelerator.unwrap_model(model))
             outputs = model(**inputs, numeric_head=objective_head(self.numeric_loss, shifted, counts))
             return outputs["loss"], outputs
         outputs, logits, shifted = self._numeric_forward(model, inputs, full_logits=False)
