@@ -1,7 +1,7 @@
 """A recipe's plugins: `loss.plugins: [mypkg.terms, ...]`, modules of the user's that register numeric terms
 with `numloss.register_term` when they are imported.
 
-`import_plugins` is the one place they are imported: `recipes.config.LossConfig` calls it when a recipe
+`import_plugins` is the one place they are imported: `recipes.sections.LossConfig` calls it when a recipe
 loads, before the objective is read, so every entry point that loads a recipe knows the user's terms:
 `python -m recipes.train` on every rank, `recipes.validate`, `launch.sweep` (its jobs), `launch.slurm`
 while it renders (and the job's ranks, which load the recipe themselves), `launch.ray`'s driver and each

@@ -54,7 +54,7 @@ FLOORS = [
     ("numloss", 1),
     ("data_prep", 2),
     ("recipes.planning", 3), ("recipes.parallel_dims", 3),
-    ("recipes.config", 5), ("recipes.recipe_yaml", 5), ("recipes.plugins", 5),
+    ("recipes.config", 5), ("recipes.sections", 5), ("recipes.recipe_yaml", 5), ("recipes.plugins", 5),
     ("recipes.inputs", 6.0), ("recipes.training", 6.1), ("recipes.reliability", 6.2),
     ("recipes.engines.runtime", 7),
     ("recipes.checks", 8), ("recipes.evaluation", 8),

@@ -55,7 +55,7 @@ from typing import Any, Callable, Sequence
 
 from data_prep.answers import parse_answer
 from data_prep.shards import read_manifest
-from recipes.config import EVAL_BACKENDS
+from recipes.sections import EVAL_BACKENDS
 
 from . import metrics as M
 from . import vllm_generation
@@ -203,7 +203,7 @@ def evaluate(model_dir: str, data_dir: str, out: str | None = None, batch_size: 
     {"name", "model", "data", "settings", "metrics", "examples", "seconds"}.
 
     vision None: decided by the shards (any row with an image). max_new_tokens None: from the rows' targets.
-    stop None: the tasks' stop strings (`eval_section`, a recipe's `eval`, else recipes.config.EVAL_STOP).
+    stop None: the tasks' stop strings (`eval_section`, a recipe's `eval`, else recipes.sections.EVAL_STOP).
     placement None: from the export's size and this node's GPUs (`recipes.evaluation.placement`); an export
     that fits them in no way is refused before loading. Under torchrun (hf backend) every rank generates a
     share of the rows and the results are those of one process. `model_and_tokenizer` = (model,
@@ -308,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="default: the data's longest target in tokens plus half of it, at least 16")
     p.add_argument("--stop", action="append", default=None,
-                   help="a stop string (repeat for several; default: the tasks' own, recipes.config.EVAL_STOP)")
+                   help="a stop string (repeat for several; default: the tasks' own, recipes.sections.EVAL_STOP)")
     p.add_argument("--backend", choices=EVAL_BACKENDS, default="auto",
                    help="auto: vLLM where it imports, else Hugging Face generate")
     p.add_argument("--answer-format", choices=ANSWER_FORMATS, default="number")

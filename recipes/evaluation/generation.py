@@ -2,7 +2,7 @@
 length), and the Hugging Face `generate` backend. The vLLM backend is `recipes.evaluation.vllm_generation`;
 both return the text cut at the first stop string, so the same model outputs score the same.
 
-- Stop strings: per task (the data_prep source kinds of the eval rows, `recipes.config.EVAL_STOP` unless the
+- Stop strings: per task (the data_prep source kinds of the eval rows, `recipes.sections.EVAL_STOP` unless the
   recipe's `eval.stop` says otherwise). A stop string that occurs inside a row's gold target would cut a
   correct answer short: refused before generating (`check_stops`), naming the row.
 - Stop ids: the tokenizer's and generation config's EOS plus every special token that ends a row's labels
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from recipes.config import EvalSection
+from recipes.sections import EvalSection
 from recipes.inputs.vision import load_processor, vision_inputs
 
 IGNORE_INDEX = -100
@@ -53,7 +53,7 @@ def task_kinds(manifest: dict) -> list[str]:
 
 
 def stop_strings(kinds: Sequence[str], eval_section=None) -> tuple[str, ...]:
-    """The union of the tasks' stop strings (the recipe's `eval` section, else `recipes.config.EVAL_STOP`)."""
+    """The union of the tasks' stop strings (the recipe's `eval` section, else `recipes.sections.EVAL_STOP`)."""
     section = eval_section or EvalSection()
     out: list[str] = []
     for kind in kinds:

@@ -1,7 +1,7 @@
 """Experiment trackers beside metrics.jsonl: Weights & Biases and MLflow, each sent the rows metrics.jsonl
 gets (`MetricsLog.log`), on rank 0.
 
-Settings (`train.tracking`, `recipes.config.TrackingSection`): `backends` (wandb, mlflow), `project` (the W&B
+Settings (`train.tracking`, `recipes.sections.TrackingSection`): `backends` (wandb, mlflow), `project` (the W&B
 project / MLflow experiment; default the recipe's name), `entity`, `group`, `tags`, `mode` (online, offline)
 and MLflow's `tracking_uri`. `train.wandb_project: P` is shorthand for `backends: [wandb], project: P`.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.config import LoraSection
+from recipes.sections import LoraSection
 from recipes.training.file_modes import give_default_mode
 
 ADAPTER = "default"  # PEFT's name for the one adapter a recipe trains

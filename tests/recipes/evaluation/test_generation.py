@@ -3,7 +3,9 @@
 import pyarrow.parquet as pq
 import pytest
 
-from recipes.config import EVAL_STOP, EvalSection, recipe_from_dict
+from recipes.config import recipe_from_dict
+
+from recipes.sections import EVAL_STOP, EvalSection
 from recipes.evaluation import evaluate as E
 from recipes.evaluation import generation as G
 

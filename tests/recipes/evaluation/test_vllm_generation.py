@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from recipes.config import EvalSection
+from recipes.sections import EvalSection
 from recipes.evaluation import evaluate as E
 from recipes.evaluation import vllm_generation as V
 from recipes.evaluation.data_parallel import Ranks

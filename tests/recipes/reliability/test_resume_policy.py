@@ -127,7 +127,9 @@ def test_every_recipe_key_has_a_resume_policy():
     an unclassified one is refused, which would turn a harmless change into a refusal."""
     import dataclasses
 
-    from recipes.config import LoraSection, Recipe
+    from recipes.config import Recipe
+
+    from recipes.sections import LoraSection
     from recipes.reliability.resume_policy import POLICY, classify
 
     def leaves(value, path=""):

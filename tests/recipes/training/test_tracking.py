@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from numloss import ObjectiveConfig
-from recipes.config import Recipe, TrackingSection
+from recipes.config import Recipe
+from recipes.sections import TrackingSection
 from recipes.training.run_log import MetricsLog
 from recipes.training.runtime import Runtime
 

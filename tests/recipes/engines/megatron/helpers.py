@@ -48,7 +48,9 @@ def save_tiny(kind: str, out: str | Path, seed: int = 0, **overrides) -> Path:
 
 
 def recipe_for(model_dir: str | Path, tp: int = 1, pp: int = 1, vp: int | None = None, sp: bool = False):
-    from recipes.config import MegatronSection, ModelConfig, Recipe
+    from recipes.config import Recipe
+    from recipes.engines.megatron.contract import MegatronSection
+    from recipes.sections import ModelConfig
 
     return Recipe(model=ModelConfig(name_or_path=str(model_dir), dtype="float32"),
                   megatron=MegatronSection(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp))

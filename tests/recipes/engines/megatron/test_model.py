@@ -198,7 +198,7 @@ def _random_init_bf16(rank):
     agree across TP ranks, forward and backward run with finite gradients."""
     from megatron.core import parallel_state
 
-    from recipes.config import ModelConfig
+    from recipes.sections import ModelConfig
     from tests.recipes.engines.megatron.helpers import LLAMA
 
     recipe = recipe_for("unused", tp=2)

@@ -172,7 +172,9 @@ def test_the_dispatcher_choice():
 
 
 def _recipe(path, tp=1, pp=1, ep=1, sp=False):
-    from recipes.config import MegatronSection, ModelConfig, Recipe
+    from recipes.config import Recipe
+    from recipes.engines.megatron.contract import MegatronSection
+    from recipes.sections import ModelConfig
 
     return Recipe(model=ModelConfig(name_or_path=str(path), dtype="float32"),
                   megatron=MegatronSection(tp_size=tp, pp_size=pp, ep_size=ep, sequence_parallel=sp))
