@@ -90,6 +90,8 @@ gce = term_function("gce", numeric_when=None)  # it scores every other position 
 dist2 = term_function("dist2", full_when=' with normalize="full" (the default)', numeric_when=' with normalize="numeric"')
 ntil = term_function("ntil", full_when=None)
 smmd = term_function("smmd", full_when=None)
+numeric_smoothing = term_function("numeric_smoothing", full_when=' with normalize="full" (the default)',
+                                  numeric_when=' with normalize="numeric"')
 _digit_entropy = term_function("del", full_when=None)
 
 
@@ -106,4 +108,5 @@ exactly the ten digit tokens; `decimal_point_id` None takes the vocabulary's (`N
 finds "."), and with neither, no run has a decimal point.""")
 digit_entropy.needs_full_vocab = _digit_entropy.needs_full_vocab
 
-__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "digit_entropy", "term_function"]
+__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "numeric_smoothing", "digit_entropy",
+           "term_function"]
