@@ -8,12 +8,12 @@ every rank, and the result and each rank's gradient of its shard equal the dense
 
 Each function returns its term alone (GCE its whole loss, since it replaces CE), so that a term can be
 added to a cross-entropy computed elsewhere: `F.cross_entropy(...) + 0.3 * numloss.functional.ntl_was(...)`.
-A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DEL, DIST2 with
-`normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
+A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DEL, DIST2 and
+numeric_smoothing with `normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
 gradient (M x N entries) is added in place into the dense gradient that the cross-entropy sends to the
 same `logits` tensor (a hook on it): it costs next to nothing beside that cross-entropy. (Alone, the term
 gives `logits` a dense gradient as usual; an incoming gradient it cannot write into is copied first.) With a TP group such a call
-issues one collective. A term that needs the full-vocabulary normaliser (GCE, DIST2 `normalize="full"`,
+issues one collective. A term that needs the full-vocabulary normaliser (GCE, DIST2 and numeric_smoothing `normalize="full"`,
 NTL `reweigh=True`) makes its own pass over the logits, as a cross-entropy does. To combine terms with
 numloss's own cross-entropy and share that single pass, use `numloss.Objective`.
 """
