@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from recipes.evaluation.metrics import closeness as metrics_closeness
 from recipes.evaluation.stats import holm, paired_t_p
 from recipes.experiments import lowdata as L
 
@@ -91,3 +92,23 @@ def test_one_cell_end_to_end_then_skipped_by_its_record(tmp_path, capsys):
     results = (out / "results.md").read_text()
     assert "Cells done: 1 of 1 planned." in results
     assert "| 32 | numeric_smoothing | 1 | – (1 of 5 seeds) |" in results  # one seed shows no endpoint
+
+
+def test_the_report_from_records_alone(tmp_path):
+    targets = [10.0, 20.0, 30.0, 40.0]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for seed in range(5):
+        for arm, answers in (("ce", ["10", "0", "oops", "41"]), ("dist2", ["10", "20", "oops", "41"])):
+            record = _record(32, arm, seed, answers, targets)
+            record.update(metrics={"exact_match": sum(a == str(int(t)) for a, t in zip(answers, targets)) / 4},
+                          closeness=metrics_closeness(answers, targets), train_seconds=1.0,
+                          convergence={"window": 1, "final_ce": 0.5, "change": 0.0})
+            (runs / f"{record['name']}.json").write_text(json.dumps(record))
+    table = L.report(tmp_path, [L.cell_name(32, arm, s) for s in range(5) for arm in ("ce", "dist2")])
+    assert "Cells done: 10 of 10 planned." in table
+    assert "| 32 | dist2 | 5 | 50.0 ± 0.0 |" in table and "| 32 | ce | 5 | 25.0 ± 0.0 |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| 32 | dist2 | ce | exact_match (primary)"))
+    assert "| +25.0 | +25.0, +25.0, +25.0, +25.0, +25.0 |" in row and "| – |" in row  # no Holm: the family is not whole
+    assert (tmp_path / "results.md").read_text().strip() == table.strip()
+    assert (tmp_path / "closeness.png").stat().st_size > 1000 and (tmp_path / "results.csv").exists()
