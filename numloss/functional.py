@@ -8,12 +8,12 @@ every rank, and the result and each rank's gradient of its shard equal the dense
 
 Each function returns its term alone (GCE its whole loss, since it replaces CE), so that a term can be
 added to a cross-entropy computed elsewhere: `F.cross_entropy(...) + 0.3 * numloss.functional.ntl_was(...)`.
-A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DEL, DIST2 with
-`normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
+A term renormalised over the numeric tokens (NTL-WAS, NTL-MSE, SMMD, NTIL, DEL, DIST2 and
+numeric_smoothing with `normalize="numeric"`) then reads only the [M, N] numeric logits at the numeric positions, and its
 gradient (M x N entries) is added in place into the dense gradient that the cross-entropy sends to the
 same `logits` tensor (a hook on it): it costs next to nothing beside that cross-entropy. (Alone, the term
 gives `logits` a dense gradient as usual; an incoming gradient it cannot write into is copied first.) With a TP group such a call
-issues one collective. A term that needs the full-vocabulary normaliser (GCE, DIST2 `normalize="full"`,
+issues one collective. A term that needs the full-vocabulary normaliser (GCE, DIST2 and numeric_smoothing `normalize="full"`,
 NTL `reweigh=True`) makes its own pass over the logits, as a cross-entropy does. To combine terms with
 numloss's own cross-entropy and share that single pass, use `numloss.Objective`.
 """
@@ -90,6 +90,8 @@ gce = term_function("gce", numeric_when=None)  # it scores every other position 
 dist2 = term_function("dist2", full_when=' with normalize="full" (the default)', numeric_when=' with normalize="numeric"')
 ntil = term_function("ntil", full_when=None)
 smmd = term_function("smmd", full_when=None)
+numeric_smoothing = term_function("numeric_smoothing", full_when=' with normalize="full" (the default)',
+                                  numeric_when=' with normalize="numeric"')
 _digit_entropy = term_function("del", full_when=None)
 
 
@@ -106,4 +108,5 @@ exactly the ten digit tokens; `decimal_point_id` None takes the vocabulary's (`N
 finds "."), and with neither, no run has a decimal point.""")
 digit_entropy.needs_full_vocab = _digit_entropy.needs_full_vocab
 
-__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "digit_entropy", "term_function"]
+__all__ = ["cross_entropy", "ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "numeric_smoothing", "digit_entropy",
+           "term_function"]

@@ -60,7 +60,7 @@ FLOORS = [
     ("recipes.checks", 8), ("recipes.evaluation", 8),
     ("recipes.validation", 9), ("recipes.train", 9), ("recipes.convert", 9), ("recipes.validate", 9),
     ("recipes.evaluate", 9),
-    ("recipes.experiments", 10), ("recipes.demo", 10), ("recipes.study", 10), ("recipes.regimes", 10),
+    ("recipes.experiments", 10), ("recipes.demo", 10), ("recipes.study", 10), ("recipes.regimes", 10), ("recipes.lowdata", 10),
     ("launch", 11),
 ]
 

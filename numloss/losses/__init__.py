@@ -13,6 +13,7 @@ from .dist2 import dist2_term
 from .gce import gce_term
 from .ntil import ntil_term
 from .ntl import ntl_mse_term, ntl_was_term
+from .numeric_smoothing import numeric_smoothing_term
 from .options import boolean, choice, finite, positive_list, token_id
 from .registry import DEFAULT_WEIGHTS, NEEDS, TERMS, TermSpec, register_term, registered_terms, term_spec, unregister_term
 from .smmd import smmd_term
@@ -48,7 +49,12 @@ register_term("smmd", smmd_term, default_weight=3.0,
 register_term("del", digit_entropy_term, default_weight=0.01,
               needs=lambda o: ("ten_digits",) + (("decimal_point",) if o["decimal_point_id"] is None else ()),
               options={"decimal_point_id": token_id}, splits=True, _builtin=True)
+register_term("numeric_smoothing", numeric_smoothing_term, default_weight=0.1,
+              needs=lambda o: ("full_vocab",) if o["normalize"] == "full" else (),
+              denominator=lambda o: PLACE_VALUE if o["weighting"] == "place_value" else NUMERIC,
+              options={"normalize": choice("full", "numeric"), "weighting": choice("none", "place_value")},
+              splits=True, _builtin=True)
 
 __all__ = ["TERMS", "DEFAULT_WEIGHTS", "NEEDS", "TermSpec", "register_term", "unregister_term", "term_spec",
            "registered_terms", "cross_entropy_term", "digit_entropy_term", "ntl_was_term", "ntl_mse_term",
-           "gce_term", "dist2_term", "ntil_term", "smmd_term"]
+           "gce_term", "dist2_term", "ntil_term", "smmd_term", "numeric_smoothing_term"]

@@ -169,3 +169,81 @@ def summarize(predictions: Sequence, targets: Sequence[float | None],
         "r2": r2(num_preds, num_targets),
         "n_mae_r2": sum(p is not None for p in parsed),
     }
+
+
+# ---- closeness of every answer, an unparsed one included --------------------------------------------------
+#
+# Exact match says whether an answer is right; these say how far off it is, over every answer: an answer
+# that does not parse is not left out (as it is from MAE and R² above) but counts as a miss whose absolute
+# error is `miss_error`. The studies pass the span of the test set's targets (max - min, `miss_error_for`):
+# an unparsed answer is as far off as the worst answer inside the targets' range, one fixed number per test
+# set, the same for every model scored on it, so a model cannot gain by not answering.
+
+
+def miss_error_for(targets: Sequence[float]) -> float:
+    """The absolute error an unparsed answer counts as on this test set: the span of its targets
+    (max - min), at least 1 (a test set of one value still punishes silence)."""
+    values = [float(t) for t in targets]
+    if not values:
+        raise ValueError("miss_error_for: no targets")
+    return max(1.0, max(values) - min(values))
+
+
+def _digit_at(value: int, place: int) -> int:
+    return (value // 10 ** place) % 10
+
+
+def _places(target: float) -> int | None:
+    """How many digit places an integer target has (407: 3; 0: 1); None for a non-integer target."""
+    if not float(target).is_integer():
+        return None
+    return len(str(abs(int(target))))
+
+
+def closeness_per_problem(predictions: Sequence, targets: Sequence[float], miss_error: float) -> list[dict]:
+    """Per problem: `parsed` (the prediction's number or None), `abs_error` (`miss_error` when it does not
+    parse), `log_error` log(1 + abs_error), `within_1pct` (|ŷ - y| <= 1% of |y|; at y = 0 only ŷ = 0), and
+    `place_hits` for an integer target: one 0/1 per digit place of the target, units first, 1 where the
+    prediction is an integer of the target's sign with the same digit at that place (an unparsed,
+    non-integer or wrong-signed answer misses every place). A non-integer target has `place_hits` None."""
+    _check_lengths(predictions, targets)
+    if not (isinstance(miss_error, (int, float)) and math.isfinite(miss_error) and miss_error >= 0):
+        raise ValueError(f"miss_error must be a finite number >= 0, got {miss_error!r}")
+    out = []
+    for p, t in zip(_as_parsed(predictions), targets):
+        t = float(t)
+        error = float(miss_error) if p is None else abs(float(p) - t)
+        places = _places(t)
+        hits = None
+        if places is not None:
+            same_kind = p is not None and float(p).is_integer() and (float(p) < 0) == (t < 0)
+            hits = [int(same_kind and _digit_at(abs(int(p)), k) == _digit_at(abs(int(t)), k)) for k in range(places)]
+        out.append({"parsed": p, "abs_error": error, "log_error": math.log1p(error),
+                    "within_1pct": p is not None and abs(float(p) - t) <= 0.01 * abs(t), "place_hits": hits})
+    return out
+
+
+def closeness(predictions: Sequence, targets: Sequence[float], miss_error: float | None = None) -> dict:
+    """Closeness over every answer (`closeness_per_problem`; `miss_error` None: `miss_error_for(targets)`):
+    log_mae mean log(1 + |ŷ - y|), mae_all (the mean absolute error, unparsed answers at miss_error),
+    median_abs_error, within_1pct, place_accuracy {place: share right} (place 0 the units, over the
+    integer targets that have that place), parse_rate, n and the miss_error used."""
+    _check_lengths(predictions, targets)
+    if not len(targets):
+        raise ValueError("closeness: no problems")
+    miss = miss_error_for(targets) if miss_error is None else float(miss_error)
+    rows = closeness_per_problem(predictions, targets, miss)
+    errors = sorted(r["abs_error"] for r in rows)
+    mid = len(errors) // 2
+    median = errors[mid] if len(errors) % 2 else (errors[mid - 1] + errors[mid]) / 2
+    places: dict[int, list[int]] = {}
+    for r in rows:
+        for k, hit in enumerate(r["place_hits"] or []):
+            places.setdefault(k, []).append(hit)
+    return {"n": len(rows), "miss_error": miss,
+            "parse_rate": sum(r["parsed"] is not None for r in rows) / len(rows),
+            "log_mae": sum(r["log_error"] for r in rows) / len(rows),
+            "mae_all": sum(r["abs_error"] for r in rows) / len(rows),
+            "median_abs_error": median,
+            "within_1pct": sum(r["within_1pct"] for r in rows) / len(rows),
+            "place_accuracy": {k: sum(v) / len(v) for k, v in sorted(places.items())}}

@@ -203,3 +203,32 @@ def versus_cells(v: dict, scale: float = 100.0) -> tuple[str, str, str]:
     t = v["seed_t"]
     both = f" [{num(v['low'])}, {num(v['high'])}]" if v["low"] is not None else " (seed level only)"
     return num(v["diff"]) + both, per_seed, f"[{num(t['low'])}, {num(t['high'])}]"
+
+
+# ---- tests over seeds, adjusted for a family of comparisons ----------------------------------------------
+
+
+def paired_t_p(per_seed: Sequence[float]) -> float | None:
+    """The two-sided p-value of a paired t test that the mean per-seed difference is 0 (n - 1 degrees of
+    freedom). None below 2 seeds; with no spread: 1.0 for a mean of 0, else 0.0."""
+    d = [float(x) for x in per_seed]
+    if len(d) < 2:
+        return None
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    if sd == 0:
+        return 1.0 if mean == 0 else 0.0
+    t = abs(mean) / (sd / math.sqrt(len(d)))
+    return min(1.0, 2.0 * (1.0 - _t_cdf(t, len(d) - 1)))
+
+
+def holm(pvalues: dict) -> dict:
+    """Holm's step-down adjustment of a family of p-values ({name: p} -> {name: adjusted p}): the k-th
+    smallest is multiplied by (m - k + 1), kept monotone, capped at 1. Rejecting where the adjusted p is
+    below alpha holds the family-wise error at alpha for any dependence between the tests."""
+    order = sorted(pvalues, key=lambda name: pvalues[name])
+    m, running, out = len(order), 0.0, {}
+    for k, name in enumerate(order):
+        running = max(running, min(1.0, (m - k) * float(pvalues[name])))
+        out[name] = running
+    return out

@@ -46,6 +46,7 @@ from recipes.evaluation.report import SHARES, plot_curves
 from recipes.evaluation.stats import MIN_SEEDS, seeds_to_exclude_zero
 from recipes.experiments.study import (
     ADD_SUB,
+    LOSSES,
     MIX,
     MUL,
     SETUPS,
@@ -67,6 +68,7 @@ FAMILIES = {"smmd": (0.3, 1.0, 3.0), "dist2": (0.1, 0.3, 1.0)}  # the middle of 
 # default at one end, toward the side the base study did not try.
 DEFAULT_WEIGHT = {"smmd": 3.0, "dist2": 0.1}
 DEFAULT_SEEDS = 3  # every question's grid; more seeds for one comparison: --seeds N --losses ce,<loss>
+CONTROL = {"numeric_smoothing": LOSSES["numeric_smoothing"]}
 BASE_LR = 2.0e-4  # the base study's peak lr (recipes/configs/smollm2-demo.yaml; a test keeps them equal)
 
 
@@ -187,9 +189,9 @@ def best_weights(min_seeds: int = 3) -> dict[str, float]:
 
 
 def losses(regime: Regime) -> dict[str, dict]:
-    """{label: objective} of the regime, CE first; a regime after the first reads (once) or makes its
-    `choice.json`."""
-    grid = {"ce": {"terms": {}}}
+    """{label: objective} of the regime, CE and the soft-target control first; a regime after the first
+    reads (once) or makes its `choice.json`."""
+    grid = {"ce": {"terms": {}}, **CONTROL}  # the soft-target control beside CE in every question
     if regime.runs:
         return grid | {name: goal for name, goal, _ in regime.runs}
     if regime.weights:

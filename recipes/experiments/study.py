@@ -45,6 +45,7 @@ from numloss import ObjectiveConfig
 from recipes.checks.objective_checks import policy_problems
 from recipes.config import read_recipe_file
 from recipes.evaluation.evaluate import evaluate
+from recipes.evaluation.metrics import closeness, closeness_per_problem
 from recipes.evaluation.probe import plot_probe, probe_model
 from recipes.evaluation.report import plot_curves, read_metrics_jsonl
 from recipes.evaluation.stats import MIN_SEEDS, seed_differences, two_level_bootstrap, versus_cells
@@ -66,6 +67,8 @@ LOSSES = {
     "del": {"terms": {"del": {}}},  # the authors' weight, 0.01
     # 30x: at the backbone's first step DEL is 8.3 against CE 6.6, so 0.3 makes it ~0.4 of CE (0.01: ~0.01)
     "del_0.3": {"terms": {"del": {"weight": 0.3}}},
+    # the soft-target control beside CE: a gain a distance-aware term shares with it is one of any soft target
+    "numeric_smoothing": {"terms": {"numeric_smoothing": {}}},
 }
 ADD_SUB = {"min_digits": 1, "max_digits": 3, "terms": 2, "negatives": False, "decimals": 0, "mixed_ops": 2}
 MUL = {**ADD_SUB, "max_digits": 2}
@@ -140,12 +143,19 @@ def build_data(setup: Setup, work: Path, n_train: int, n_eval: int, mix=MIX) -> 
 
 def eval_record(results: dict) -> dict:
     """What a run's record keeps of its evaluation: the metrics, which problems it solved (a string of
-    0/1 in the eval set's row order, for the paired comparison) and a fingerprint of those problems."""
+    0/1 in the eval set's row order, for the paired comparison), a fingerprint of those problems, every
+    answer's text and its target (so closeness pairs by problem too) and the closeness over the numeric
+    targets (`recipes.evaluation.metrics.closeness`, an unparsed answer at the targets' span)."""
     examples = results["examples"]
     ids = "\n".join(str(e["example_id"]) for e in examples)
+    answers = [e["prediction"] for e in examples]
+    targets = [e["target"] for e in examples]
+    numeric = [(a, t) for a, t in zip(answers, targets) if t is not None]
     return {"metrics": results["metrics"],
             "correct": "".join("1" if e.get("correct") else "0" for e in examples),
-            "eval_ids_sha256": hashlib.sha256(ids.encode()).hexdigest()}
+            "eval_ids_sha256": hashlib.sha256(ids.encode()).hexdigest(),
+            "answers": answers, "targets": targets,
+            "closeness": closeness([a for a, _ in numeric], [t for _, t in numeric]) if numeric else None}
 
 
 def speed(curve: list[dict]) -> float | None:
@@ -212,6 +222,26 @@ def zero_shot(setup: Setup, work: Path, out: Path) -> None:
                                        indent=1) + "\n")
 
 
+def log_errors(record: dict) -> list[float]:
+    """log(1 + |error|) of each numeric-target answer of a record (unparsed at its closeness miss error)."""
+    pairs = [(a, t) for a, t in zip(record["answers"], record["targets"]) if t is not None]
+    rows = closeness_per_problem([a for a, _ in pairs], [t for _, t in pairs], record["closeness"]["miss_error"])
+    return [r["log_error"] for r in rows]
+
+
+def log_mae_versus_ce(group: list[dict], ce: list[dict]) -> dict | None:
+    """log-MAE of this loss minus CE's, paired by seed and problem (`two_level_bootstrap` over each
+    problem's log error), over the seeds both have run with per-problem answers; None without them."""
+    by_seed = {r["seed"]: r for r in group if r.get("answers") is not None}
+    ce_by_seed = {r["seed"]: r for r in ce if r.get("answers") is not None}
+    seeds = sorted(by_seed.keys() & ce_by_seed.keys())
+    if not seeds:
+        return None
+    if len({r["eval_ids_sha256"] for s in seeds for r in (by_seed[s], ce_by_seed[s])}) != 1:
+        raise ValueError(f"{by_seed[seeds[0]]['name']}: its log-MAE comparison mixes test sets")
+    return two_level_bootstrap([log_errors(by_seed[s]) for s in seeds], [log_errors(ce_by_seed[s]) for s in seeds])
+
+
 def versus_ce(group: list[dict], ce: list[dict]) -> dict | None:
     """Exact match of this loss minus CE's over the seeds both have run, paired by seed (same data
     order, same initial weights) and by test problem: `recipes.evaluation.stats.two_level_bootstrap`
@@ -250,10 +280,15 @@ def aggregate(records: list[dict], order=LOSSES) -> list[dict]:
                 row[key] = statistics.mean(values) if values else None
                 row[key + "_sd"] = statistics.stdev(values) if len(values) > 1 else None
                 row[key + "_n"] = len(values)  # MAE and R² exist only for seeds with parsed answers
+            log_maes = [r["closeness"]["log_mae"] for r in group if r.get("closeness")]
+            row["log_mae"] = statistics.mean(log_maes) if log_maes else None  # records from before closeness: none
+            row["log_mae_sd"] = statistics.stdev(log_maes) if len(log_maes) > 1 else None
+            row["log_mae_n"] = len(log_maes)
             row["final_ce"] = statistics.mean(r["final"]["ce"] for r in group)
             rates = [r.get("tokens_per_s") or r["final"].get("tokens_per_s") for r in group]
             row["tokens_per_s"] = statistics.mean(rates) if all(rates) else None
             row["vs_ce"] = versus_ce(group, ce) if loss != "ce" else None
+            row["log_mae_vs_ce"] = log_mae_versus_ce(group, ce) if loss != "ce" else None
             rows.append(row)
     return rows
 
@@ -272,11 +307,11 @@ def markdown(rows: list[dict]) -> str:
         spread = f" ± {number(row[key + '_sd'])}"
         return value + spread + (f" ({row[key + '_n']} seeds)" if row[key + "_n"] < row["seeds"] else "")
 
-    def versus(row) -> str:
-        v = row.get("vs_ce")
+    def versus(row, key="vs_ce", scale=100.0) -> str:
+        v = row.get(key)
         if not v:
             return "– | – | –"
-        both, per_seed, seed_t = versus_cells(v)
+        both, per_seed, seed_t = versus_cells(v, scale)
         if MIN_SEEDS <= v["n_seeds"] < row["seeds"]:
             both += f" ({v['n_seeds']} seeds)"
         return f"{both} | {per_seed} | {seed_t}"
@@ -289,16 +324,20 @@ def markdown(rows: list[dict]) -> str:
              f"one observation. With fewer than {MIN_SEEDS} seeds in common with CE no ranking can be read "
              "and no interval is shown. A bootstrap over 3 seeds cannot reach past their extremes, so the "
              "t interval is the wider of the two: a difference can be read as the loss's where both "
-             "exclude 0. tokens/s: training throughput (all ranks), mean over seeds of each run's median "
+             "exclude 0. log-MAE: mean log(1 + |ŷ − y|) over every answer, an unparsed one at the test targets' "
+             "span (n/a for records made before the answers were kept); its Δ vs CE in nats ×100, with the same "
+             "two intervals. tokens/s: training throughput (all ranks), mean over seeds of each run's median "
              "step."), "",
-             ("| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | final train CE"
-              " | Δ exact match vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds | tokens/s |"),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             ("| tokenizer | loss | seeds | exact match % | MAE | R² | parse rate % | log-MAE | final train CE"
+              " | Δ exact match vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds"
+              " | Δ log-MAE ×100 vs CE [95% seeds × problems] | Δ per seed | Δ 95% t over seeds | tokens/s |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         rate = f"{row['tokens_per_s']:.0f}" if row.get("tokens_per_s") else "–"
         lines.append(f"| {row['tokenizer']} | {row['loss']} | {row['seeds']} | {cell(row, 'exact_match', 100, 1)}"
                      f" | {cell(row, 'mae')} | {cell(row, 'r2', 1, 3)} | {cell(row, 'parse_rate', 100, 1)}"
-                     f" | {row['final_ce']:.3f} | {versus(row)} | {rate} |")
+                     f" | {cell(row, 'log_mae', 1, 3)} | {row['final_ce']:.3f} | {versus(row)}"
+                     f" | {versus(row, 'log_mae_vs_ce')} | {rate} |")
     return "\n".join(lines)
 
 

@@ -222,6 +222,26 @@ def dist2(logits, labels, ids, values, tau=1.0, normalize="full", weighting="non
     return total / max(m, 1)
 
 
+# ---- the soft-target control -----------------------------------------------------------------------------
+
+
+def numeric_smoothing(logits, labels, ids, values, normalize="full", weighting="none"):
+    """KL(uniform over the numeric tokens || model) at each numeric position, written out term by term."""
+    x, lab = _seqs(logits, labels)
+    total, m = _zero(x), 0
+    n = len(ids)
+    for b, seq in enumerate(lab):
+        after = _after_in_run(seq, ids)
+        for _, s, _ in _numeric_positions([seq], ids):
+            row = x[b, s]
+            logq = _log_softmax(row)[ids] if normalize == "full" else _log_softmax(row[ids])
+            kl = sum((1.0 / n) * (math.log(1.0 / n) - logq[j]) for j in range(n))
+            w = 1 + after[s] if weighting == "place_value" else 1
+            total = total + w * kl
+            m += w
+    return total / max(m, 1)
+
+
 # ---- NTIL -----------------------------------------------------------------------------------------------
 
 

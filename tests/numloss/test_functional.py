@@ -32,9 +32,11 @@ CASES = [
     ("smmd", {"mode": "mmd", "kernel": "laplace", "sigmas": (1.0, 4.0)}, True),
     ("dist2", {"tau": 2.0, "normalize": "numeric", "weighting": "place_value"}, True),
     ("ntil", {"noise_scale": 0.0}, True),
+    ("numeric_smoothing", {"normalize": "numeric", "weighting": "place_value"}, True),
     ("ntl_was", {"reweigh": True}, False),
     ("ntl_mse", {"reweigh": True}, False),
     ("dist2", {}, False),
+    ("numeric_smoothing", {}, False),
     ("gce", {"renormalize": True}, False),
 ]
 

@@ -19,7 +19,7 @@ DIG = [13, 4, 18, 6, 15, 7, 11, 8, 19, 10]  # DIG[d] is the id of digit d
 DOT, NONNUM = 1, 2
 VALUES = [float(d) for d in range(10)]
 
-ALL_TERMS = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del"]
+ALL_TERMS = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del", "numeric_smoothing"]
 NON_GCE = [t for t in ALL_TERMS if t != "gce"]
 
 

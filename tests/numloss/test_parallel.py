@@ -47,6 +47,8 @@ CASES = {
     "gce_renorm_half": {"terms": {"gce": {"weight": 0.5, "renormalize": True, "sigma": 2.0}}},
     "dist2_paper": {"terms": {"dist2": {}}},
     "dist2_code": {"terms": {"dist2": {"tau": 2.0, "normalize": "numeric", "weighting": "place_value", "weight": 1.0}}},
+    "numeric_smoothing": {"terms": {"numeric_smoothing": {}}},
+    "numeric_smoothing_code": {"terms": {"numeric_smoothing": {"normalize": "numeric", "weighting": "place_value"}}},
     "ntil": {"terms": {"ntil": {"noise_scale": 0.0}}},
     "ntil_rescaled": {"terms": {"ntil": {"noise_scale": 0.0, "rescale_to_ce": True}}},
     "smmd": {"terms": {"smmd": {}}},

@@ -43,6 +43,9 @@ CASES = {
     "del": {"terms": {"del": {"weight": 1.0}}},
     "gce": {"terms": {"gce": {}}},
     "gce_half": {"terms": {"gce": {"weight": 0.5, "sigma": 2.0}}},
+    "numeric_smoothing": {"terms": {"numeric_smoothing": {}}},
+    "numeric_smoothing_code": {"terms": {"numeric_smoothing": {"normalize": "numeric", "weighting": "place_value",
+                                                               "weight": 1.0}}},
     "all": {"terms": {"smmd": {}, "ntl_was": {}, "dist2": {"normalize": "numeric", "weighting": "place_value"},
                       "ntil": {"noise_scale": 0.0}, "del": {}}, "z_loss": 1e-4},
 }

@@ -19,7 +19,7 @@ from numloss.losses.options import finite
 V = 20
 DIG = [13, 4, 18, 6, 15, 7, 11, 8, 19, 10]  # DIG[d] is the id of digit d
 DOT, NONNUM = 1, 2
-BUILT_IN = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del"]
+BUILT_IN = ["ntl_was", "ntl_mse", "gce", "dist2", "ntil", "smmd", "del", "numeric_smoothing"]
 
 
 @pytest.fixture
@@ -70,12 +70,14 @@ def _ce_reference(logits, labels):
 def test_built_in_terms_are_registered_with_their_documented_defaults():
     assert registered_terms()[:len(BUILT_IN)] == BUILT_IN
     assert dict(DEFAULT_WEIGHTS) == {"ntl_was": 0.3, "ntl_mse": 0.3, "gce": 1.0, "dist2": 0.1, "ntil": 0.3,
-                                     "smmd": 3.0, "del": 0.01}
+                                     "smmd": 3.0, "del": 0.01, "numeric_smoothing": 0.1}
     assert all(term_spec(name).builtin and TERMS[name] is term_spec(name).fn for name in BUILT_IN)
     assert [name for name in BUILT_IN if term_spec(name).replaces_ce] == ["gce"]
     # what each declares: the full pass, the vocabulary, the count, with their options
     assert term_spec("gce").needs() == {"full_vocab"}
     assert term_spec("dist2").needs() == {"full_vocab"} and term_spec("dist2").needs({"normalize": "numeric"}) == set()
+    assert term_spec("numeric_smoothing").needs() == {"full_vocab"}
+    assert term_spec("numeric_smoothing").needs({"normalize": "numeric"}) == set()
     assert term_spec("ntl_was").needs({"reweigh": True}) == {"full_vocab"} and term_spec("ntl_was").needs() == set()
     assert term_spec("ntil").needs() == {"digits"}
     assert term_spec("del").needs() == {"ten_digits", "decimal_point"}

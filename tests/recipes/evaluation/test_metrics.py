@@ -88,3 +88,39 @@ def test_answers_that_are_not_one_number_count_in_exact_match_only():
     assert not metrics.exact_text_match(None, "-191b")
     with pytest.raises(ValueError, match="2 predictions but 3 targets"):
         metrics.summarize(["1", "2"], [1, 2, None])
+
+
+# ---- closeness over every answer ----------------------------------------------------------------------------
+
+
+def test_closeness_hand_case_with_an_unparsed_answer():
+    preds = ["412", "400", "oops", "1.5", "0", "-3"]
+    targets = [412, 407, 90, 2, 0, 3]
+    out = metrics.closeness(preds, targets)
+    assert out["miss_error"] == 412.0  # the span of the targets, 412 - 0
+    errors = [0.0, 7.0, 412.0, 0.5, 0.0, 6.0]
+    assert out["mae_all"] == pytest.approx(sum(errors) / 6)
+    assert out["log_mae"] == pytest.approx(sum(math.log(1 + e) for e in errors) / 6)
+    assert out["median_abs_error"] == pytest.approx((0.5 + 6.0) / 2)  # sorted 0, 0, 0.5, 6, 7, 412
+    # within 1%: 412 exact, 400 is 1.7% off 407, 1.5 is 25% off 2, 0 at 0 exact, -3 is 200% off 3
+    assert out["within_1pct"] == pytest.approx(2 / 6)
+    assert out["parse_rate"] == pytest.approx(5 / 6)
+    # places, units first: 412/412 all three; 400 vs 407: hundreds and tens right, units wrong; oops misses
+    # both places of 90; 1.5 is no integer (misses 2's one place); 0/0 right; -3 has the wrong sign
+    assert out["place_accuracy"] == {0: pytest.approx(2 / 6), 1: pytest.approx(2 / 3), 2: pytest.approx(2 / 2)}
+
+
+def test_closeness_per_problem_and_a_fixed_penalty():
+    rows = metrics.closeness_per_problem(["1000", None, "98"], [1000, 5, 100], miss_error=50.0)
+    assert [r["abs_error"] for r in rows] == [0.0, 50.0, 2.0]
+    assert [r["place_hits"] for r in rows] == [[1, 1, 1, 1], [0], [0, 0, 0]]
+    assert [r["within_1pct"] for r in rows] == [True, False, False]
+    assert rows[1]["log_error"] == pytest.approx(math.log(51.0))
+    # an answer longer than the target is scored at the target's places only (exact match sees the rest)
+    assert metrics.closeness_per_problem(["1407"], [407], 1.0)[0]["place_hits"] == [1, 1, 1]
+    assert metrics.closeness_per_problem(["3"], [2.5], 1.0)[0]["place_hits"] is None
+    with pytest.raises(ValueError, match="miss_error"):
+        metrics.closeness_per_problem(["1"], [1], miss_error=float("nan"))
+    with pytest.raises(ValueError, match="predictions but"):
+        metrics.closeness(["1"], [1, 2])
+    assert metrics.miss_error_for([7, 7]) == 1.0

@@ -3,6 +3,9 @@ one run's exact match and the paired bootstrap of two runs' difference over the 
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 
 from recipes.evaluation import report as R
@@ -154,3 +157,20 @@ def test_seeds_to_exclude_zero_by_hand():
     assert S.seeds_to_exclude_zero(0.01, 3.0, limit=1000) is None  # ~350,000 needed: past the limit
     with pytest.raises(ValueError, match="mean nan"):
         S.seeds_to_exclude_zero(float("nan"), 1.0)
+
+
+def test_paired_t_p_matches_the_t_table_and_holm_a_hand_case():
+    from recipes.evaluation.stats import holm, paired_t_p
+
+    # five differences with mean 1 and sd 1: t = sqrt(5) = 2.236 at 4 df, two-sided p = 0.0890 (tables)
+    d = [0.0, 0.0, 1.0, 2.0, 2.0]
+    assert statistics.mean(d) == pytest.approx(1.0) and statistics.stdev(d) == pytest.approx(1.0)
+    assert paired_t_p(d) == pytest.approx(0.0890, abs=5e-4)
+    # t = 2.776 is the 97.5% quantile at 4 df: p = 0.05
+    mean = 2.776445 / math.sqrt(5)
+    assert paired_t_p([x - 1 + mean for x in d]) == pytest.approx(0.05, abs=2e-5)
+    assert paired_t_p([0.2]) is None and paired_t_p([0.0, 0.0]) == 1.0 and paired_t_p([0.1, 0.1]) == 0.0
+    # Holm: sorted 0.01, 0.03, 0.04 times 3, 2, 1 -> 0.03, 0.06, 0.04 -> monotone 0.03, 0.06, 0.06
+    adjusted = holm({"a": 0.04, "b": 0.01, "c": 0.03})
+    assert adjusted == {"b": pytest.approx(0.03), "c": pytest.approx(0.06), "a": pytest.approx(0.06)}
+    assert holm({"x": 0.7, "y": 0.6}) == {"y": pytest.approx(1.0), "x": pytest.approx(1.0)}

@@ -50,7 +50,7 @@ def test_weight_regime_takes_ce_and_the_default_weights_from_the_base_study(fold
     assert smmd["name"] == "smollm2-smmd_w3-s1" and smmd["objective"] == {"terms": {"smmd": {"weight": 3.0}}}
     # the relabelled names are the grid's, so the plan counts them as done
     grid = regimes.losses(regimes.REGIMES["weight"])
-    assert list(grid) == ["ce", "smmd_w0.3", "smmd_w1", "smmd_w3", "dist2_w0.1", "dist2_w0.3", "dist2_w1"]
+    assert list(grid) == ["ce", "numeric_smoothing", "smmd_w0.3", "smmd_w1", "smmd_w3", "dist2_w0.1", "dist2_w0.3", "dist2_w1"]
     assert grid["smmd_w0.3"] == {"terms": {"smmd": {"weight": 0.3}}}
     assert {r["name"] for r in found} >= {f"smollm2-{loss}-s{s}" for loss in ("ce", "smmd_w3") for s in range(3)}
     # other regimes change the setting, so nothing of the base study is theirs
@@ -64,12 +64,13 @@ def test_the_control_regime_adds_ce_at_a_lower_lr_to_the_base_studys_ce_and_smmd
             _write(base_runs, _record(loss, seed, "1100"))
     control = regimes.REGIMES["control"]
     grid = regimes.losses(control)
-    assert grid == {"ce": {"terms": {}}, "ce_lr0.4": {"terms": {}}, "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}}}
+    assert grid == {"ce": {"terms": {}}, "numeric_smoothing": {"terms": {"numeric_smoothing": {}}}, "ce_lr0.4": {"terms": {}},
+                    "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}}}
     assert not (control.out / "choice.json").exists()  # a fixed grid: question 1's choice plays no part
     # the plan's names: CE and SMMD 3 are done (the base study's runs), CE at 0.4x the lr is not
     done = {r["name"] for r in regimes.records(control)}
     todo = [f"smollm2-{loss}-s{s}" for loss, s in regimes.plan_runs(list(grid), 3) if f"smollm2-{loss}-s{s}" not in done]
-    assert todo == ["smollm2-ce_lr0.4-s0", "smollm2-ce_lr0.4-s1", "smollm2-ce_lr0.4-s2"]
+    assert todo == [f"smollm2-{loss}-s{s}" for s in range(3) for loss in ("numeric_smoothing", "ce_lr0.4")]
     assert regimes.run_overrides(control, "ce_lr0.4") == ("optim.lr=8.0e-05",)
     assert regimes.run_overrides(control, "smmd_w3") == regimes.run_overrides(control, "ce") == ()
     # the recipe those runs read: the base study's lr, scaled
@@ -122,7 +123,8 @@ def test_best_weights_need_three_seeds_of_every_weight_and_take_the_highest_mean
 
     # a later regime fixes that choice once, in choice.json, and keeps it when the weight records change
     data = regimes.REGIMES["data"]
-    assert regimes.losses(data) == {"ce": {"terms": {}}, "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}},
+    assert regimes.losses(data) == {"ce": {"terms": {}}, "numeric_smoothing": {"terms": {"numeric_smoothing": {}}},
+                                    "smmd_w3": {"terms": {"smmd": {"weight": 3.0}}},
                                     "dist2_w0.3": {"terms": {"dist2": {"weight": 0.3}}}}
     assert json.loads((out / "data" / "choice.json").read_text())["best_weights"] == {"smmd": 3.0, "dist2": 0.3}
     for seed in range(3):
@@ -182,14 +184,15 @@ def test_a_regime_resumes_by_run_and_publishes_after_each(folders, monkeypatch):
     monkeypatch.setattr(regimes, "zero_shot", lambda *a, **k: pytest.fail("the weight regime shares the base's test set"))
     monkeypatch.setattr(regimes.time, "time", lambda: 1e6 if len(ran) >= 3 else 0.0)  # the budget ends after 3 runs
     assert regimes.main(["--regime", "weight", "--seeds", "2", "--budget-min", "1"]) == 0
-    assert ran == [("smmd_w0.3", 0), ("smmd_w1", 0), ("dist2_w0.3", 0)]
+    assert ran == [("numeric_smoothing", 0), ("smmd_w0.3", 0), ("smmd_w1", 0)]
     results = (out / "weight" / "results.md").read_text()
-    assert "Runs done: 9 of 14 planned." in results
+    assert "Runs done: 9 of 16 planned." in results
     assert "smollm2-dist2_w1-s0" in results.split("Missing")[1]
     ran.clear()
     assert regimes.main(["--regime", "weight", "--seeds", "2"]) == 0
-    assert ran == [("dist2_w1", 0), ("smmd_w0.3", 1), ("smmd_w1", 1), ("dist2_w0.3", 1), ("dist2_w1", 1)]
-    assert "Runs done: 14 of 14 planned." in (out / "weight" / "results.md").read_text()
+    assert ran == [("dist2_w0.3", 0), ("dist2_w1", 0), ("numeric_smoothing", 1), ("smmd_w0.3", 1), ("smmd_w1", 1),
+                   ("dist2_w0.3", 1), ("dist2_w1", 1)]
+    assert "Runs done: 16 of 16 planned." in (out / "weight" / "results.md").read_text()
     # below 3 seeds the comparison shows no interval (study.markdown's rule)
     assert "[" not in (out / "weight" / "results.md").read_text().split("| smmd_w1 |")[1].split("\n")[0]
 
@@ -309,7 +312,7 @@ def test_more_seeds_of_one_comparison_run_only_its_losses(folders, monkeypatch):
     for seed in range(3):
         for loss in ("ce", "smmd", "dist2"):
             _write(base_runs, _record(loss, seed, "10"))
-        for loss in ("smmd_w0.3", "smmd_w1", "dist2_w0.3", "dist2_w1"):
+        for loss in ("numeric_smoothing", "smmd_w0.3", "smmd_w1", "dist2_w0.3", "dist2_w1"):
             _write(out / "weight" / "runs", _record(loss, seed, "11", {"terms": {loss.split("_")[0]: {}}}))
     ran = []
 
@@ -325,4 +328,4 @@ def test_more_seeds_of_one_comparison_run_only_its_losses(folders, monkeypatch):
     assert ran == []
     assert regimes.main(["--regime", "weight", "--seeds", "4", "--losses", "ce,dist2_w1"]) == 0
     assert ran == [("ce", 3), ("dist2_w1", 3)]
-    assert "Runs done: 23 of 23 planned." in (out / "weight" / "results.md").read_text()
+    assert "Runs done: 26 of 26 planned." in (out / "weight" / "results.md").read_text()

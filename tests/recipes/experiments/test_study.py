@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
 import pytest
 
+from recipes.evaluation.metrics import closeness
 from recipes.experiments import regimes, study
 
 pytest.importorskip("deepspeed")
@@ -33,6 +35,26 @@ def test_aggregate_means_and_spreads_over_seeds():
     assert "| digits | smmd | 1 | 50.0 (1 seed) | 4.00 (1 seed) |" in table
 
 
+def test_log_mae_against_ce_pairs_every_answer_by_seed_and_problem():
+    # targets 10, 20; CE answers "10" and "oops" (a miss at the span, 10), the term "10" and "21" at every
+    # seed: the term's log error on problem 2 is log 2 against CE's log 11
+    targets = [10.0, 20.0]
+
+    def run(loss, seed, answers):
+        record = _record("digits", loss, seed, 0.5, 1.0)
+        return {**record, "eval_ids_sha256": "x", "answers": answers, "targets": targets,
+                "closeness": closeness(answers, targets)}
+
+    records = [run("ce", s, ["10", "oops"]) for s in range(3)] + [run("smmd", s, ["10", "21"]) for s in range(3)]
+    rows = {r["loss"]: r for r in study.aggregate(records)}
+    assert rows["ce"]["log_mae"] == pytest.approx(math.log(11) / 2)
+    v = rows["smmd"]["log_mae_vs_ce"]
+    assert v["diff"] == pytest.approx((math.log(2) - math.log(11)) / 2) and v["n_seeds"] == 3
+    assert v["per_seed"] == pytest.approx([(math.log(2) - math.log(11)) / 2] * 3)
+    # old records without answers compare nothing
+    assert study.log_mae_versus_ce([_record("digits", "smmd", 0, 0.5, 1.0)], [_record("digits", "ce", 0, 0.5, 1.0)]) is None
+
+
 def test_comparison_against_ce_uses_the_seeds_both_have_and_ranks_nothing_below_three(tmp_path):
     # 4 test problems. CE seeds 0 and 1 solve "1100" and "1000"; SMMD seeds 0, 1 and 2 solve "1110",
     # "1100" and "1111". Seed 2 has no CE partner and is left out: at seeds 0 and 1 SMMD solves one
@@ -49,7 +71,7 @@ def test_comparison_against_ce_uses_the_seeds_both_have_and_ranks_nothing_below_
     assert v["diff"] == pytest.approx(0.25) and v["n_seeds"] == 2 and v["per_seed"] == pytest.approx([0.25, 0.25])
     assert v["low"] is None and v["seed_t"]["low"] is None
     table = study.markdown([ce, smmd])
-    assert "| +25.0, 2 seeds: no ranking | +25.0, +25.0 | – | 51 |" in table and "[" not in table.split("\n")[-1]
+    assert "| +25.0, 2 seeds: no ranking | +25.0, +25.0 | – | – | – | – | 51 |" in table and "[" not in table.split("\n")[-1]
     # CE's seed 2 ("1110"): three seeds in common, each +0.25; the t interval has no spread, the two-level
     # one comes from the problems (per seed one won problem of four, a different one at each seed)
     ce, smmd = study.aggregate(records + [run("ce", 2, "1110")])
@@ -101,6 +123,7 @@ def test_study_grid_end_to_end_at_tiny_size(tmp_path):
     assert results.count("| digits |") == 2
     assert "Runs done: 2 of 2 planned." in results and "Missing" not in results
     assert len(record["correct"]) == 16 and record["tokens_per_s"] > 0
+    assert len(record["answers"]) == len(record["targets"]) == 16 and record["closeness"]["n"] == 16
     for plot in ("curves-digits.png", "probe-digits.png"):
         assert (out / plot).stat().st_size > 1000
     # a second start finds every run done and only rebuilds the report
