@@ -35,7 +35,8 @@ def _write_test_file(path: Path, n: int) -> None:
 def test_a_file_and_the_launch_folder_each_run_on_one_worker(tmp_path):
     root = tmp_path / "tree"
     (root / "tests").mkdir(parents=True)
-    shutil.copy(Path(__file__).with_name("conftest.py"), root / "tests" / "conftest.py")
+    for name in ("conftest.py", "expected_skips.py", "__init__.py"):  # the conftest imports the skip ledger
+        shutil.copy(Path(__file__).with_name(name), root / "tests" / name)
     (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
     # more tests in test_a and test_b than in the launch folder: xdist's own order would start those two
     sizes = {"launch/test_ray.py": 3, "launch/test_slurm.py": 3, "test_a.py": 8, "test_b.py": 8, "test_c.py": 2}

@@ -49,8 +49,14 @@ class LauncherWatch:
         self._thread.join(timeout=2 * self.period_s + 1)
 
 
+def torchrun_agent() -> int | None:
+    """The pid of torchrun's agent (this rank's parent, the host of the process group's store) under torchrun;
+    None elsewhere (module docstring)."""
+    return os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+
+
 def watch_launcher(on_gone: Callable[[str], None], rank: int) -> LauncherWatch | None:
     """This rank's watch of its launcher, under torchrun only (module docstring); None elsewhere."""
-    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+    if torchrun_agent() is None:
         return None
     return LauncherWatch(on_gone, rank)

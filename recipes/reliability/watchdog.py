@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from .launcher_watch import torchrun_agent
 from .run_lock import process_start
 from recipes.training.runtime import side_store
 
@@ -237,6 +238,10 @@ class Watchdog:
         self._abandoned = False
         self._lost = False  # a collective of this rank failed: a peer's heartbeat that stops for 2 periods is enough
         self._early = ""
+        # torchrun's agent hosts the store: once it is gone every store call fails, and torch logs each failure
+        # with its C++ stack; the launcher watch stops the run, and the watchdog stops calling the store even if
+        # it looks first (the watch polls every 0.5 s, a beat can come between)
+        self._store_host = torchrun_agent()
         self._thread: threading.Thread | None = None
         if watchdog_s <= 0 or world_size <= 1 or store is None:
             return
@@ -298,6 +303,8 @@ class Watchdog:
         reported: str | None = None
         while True:
             try:
+                if self._store_host is not None and os.getppid() != self._store_host:
+                    self._abandoned = True  # the store went with its host (see __init__)
                 if self._abandoned:
                     return
                 if self._stop.is_set():

@@ -99,6 +99,32 @@ def test_a_verdict_travels_through_the_store_as_json_and_reads_as_a_line():
         "resumes from it")
 
 
+def test_once_torchruns_agent_is_gone_the_watchdog_never_calls_its_store(monkeypatch, tmp_path):
+    """The agent hosts the store: after it is gone every store call fails and torch logs each failure with its
+    C++ stack. A watchdog whose recorded agent is no longer its parent stops before its first call."""
+    import recipes.reliability.watchdog as W
+
+    class Store:
+        calls: list = []
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: Store.calls.append(name)
+
+    monkeypatch.setattr(W, "torchrun_agent", lambda: os.getppid() + 1_000_000)  # not this process's parent
+    dog = W.Watchdog(30.0, 0, 2, Store(), tmp_path, 4)
+    dog._thread.join(timeout=30)
+    assert not dog._thread.is_alive() and dog._abandoned and Store.calls == []
+    dog.close()
+    monkeypatch.setattr(W, "torchrun_agent", lambda: None)  # not under torchrun: the store is used
+    dog = W.Watchdog(30.0, 0, 2, Store(), tmp_path, 4)
+    deadline = time.monotonic() + 30
+    while not Store.calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.abandon()
+    dog.close()
+    assert "set" in Store.calls
+
+
 @pytest.mark.parametrize("override", ["train.watchdog_s=-1", "train.watchdog_s=nan", "train.watchdog_s=.inf",
                                       "train.preempt_window_s=0", "train.preempt_window_s=-5"])
 def test_the_settings_are_checked_and_named(override):
