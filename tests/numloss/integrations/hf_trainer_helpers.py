@@ -1,6 +1,6 @@
 """What the Trainer integration's tests share with their torchrun script: a tiny tokenizer, arithmetic
 rows whose answers differ in length (so a per-micro-batch mean would weigh them differently), a tiny
-random Llama, the README's snippets, and the objective of a whole batch computed at once."""
+random Llama, docs/library.md's snippets, and the objective of a whole batch computed at once."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[3]
 # 1, 6, 2, 2, 3 and 4 answer digits: micro-batches of these rows hold very different numeric counts
 PROBLEMS = [("3+4=", "7"), ("123456+654321=", "777777"), ("12+30=", "42"), ("9*9=", "81"),
             ("500+499=", "999"), ("1000+2345=", "3345"), ("2+2=", "4"), ("40+2=", "42")]
-SPEC = {"terms": {"smmd": {}, "ntl_was": {}}}  # the README's Trainer snippet's objective
+SPEC = {"terms": {"smmd": {}, "ntl_was": {}}}  # docs/library.md's Trainer snippet's objective
 
 
 def tokenizer(out_dir: str | Path):
@@ -52,9 +52,10 @@ def model(tok, seed: int = 0):
                                             dtype=torch.float32)
 
 
-def readme_snippets() -> list[str]:
-    """The Python blocks of the README's "Use it in your trainer" section, in order."""
-    text = (REPO / "README.md").read_text()
+def trainer_snippets() -> list[str]:
+    """The Python blocks of the "Use it in your trainer" section of docs/library.md (where the README sends a
+    user with a trainer), in order."""
+    text = (REPO / "docs" / "library.md").read_text()
     section = text.split("## Use it in your trainer", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 

@@ -1,6 +1,6 @@
 """The 2-process Trainer runs of tests/numloss/integrations/test_hf_trainer.py and test_hf_trainer_layout.py.
 
-As torchrun runs it (CPU, gloo): the README's Trainer snippet at micro-batch 1 x gradient accumulation 2
+As torchrun runs it (CPU, gloo): docs/library.md's Trainer snippet at micro-batch 1 x gradient accumulation 2
 per rank, one optimizer step over 4 rows, then an evaluation of 5 rows at batch 1 per rank (accelerate
 repeats a row to even out the last batch).
 
@@ -40,7 +40,7 @@ def _train(tok_dir: str, out_dir: Path):
         torch.save(model.state_dict(), out_dir / "init.pt")
     namespace = {"tokenizer": tokenizer, "model": model, "args": args, "dataset": H.rows(tokenizer, 4),
                  "collator": DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)}
-    exec(H.readme_snippets()[0], namespace)  # the README's Trainer snippet, as a user runs it
+    exec(H.trainer_snippets()[0], namespace)  # docs/library.md's Trainer snippet, as a user runs it
     return namespace["trainer"], tokenizer
 
 
@@ -86,7 +86,7 @@ if __name__ == "__main__":
 
 
 def deepspeed_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
-    """One process (launched: WORLD_SIZE etc. set) training the README's Trainer snippet under DeepSpeed ZeRO-2
+    """One process (launched: WORLD_SIZE etc. set) training docs/library.md's Trainer snippet under DeepSpeed ZeRO-2
     through the Trainer (`deepspeed.init_distributed()` and `use_cpu=True` first, as on a CPU machine):
     micro-batch 2 x accumulation 2 over the 4 rows, then a trainer whose gradient_accumulation_steps is
     changed after it was made (DeepSpeed's config took the old one). Writes `deepspeed.json`."""
@@ -130,7 +130,7 @@ def deepspeed_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
 
 
 def zero3_rank(rank: int, world: int, tok_dir: str, out: str) -> None:
-    """One of 2 processes training the README's Trainer snippet under DeepSpeed ZeRO-3 through the Trainer
+    """One of 2 processes training docs/library.md's Trainer snippet under DeepSpeed ZeRO-3 through the Trainer
     (every weight partitioned: the LM head's weight is a shard outside a gather), micro-batch 1 x
     accumulation 2 per rank over 4 rows, one of them without any label (its rank's micro-batch runs the
     head on no labelled position), for an untied and a tied (lm_head = embed_tokens) model. Rank 0 writes

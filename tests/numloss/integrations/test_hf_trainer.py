@@ -2,13 +2,13 @@
 tiny random Llama). The first optimizer step's logged values are checked against the objective of the
 whole global batch computed by hand in one forward, at the initial weights:
 
-- the README's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
+- docs/library.md's Trainer snippet at gradient accumulation 2 (micro-batch 2, one process), and its
   evaluation afterwards: `eval_loss`, `eval_ce`, `eval_term/*` are the objective of the whole evaluated
   set at evaluation batch 1 and 4 alike;
 - the same snippet on 2 processes (pre-started, with torchrun's variables; gloo; micro-batch 1 x
   accumulation 2 per rank), and its evaluation of 5 rows at batch 1 per rank (accelerate repeats one row
   to even the ranks out);
-- the README's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
+- docs/library.md's SFTTrainer snippet on a chat dataset with completion-only loss: the logged loss is
   numloss's Objective on the labels TRL's collator makes, which cover the answers only;
 - every term weight 0 changes nothing: bit-identical losses and weights to the integration's plain CE,
   and the stock Trainer's CE within float rounding;
@@ -76,7 +76,7 @@ def test_trainer_at_grad_accum_2_logs_the_whole_batch_objective(tok, tmp_path):
     namespace = {"tokenizer": tok, "model": model, "dataset": dataset, "collator": _collator(tok),
                  "args": _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                                report_to=["tensorboard"])}
-    exec(H.readme_snippets()[0], namespace)  # the README's snippet, as a user runs it
+    exec(H.trainer_snippets()[0], namespace)  # docs/library.md's snippet, as a user runs it
     trainer = namespace["trainer"]
     logged = trainer.state.log_history[0]
     vocab = NumericVocab.from_tokenizer(tok, policy="digits")
@@ -141,7 +141,7 @@ def test_sft_trainer_completion_only_equals_the_objective_on_its_labels(tok, tmp
                            bf16=False)  # SFTConfig defaults to bf16 (CPU autocast); the check is in fp32
     namespace = {"tokenizer": tok, "model": model, "vocab": vocab, "sft_config": sft_config,
                  "chat_dataset": Dataset.from_list(H.chat_rows(4))}
-    exec(H.readme_snippets()[1], namespace)
+    exec(H.trainer_snippets()[1], namespace)
     trainer = namespace["trainer"]
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])  # TRL's own labels
     answers = [tok(a + "\n", add_special_tokens=False)["input_ids"] for _, a in H.PROBLEMS[:4]]
