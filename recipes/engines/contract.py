@@ -153,6 +153,14 @@ class EngineContract(Protocol):
     name: str  # the value of train.engine
     section: str  # the recipe section it reads (`recipe.<section>`)
     Section: type  # that section's dataclass (its settings and their defaults)
+    # `python -m recipes.validate`'s lines of its plan: a module with `add_plan(rep, recipe, cfg, total,
+    # largest, *, hw, rows, adapter, moe_imbalance) -> Plan | None` and `layout_line(rep, recipe, cfg) ->
+    # (data-parallel size, text)`
+    report: Any
+    runtime_class: str  # "module:name" of its `recipes.training.engine.Engine` class (recipes.engines.runtime)
+    # "module:name" of `convert(recipe, out, tp, pp) -> dict`, which `python -m recipes.convert` runs to make
+    # its own weight format once; None: it trains the Hugging Face weights as they are
+    converter: str | None
 
     def recipe_problems(self, recipe) -> list[str]:
         """Refusals when the recipe loads (`Recipe.validate`; again after `adopt_settings`), each naming its
@@ -199,10 +207,6 @@ class EngineContract(Protocol):
         """Every layout of `global_batch` rows per step this engine could run on the recipe's cluster that
         fits `hardware.mem_gib`, each a `recipes.planning.plan.Candidate` (recipes.validation.recommend)."""
 
-    def layout_changes(self, recipe, model_cfg, *, hardware, rows, params: tuple[int, int], now) -> list:
-        """Changes of the recipe's own layout (`now`, its plan) that shorten its step or cost fewer
-        GPU-seconds and fit, each a `recipes.planning.plan.Candidate` (validate's advice)."""
-
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
         """What a checkpoint records of the layout that saved it (`layout.json`)."""
 
@@ -222,9 +226,3 @@ class EngineContract(Protocol):
         """This engine's section of a recipe (a plain dict, as `Recipe.to_dict()` gives it, saved or
         running) in the form a resume compares: the settings the engine runs, where a raw setting of the
         engine's library overrides one of the section's keys."""
-
-    def distributed_setup(self) -> dict:
-        """What `recipes.training.runtime.setup_distributed` needs for this engine (keyword arguments)."""
-
-    def converts(self) -> bool:
-        """Whether the engine has its own weight format, made once by `python -m recipes.convert`."""

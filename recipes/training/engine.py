@@ -29,6 +29,13 @@ class Engine(Protocol):
     layout: dict  # written to each checkpoint's layout.json; compared at resume
     optimizer_name: str  # which optimizer implementation runs the step (for the run log)
 
+    @staticmethod
+    def join_process_group(timeout_minutes: float) -> Any:
+        """Called on the class, before it is built: this rank's process group, as the engine needs it
+        (`recipes.training.runtime.setup_distributed`, with its own `init_group` where it has one), and
+        the rank's `Runtime`."""
+        ...
+
     def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         """Forward, backward and optimizer step over this rank's micro-batches `window` (model inputs on
         the device); returns this rank's share of the logged values (loss, ce, term/*,

@@ -50,7 +50,7 @@ def deepspeed_config(recipe, world_size: int, pin_memory: bool = False) -> dict:
     if recipe.model.dtype == "bfloat16":
         # gradients accumulated in fp32 (ZeRO 1-3) and reduced in deepspeed.reduce_dtype: fp32 by default,
         # as bf16 sums of many ranks' gradients lose the small ones (an 8-bit mantissa); bf16 halves the
-        # reduce-scatter's bytes (recipes.planning.deepspeed_costs counts both)
+        # reduce-scatter's bytes (recipes.engines.deepspeed.costs counts both)
         config["communication_data_type"] = ds.reduce_dtype
         if ds.zero_stage >= 1:
             config["data_types"] = {"grad_accum_dtype": "fp32"}

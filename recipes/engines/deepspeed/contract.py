@@ -18,6 +18,7 @@ from recipes.parallel_dims import ParallelDims
 from recipes.planning.moe import MoEShape
 
 from . import plan as engine_plan
+from . import report as report_lines
 from .config import override_problems
 
 
@@ -207,6 +208,9 @@ class DeepSpeedContract:
     name = "deepspeed"
     section = "deepspeed"
     Section = DeepSpeedSection
+    report = report_lines
+    runtime_class = "recipes.engines.deepspeed.engine:DeepSpeedEngine"
+    converter = None  # it trains the Hugging Face model as it is
 
     def __init__(self, registry):
         self._registry = registry  # every engine's contract (recipes.engines.ENGINES), for adopt_settings
@@ -317,9 +321,6 @@ class DeepSpeedContract:
     def layout_candidates(self, recipe, model_cfg, **options):
         return engine_plan.layout_candidates(recipe, model_cfg, **options)
 
-    def layout_changes(self, recipe, model_cfg, **options):
-        return engine_plan.layout_changes(recipe, model_cfg, **options)
-
     # ---- checkpoints ----
 
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
@@ -336,11 +337,3 @@ class DeepSpeedContract:
 
     def resume_view(self, section: dict) -> dict:
         return resume_view(section)
-
-    # ---- the runtime ----
-
-    def distributed_setup(self) -> dict:
-        return {"deepspeed": True}  # deepspeed.comm must adopt the process group
-
-    def converts(self) -> bool:
-        return False  # it trains the Hugging Face model as it is

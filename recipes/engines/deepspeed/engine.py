@@ -34,12 +34,13 @@ from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.reliability.export_writer import ExportRecord
 from recipes.training.held_out import answer_tokens, vocab_parallel_argmax
 from recipes.training.parallel import DataParallel, step_counts
-from recipes.training.runtime import Runtime, clear_method_caches
+from recipes.training.runtime import Runtime, clear_method_caches, setup_distributed
 from recipes.training.schedule import apply_recipe_schedule, lr_lambda
 from recipes.inputs.tokenizer import load_tokenizer
 
 from . import checkpoints
 from .config import deepspeed_config
+from .distributed import init_process_group
 from .contract import run_layout
 from .export import export_model
 from .lora import apply_lora, save_adapter, trainable_parameters
@@ -52,6 +53,11 @@ class DeepSpeedEngine:
     """`recipes.training.engine.Engine` on DeepSpeed; see the module docstring."""
 
     name = "deepspeed"
+
+    @staticmethod
+    def join_process_group(timeout_minutes: float) -> Runtime:
+        """This rank's process group, through deepspeed.comm (recipes.engines.deepspeed.distributed)."""
+        return setup_distributed(timeout_minutes, init_group=init_process_group)
 
     def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs):
         import deepspeed

@@ -1,6 +1,6 @@
 """The DeepSpeed engine's plan of a recipe (`plan`, the contract's): its placement and ZeRO settings as the
 engine makes them (recipes.engines.deepspeed.config: buckets from the model's shape, hpZ across nodes,
-deepspeed.overrides applied), priced by recipes.planning.deepspeed_costs into a `recipes.planning.Plan`.
+deepspeed.overrides applied), priced by recipes.engines.deepspeed.costs into a `recipes.planning.Plan`.
 Also what the recommender weighs on this engine: the layouts a recipe's model and cluster could take
 (`layout_candidates`) and the changes of the recipe's own layout that shorten its step (`layout_changes`),
 each a `recipes.planning.plan.Candidate`. Pure: no torch, no deepspeed at module level (DeepSpeed's own
@@ -13,7 +13,7 @@ import os
 from dataclasses import replace
 
 from recipes.engines.deepspeed.config import deepspeed_config, zero_comm_settings
-from recipes.planning import deepspeed_costs as costs
+from recipes.engines.deepspeed import costs
 from recipes.planning.backbones import count_parameters
 from recipes.planning.device_memory import device_memory
 from recipes.planning.placement import Placement

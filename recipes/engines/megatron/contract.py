@@ -20,6 +20,7 @@ from recipes.planning.moe import MoEShape
 from recipes.planning.shape import Shape
 
 from . import plan as engine_plan
+from . import report as report_lines
 from .kernels import TRANSFORMER_IMPLS, plan_kernels, te_missing
 from .layout import DIMS_KEYS, parallel_dims, shape_problems
 from .support import check_supported, converted_problems
@@ -155,6 +156,10 @@ class MegatronContract:
     name = "megatron"
     section = "megatron"
     Section = MegatronSection
+    report = report_lines
+    runtime_class = "recipes.engines.megatron.engine:MegatronEngine"
+    # HF safetensors -> a megatron-core distributed checkpoint, loaded at any layout (megatron.load_converted)
+    converter = "recipes.engines.megatron.converted:convert_backbone"
 
     def __init__(self, registry):
         self._registry = registry  # every engine's contract (recipes.engines.ENGINES), for adopt_settings
@@ -276,9 +281,6 @@ class MegatronContract:
     def layout_candidates(self, recipe, model_cfg, **options):
         return engine_plan.layout_candidates(recipe, model_cfg, **options)
 
-    def layout_changes(self, recipe, model_cfg, **options):
-        return []  # its candidates already span every layout it runs
-
     # ---- checkpoints ----
 
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
@@ -295,11 +297,3 @@ class MegatronContract:
 
     def resume_view(self, section: dict) -> dict:
         return section  # every setting is its own key
-
-    # ---- the runtime ----
-
-    def distributed_setup(self) -> dict:
-        return {"deepspeed": False}  # a plain torch.distributed group; megatron makes its own groups in it
-
-    def converts(self) -> bool:
-        return True  # python -m recipes.convert: HF safetensors -> a megatron-core distributed checkpoint

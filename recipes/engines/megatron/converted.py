@@ -19,6 +19,7 @@ JSON files, no collective).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -28,8 +29,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from recipes.reliability.export_writer import agree
+from recipes.training.runtime import setup_distributed, teardown
 
 from .checkpoints import writer_queue_dies_with_rank
+from .convert import SafetensorsReader
+from .model import build_model_chunks, initialize_model_parallel, release_model_parallel
 from .support import CONVERTED_JSON, FORMAT, hf_fields
 
 def _model_request(model_chunks: list) -> dict:
@@ -98,3 +102,27 @@ def load_converted(directory: str | Path, model_chunks: list) -> None:
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing or result.unexpected_keys:
             raise RuntimeError(f"{directory}: chunk {i} left {missing} unloaded, got {result.unexpected_keys} extra")
+
+
+def convert_backbone(recipe, out: Path, tp: int, pp: int) -> dict:
+    """`python -m recipes.convert` (the contract's `converter`): build this rank's share of the backbone at
+    TP `tp` x PP `pp` from the HF checkpoint and save it (`save_converted`) into `out`. Collective over the
+    world; returns what rank 0 prints."""
+    # the layout of the conversion alone; the weights are the same under both layer specs (megatron saves
+    # the local spec's norms under the TE spec's names), so the local spec converts for either
+    layout = dataclasses.replace(recipe.megatron, tp_size=tp, pp_size=pp, virtual_pp_size=None,
+                                 sequence_parallel=False, transformer_impl="local", load_converted=None)
+    recipe = dataclasses.replace(recipe, megatron=layout)
+    setup_distributed(recipe.train.dist_timeout_minutes)
+    chunks = []
+    try:
+        initialize_model_parallel(recipe)
+        chunks = build_model_chunks(recipe)
+        info = save_converted(out, chunks, recipe, chunks[0].hf_config)
+        read = [0] * dist.get_world_size()
+        dist.all_gather_object(read, SafetensorsReader.bytes_read_in_process)
+        return {"out": str(out), **info, "hf_bytes_read": sum(read)}
+    finally:
+        if chunks:
+            release_model_parallel(chunks)
+        teardown()

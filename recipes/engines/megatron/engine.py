@@ -32,7 +32,7 @@ from recipes.inputs.tokenizer import load_tokenizer
 from recipes.reliability.checkpoints import CheckpointDirs
 from recipes.reliability.export_writer import ExportRecord
 from recipes.training.parallel import DataParallel
-from recipes.training.runtime import Runtime, import_without
+from recipes.training.runtime import Runtime, import_without, setup_distributed
 
 from . import checkpoints, step
 from .contract import checkpoint_layout
@@ -46,6 +46,8 @@ class MegatronEngine:
     """`recipes.training.engine.Engine` on megatron-core; see the module docstring."""
 
     name = "megatron"
+    # a plain torch.distributed group; megatron-core makes its own groups inside it
+    join_process_group = staticmethod(setup_distributed)
     processor = None  # text models only (Recipe.validate refuses model.vision on this engine)
 
     def __init__(self, recipe: Recipe, runtime: Runtime, dirs: CheckpointDirs | None = None,

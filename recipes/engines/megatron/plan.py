@@ -3,7 +3,7 @@ parallel, expert parallel for MoE models; rank order tp-dp-pp, megatron-core's d
 the recipe's cluster (`cluster_problems`; those the model's shape decides are the contract's
 `shape_problems`), and what the
 model's config decides (tied embeddings, q / k / v biases, Qwen3's q / k norms, the experts), priced by
-recipes.planning.megatron_costs into a `recipes.planning.Plan`. Also the layouts the recommender weighs
+recipes.engines.megatron.costs into a `recipes.planning.Plan`. Also the layouts the recommender weighs
 on this engine (`layout_candidates`). Pure: no torch, no megatron.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from recipes.engines.megatron.layout import parallel_dims, shape_problems
 from recipes.engines.megatron.support import qk_norm
-from recipes.planning import megatron_costs as costs
+from recipes.engines.megatron import costs
 from recipes.planning import moe as moe_math
 from recipes.planning.moe import MoEShape
 from recipes.planning.placement import Placement

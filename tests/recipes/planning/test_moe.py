@@ -10,7 +10,7 @@ import yaml
 
 from recipes.engines.megatron import plan as megatron_plan
 from recipes.engines.megatron.layout import shape_problems
-from recipes.planning import megatron_costs
+from recipes.engines.megatron import costs as megatron_costs
 from recipes.planning import placement
 from recipes.planning import moe as moe_math
 from recipes.planning.shape import Shape

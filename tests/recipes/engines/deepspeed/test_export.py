@@ -56,9 +56,10 @@ def _save_source(root: Path) -> Path:
 def _rank(rank, world, root: str, tp: int):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
+    from recipes.engines.deepspeed.distributed import skip_cpu_shm_op
+    from recipes.training.runtime import Runtime
 
-    _skip_cpu_shm_op()
+    skip_cpu_shm_op()
     import deepspeed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,9 +149,10 @@ def test_sharded_export_at_zero_0_2_3_equals_the_consolidated_weights(source, tp
 
 def _failing_exports(rank, world, root: str):
     os.environ.update(DS_ACCELERATOR="cpu")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
+    from recipes.engines.deepspeed.distributed import skip_cpu_shm_op
+    from recipes.training.runtime import Runtime
 
-    _skip_cpu_shm_op()
+    skip_cpu_shm_op()
     import safetensors.torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 

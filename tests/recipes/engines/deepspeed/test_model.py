@@ -77,9 +77,9 @@ def _reference(root: Path) -> list[float]:
 def _rank(rank, world, root: str, stages: tuple, expected: list):
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import _skip_cpu_shm_op
+    from recipes.engines.deepspeed.distributed import skip_cpu_shm_op
 
-    _skip_cpu_shm_op()
+    skip_cpu_shm_op()
     import deepspeed
 
     from recipes.engines.deepspeed.config import deepspeed_config

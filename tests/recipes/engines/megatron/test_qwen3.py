@@ -155,7 +155,7 @@ def test_planner_counts_the_hf_models_parameters(tied):
     """The Megatron planner's parameters at TP 1 x PP 1 are the HF model's (its own count, from an
     empty-weight model) plus the padding rows of the vocabulary: the q / k norms included."""
     from recipes.planning.backbones import count_parameters
-    from recipes.planning.megatron_costs import padded_vocab, stage_params
+    from recipes.engines.megatron.costs import padded_vocab, stage_params
     from recipes.planning.placement import Placement
     from recipes.planning.shape import Shape
 

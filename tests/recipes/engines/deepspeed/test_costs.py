@@ -1,4 +1,4 @@
-"""recipes.planning.deepspeed_costs / recipes.engines.deepspeed.plan / recipes.validation.deepspeed_report /
+"""recipes.engines.deepspeed.costs / recipes.engines.deepspeed.plan / recipes.engines.deepspeed.report /
 step_model: the DeepSpeed engine's memory, traffic and step time in `python -m recipes.validate`, checked
 against DeepSpeed's own memory estimator at every shipped recipe and against figures worked out by hand
 here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256). The traffic formulas are checked against bytes counted in a real gloo run
@@ -19,13 +19,12 @@ import pytest
 from recipes.config import load_recipe
 from recipes.engines.deepspeed.config import deepspeed_config
 from recipes.engines.deepspeed import plan as deepspeed_plan
-from recipes.planning import deepspeed_costs as costs
+from recipes.engines.deepspeed import costs
 from recipes.planning import step_model
 from recipes.planning.shape import Shape
-from recipes.validation import recommend
 from recipes.validation import validate
 
-CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[4] / "recipes" / "configs"
 R70 = CONFIGS / "scale" / "llama3-70b-4x8.yaml"
 TP8 = CONFIGS / "scale" / "llama3-70b-8x8-tp8.yaml"
 R8 = CONFIGS / "llama3-8b-gsm8k" / "smmd.yaml"
@@ -179,7 +178,7 @@ def test_advice_only_lists_what_shortens_the_step():
     rows, hw = step_model.Rows(200, 1024, ""), step_model.Hardware()
     base = costs.estimate(S70, P70, VOCAB * H, where, zero, rows, hw)
     recipe = load_recipe(R70, REVIEWED)
-    tips = recommend.improvements(recipe, _llama70b(), base, hardware=hw, rows=rows, params=(P70, VOCAB * H))
+    tips = deepspeed_plan.layout_changes(recipe, _llama70b(), hardware=hw, rows=rows, params=(P70, VOCAB * H), now=base)
     assert tips
     for tip in tips:
         alt = tip.plan

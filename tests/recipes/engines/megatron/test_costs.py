@@ -1,4 +1,4 @@
-"""recipes.planning.megatron_costs and placement, recipes.engines.megatron.plan: the Megatron engine's layout
+"""recipes.engines.megatron.costs and placement, recipes.engines.megatron.plan: the Megatron engine's layout
 checks, memory, bubble, traffic and step time in `python -m recipes.validate`, checked against numbers
 worked out by hand here for Llama-3-70B (80 layers, h 8192, I 28672, 64 heads of 128, 8 KV heads, V 128256
 padded to 129024 at TP 8) and a tiny shape (the step model's terms against a coarser hand model:
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from recipes.planning import gemm_rates
-from recipes.planning import megatron_costs
+from recipes.engines.megatron import costs as megatron_costs
 from recipes.planning import placement
 from recipes.planning import step_model
 from recipes.planning.shape import Shape
 from recipes.planning.step_model import GiB
 from recipes.validation import validate
 
-CONFIGS = Path(__file__).resolve().parents[3] / "recipes" / "configs"
+CONFIGS = Path(__file__).resolve().parents[4] / "recipes" / "configs"
 MEG70 = CONFIGS / "scale" / "llama3-70b-megatron-tp8pp4.yaml"
 MEG8 = CONFIGS / "llama3-8b-gsm8k" / "megatron.yaml"
 S70 = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=128256)
@@ -136,7 +136,7 @@ def test_step_time_by_hand(meg70):
     assert meg70.numbers["step_time_s"] == pytest.approx(step)
     flops = (6 * (80 * LAYER70 + 128256 * 8192) + 6 * 1024 * 64 * 128 * 80) * 64 * 1024
     assert meg70.numbers["mfu"] == pytest.approx(flops / (step * 32 * 989e12))
-    # DeepSpeed's column: max(compute, communication) (recipes.planning.deepspeed_costs)
+    # DeepSpeed's column: max(compute, communication) (recipes.engines.deepspeed.costs)
     ds = validate.validate_recipe(CONFIGS / "scale" / "llama3-70b-4x8.yaml", offline=True, seq_len=1024)
     n = ds.numbers
     assert n["step_time_s"] == pytest.approx(max(n["t_compute_s"], n["t_comm_s"]))

@@ -1,20 +1,20 @@
 """`recipes.validate`'s lines for a Megatron recipe (`train.engine: megatron`): the recipe's layout and the
 errors it has before the model's shape is known, then memory by pipeline stage, the bubble, the bytes
 each GPU moves inside and across nodes, and the step time with what it is made of
-(recipes.engines.megatron.plan; its costs and every formula: recipes.planning.megatron_costs)."""
+(recipes.engines.megatron.plan; its costs and every formula: recipes.engines.megatron.costs)."""
 
 from __future__ import annotations
 
-from recipes.engines.megatron import plan as megatron_plan
-from recipes.engines.megatron.layout import shape_problems
 from recipes.planning import step_model
-from recipes.planning.megatron_costs import GRAD_BYTES, layers_in_flight
 from recipes.planning.moe import parameter_counts
 from recipes.planning.placement import Placement, groups, span
 from recipes.planning.plan import Plan
 from recipes.planning.shape import Shape
-from recipes.planning.step_model import FIXED_BUFFER_GIB, GiB, Hardware
-from recipes.validation.report import gib
+from recipes.planning.step_model import FIXED_BUFFER_GIB, GiB, Hardware, gib
+
+from .costs import GRAD_BYTES, layers_in_flight
+from . import plan as megatron_plan
+from .layout import shape_problems
 
 
 def layout_line(rep, recipe, cfg) -> tuple[int, str]:
@@ -104,7 +104,7 @@ def add_plan(rep, recipe, cfg, total: int, largest: int, *, hw: Hardware, rows: 
     rep.add("assumptions", f"{step_model.assumptions(hw, 'bfloat16' if e == 2 else 'float32')}; TP not overlapped, "
             f"p2p on the critical path, DP overlapped with the last micro-batch's backward / the next first forward "
             f"(overlap_grad_reduce {mg.overlap_grad_reduce}, overlap_param_gather {mg.overlap_param_gather}); "
-            f"fused attention; {FIXED_BUFFER_GIB:g} GiB fixed buffers (recipes/planning/megatron_costs.py)")
+            f"fused attention; {FIXED_BUFFER_GIB:g} GiB fixed buffers (recipes/engines/megatron/costs.py)")
     rep.warnings.extend(pl.notes)
     if lay.pp > 1 and tr.grad_accum < lay.pp:
         rep.warnings.append(f"train.grad_accum: {tr.grad_accum} micro-batches for {lay.pp} pipeline stages: the "

@@ -1,7 +1,7 @@
 """`recipes.validate`'s lines for a DeepSpeed recipe: DeepSpeed's own model-state estimate, then the plan's
 GPU memory by part, host RAM at load and export, checkpoints on disk and their cadence, the bytes each GPU
 moves per step inside and across nodes, step time, MFU, what limits it, and the changes that would shorten
-it (recipes.engines.deepspeed.plan; its costs: recipes.planning.deepspeed_costs).
+it (recipes.engines.deepspeed.plan; its costs: recipes.engines.deepspeed.costs).
 
 Two memory lines: `memory / GPU` is DeepSpeed's own estimator (`estimate_zero3_model_states_mem_needs` /
 `..._zero2_...`, or recipes.planning.lora's for a LoRA run) of the model states alone, and its host-memory
@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from recipes.engines.deepspeed import plan as deepspeed_plan
-from recipes.engines.deepspeed.contract import autotp_problem
-from recipes.planning import deepspeed_costs, step_model
+from recipes.planning import step_model
 from recipes.planning.lora import lora_memory_estimate
 from recipes.planning.plan import Plan
 from recipes.planning.save_time import STORAGE_GBPS
 from recipes.planning.shape import Shape
-from recipes.planning.step_model import GiB
-from recipes.validation import recommend
-from recipes.validation.report import gib
+from recipes.planning.step_model import GiB, gib
+
+from . import contract as deepspeed_contract  # (imported by contract: read at call time)
+from . import costs as deepspeed_costs
+from . import plan as deepspeed_plan
 
 
 def add_plan(rep, recipe, cfg, total: int, largest: int, *, hw: step_model.Hardware, rows: step_model.Rows,
@@ -172,10 +172,12 @@ def _traffic_and_time(rep, recipe, cfg, params, rows, hw, pl: Plan, trainable) -
                          f"{pl.tokens:,.0f} real tokens per step, padding x{pl.padding_ratio:.2f}, "
                          f"{pl.tokens / pl.step_s / lay.world:,.0f} tokens/s/GPU")
     rep.add("assumptions", f"{step_model.assumptions(hw, 'bfloat16' if zero.e == 2 else 'float32')}; the ZeRO "
-                           "collectives overlap compute, AutoTP's all-reduces do not (recipes/planning/deepspeed_costs.py)")
+                           "collectives overlap compute, AutoTP's all-reduces do not (recipes/engines/deepspeed/costs.py)")
     if trainable is not None or recipe.cluster.gpus_per_node <= 0:
         return
-    tips = recommend.improvements(recipe, cfg, pl, hardware=hw, rows=rows, params=params)
+    # the changes of the recipe's own layout that shorten its step: fewest GPU-seconds per step first
+    tips = sorted(deepspeed_plan.layout_changes(recipe, cfg, hardware=hw, rows=rows, params=params, now=pl),
+                  key=lambda c: c.plan.step_s * c.plan.world)
     for tip in tips[:4]:
         alt = tip.plan
         rep.add("advice", f"{tip.text}: step {alt.step_s:.2f} s, MFU {alt.mfu:.1%}, {alt.world} GPUs "
@@ -216,7 +218,7 @@ def layout_line(rep, recipe, cfg) -> tuple[int, str]:
 def _autotp(rep, recipe, cfg) -> None:
     ds, m = recipe.deepspeed, recipe.model
     if cfg is not None:
-        problem = autotp_problem(cfg, ds.tp_size, ds.zero_stage)
+        problem = deepspeed_contract.autotp_problem(cfg, ds.tp_size, ds.zero_stage)
         kv = getattr(getattr(cfg, "text_config", None) or cfg, "num_key_value_heads", None)
         if problem:
             rep.errors.append(problem)

@@ -72,6 +72,9 @@ from recipes.planning.shape import Shape
 from recipes.planning.step_model import GiB, Collective, Hardware
 
 ENGINE = "deepspeed"
+# forward + backward kernels of one Hugging Face decoder layer per micro-batch: eager norms, RoPE and SwiGLU
+# as several element-wise kernels each (counted from the layer's code, not from a profile)
+KERNELS_PER_LAYER = 120
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -237,8 +240,8 @@ def estimate(s: Shape, params: int, largest: int, where: Placement, zero: ZeroSe
         # heads / sp over the whole rows in attention: priced as a TP group of t x sp at the rows' length
         # (the same FLOPs; the GEMMs' shapes split the other way)
         c = step_model.micro_batch_compute(
-            s, rows=zero.micro_batch_size, length=length, tp=t * sp, layers=s.layers, hw=hw, engine=ENGINE, dtype=dtype,
-            recompute="full" if zero.checkpointing else None, head=True,
+            s, rows=zero.micro_batch_size, length=length, tp=t * sp, layers=s.layers, hw=hw, dtype=dtype,
+            kernels_per_layer=KERNELS_PER_LAYER, recompute="full" if zero.checkpointing else None, head=True,
             head_gemms=(4 if zero.chunked else 3) if trainable is None else 2, weight_grads=trainable is None)
         parts = {"GEMMs": c.gemm_s, "attention": c.attention_s, "kernel launches": c.kernels_s, "output layer": c.head_s}
         if t > 1:  # AutoTP's all-reduces wait for each layer's output: on the critical path, not overlapped

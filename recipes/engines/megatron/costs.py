@@ -102,6 +102,9 @@ from recipes.planning.shape import Shape
 from recipes.planning.step_model import FIXED_BUFFER_GIB, GiB, Collective, Hardware, layer_matmul_params
 
 ENGINE = "megatron"
+# forward + backward kernels of one Megatron-core layer per micro-batch: Transformer Engine fuses the norm into
+# the linears and SwiGLU into one kernel (counted from the layer's code, not from a profile)
+KERNELS_PER_LAYER = 42
 
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by (the engine's padding)
 GRAD_BYTES = 4  # fp32 main grads, reduced in fp32 (the engine's grad_reduce_in_fp32=True)
@@ -280,7 +283,7 @@ def estimate(s: Shape, lay: Placement, *, micro_batch_size: int, grad_accum: int
 
     def stage_cost(r: int, tokens: int) -> tuple[dict, float, float]:
         c = step_model.micro_batch_compute(head_shape, rows=b, length=tokens / b, tp=t, layers=s.layers / p, hw=hw,
-                                   engine="megatron", dtype=dtype, recompute=recompute, head=r == p - 1,
+                                   kernels_per_layer=KERNELS_PER_LAYER, dtype=dtype, recompute=recompute, head=r == p - 1,
                                    head_gemms=4 if chunked_head else 3, mlp=moe is None)
         experts_s = experts_f = a2a = 0.0
         if moe is not None:  # the MLPs' GEMMs, the MoE layers' launches and all-to-alls (recipes.planning.moe)
