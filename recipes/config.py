@@ -37,8 +37,8 @@ from numloss import ObjectiveConfig
 from numloss.losses.options import float32_problem
 
 from .engines import ENGINES, engine_contract
-from .engines.deepspeed.contract import DeepSpeedSection
-from .engines.megatron.contract import MegatronSection
+from .engines.deepspeed.pure.contract import DeepSpeedSection
+from .engines.megatron.pure.contract import MegatronSection
 from .recipe_yaml import load_yaml
 from .sections import ClusterSection, DataConfig, EvalSection, LossConfig, ModelConfig, OptimConfig, TrainSection
 

@@ -1,6 +1,6 @@
 """Convert a recipe's Hugging Face backbone once into a megatron-core distributed checkpoint, which training
 then starts from at any TP / PP layout with `megatron.load_converted: DIR`
-(`recipes.engines.megatron.converted`), instead of every rank converting the safetensors at every start.
+(`recipes.engines.megatron.runtime.converted`), instead of every rank converting the safetensors at every start.
 
     python -m recipes.convert RECIPE.yaml --out DIR [key=value ...]
     torchrun --nproc_per_node 8 -m recipes.convert RECIPE.yaml --out DIR --tp 8 [key=value ...]

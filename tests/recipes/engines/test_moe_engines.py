@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes.engines.deepspeed.test_moe import FAMILIES, tiny
+from tests.recipes.engines.deepspeed.runtime.test_moe import FAMILIES, tiny
 
 if importlib.util.find_spec("megatron.core") is None:
     raise ImportError("tests/recipes/engines/test_moe_engines.py needs megatron-core (pip install -e '.[megatron]')")
@@ -30,8 +30,8 @@ def _ranks(rank, world, assets, out):
 
     from megatron.core import parallel_state
 
-    from recipes.engines.deepspeed.engine import DeepSpeedEngine
-    from recipes.engines.megatron.engine import MegatronEngine
+    from recipes.engines.deepspeed.runtime.engine import DeepSpeedEngine
+    from recipes.engines.megatron.runtime.engine import MegatronEngine
     from recipes.reliability.checkpoints import CheckpointDirs
     from tests.recipes.engines.megatron import engine_helpers as H
 

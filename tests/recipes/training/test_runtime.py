@@ -8,7 +8,7 @@
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
 - clear_method_caches frees the instances a method's `lru_cache` keeps.
 - megatron-core is imported without its wandb import (~0.8 s of a rank's start-up; DeepSpeed's start:
-  tests/recipes/engines/deepspeed/test_distributed.py).
+  tests/recipes/engines/deepspeed/runtime/test_distributed.py).
 """
 
 from __future__ import annotations
