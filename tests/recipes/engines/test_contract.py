@@ -211,7 +211,7 @@ def test_each_engine_declares_the_resume_rules_of_its_own_section(monkeypatch):
     from recipes.reliability import resume_policy as policy
 
     for contract in ENGINES.values():
-        rules = contract.resume_rules()
+        rules = contract.resume_rules
         assert rules and all(key.split(".")[0] == contract.section for key in rules)
         assert all(kind in ("training", "run", "refused") and why for kind, why in rules.values())
         assert {k: v for k, v in policy.POLICY.items() if k.split(".")[0] == contract.section} == rules
@@ -220,6 +220,6 @@ def test_each_engine_declares_the_resume_rules_of_its_own_section(monkeypatch):
     for key in ("deepspeed.reduce_dtype", "deepspeed.overrides.zero_optimization.overlap_comm", "megatron.tp_size",
                 "megatron.pp_size", "megatron.ep_size", "megatron.recompute", *refused):
         assert policy.classify(key)[0] == ("refused" if key in refused else "run"), key
-    monkeypatch.setattr(ENGINES["megatron"], "resume_rules", lambda: {"train.steps": ("run", "a loop key")})
+    monkeypatch.setattr(ENGINES["megatron"], "resume_rules", {"train.steps": ("run", "a loop key")})
     with pytest.raises(ValueError, match="megatron's resume_rules: train.steps is not a key of its own section"):
         policy._engine_rules()

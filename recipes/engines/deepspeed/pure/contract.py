@@ -10,7 +10,6 @@ world / (tp x sp), with ZeRO sharding over every rank. No pipeline or expert par
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from recipes.engines import contract as c
@@ -202,18 +201,22 @@ ADOPTIONS = {
 }
 
 
-class DeepSpeedContract:
-    """`EngineContract` for `train.engine: deepspeed` (see the module docstring)."""
+class DeepSpeedContract(c.EngineContract):
+    """`EngineContract` for `train.engine: deepspeed` (see the module docstring); any Hugging Face causal LM
+    (or image-text model) that transformers builds, from its own checkpoint, on any device."""
 
     name = "deepspeed"
     section = "deepspeed"
     Section = DeepSpeedSection
     report = report_lines
     runtime_class = "recipes.engines.deepspeed.runtime.engine:DeepSpeedEngine"
-    converter = None  # it trains the Hugging Face model as it is
-
-    def __init__(self, registry):
-        self._registry = registry  # every engine's contract (recipes.engines.ENGINES), for adopt_settings
+    plan = staticmethod(engine_plan.plan)
+    layout_candidates = staticmethod(engine_plan.layout_candidates)
+    resume_rules = RESUME_RULES
+    adoptions = ADOPTIONS
+    adopted_defaults = {"model.gradient_checkpointing": False}
+    checkpoint_layout = staticmethod(run_layout)
+    resume_view = staticmethod(resume_view)
 
     # ---- the recipe ----
 
@@ -268,32 +271,17 @@ class DeepSpeedContract:
             state(c.LOGITS_HEAD, "chunked", "loss.head", "chunked", "logits")
         return intents
 
-    def adopt_settings(self, recipe) -> tuple[list[str], list[str]]:
-        intents = [i for name, other in self._registry.items() if name != self.name
-                   for i in other.stated_intents(recipe)]
-        defaults = {f"deepspeed.{f.name}": getattr(DeepSpeedSection(), f.name)
-                    for f in dataclasses.fields(DeepSpeedSection)}
-        defaults["model.gradient_checkpointing"] = False
-        errors, notes = c.adopt(self.name, {**ADOPTIONS, c.RECOMPUTE: self._recompute(intents)}, defaults, intents,
-                                recipe)
-        return errors + (self.recipe_problems(recipe) if not errors else []), notes
-
-    @staticmethod
-    def _recompute(intents: list[c.Intent]) -> c.Adoption:
+    def adoption_table(self, intents: list[c.Intent]) -> dict[str, c.Adoption]:
         """Full recomputation is HF's gradient checkpointing (every decoder layer); selective has none."""
-        asked = next((i.value for i in intents if i.what == c.RECOMPUTE), None)
-        if asked == "full":
-            return c.Adoption("model.gradient_checkpointing", value=lambda _: True,
-                              note="every decoder layer's forward recomputed in backward")
-        return ADOPTIONS[c.RECOMPUTE]
+        if next((i.value for i in intents if i.what == c.RECOMPUTE), None) != "full":
+            return ADOPTIONS
+        return {**ADOPTIONS, c.RECOMPUTE: c.Adoption("model.gradient_checkpointing", value=lambda _: True,
+                                                     note="every decoder layer's forward recomputed in backward")}
 
     # ---- the layout ----
 
     def parallel_dims(self, recipe, world_size: int) -> ParallelDims:
         return ParallelDims.of(world_size, tp=recipe.deepspeed.tp_size, cp=recipe.deepspeed.sp_size)
-
-    def cluster_world(self, recipe) -> int:
-        return recipe.cluster.nodes * recipe.cluster.ranks_per_node()
 
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         errors: list[str] = []
@@ -307,33 +295,10 @@ class DeepSpeedContract:
             errors += autotp_moe_problem(model_cfg, tp)
         return errors + [p for p in ulysses_problems(recipe, model_cfg) if p not in ulysses_problems(recipe)]
 
-    def model_problems(self, recipe, model_cfg) -> list[str]:
-        return []  # any Hugging Face causal LM (or image-text model) that transformers builds
-
-    def start_problems(self, recipe, *, cuda: bool | None, resuming: bool) -> list[str]:
-        return []  # it starts from the Hugging Face checkpoint, on any device
-
-    # ---- the plan ----
-
-    def plan(self, recipe, model_cfg, *, hardware, rows, **options):
-        return engine_plan.plan(recipe, model_cfg, hardware=hardware, rows=rows, **options)
-
-    def layout_candidates(self, recipe, model_cfg, **options):
-        return engine_plan.layout_candidates(recipe, model_cfg, **options)
-
     # ---- checkpoints ----
-
-    def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
-        return run_layout(recipe, data_parallel)
 
     def saved_by(self, saved_layout: dict) -> bool:
         return "zero_stage" in saved_layout
 
     def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         return resume_problem(saved, run_layout(recipe, data_parallel), where)
-
-    def resume_rules(self) -> dict[str, c.ResumeRule]:
-        return RESUME_RULES
-
-    def resume_view(self, section: dict) -> dict:
-        return resume_view(section)

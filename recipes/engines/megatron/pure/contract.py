@@ -11,7 +11,6 @@ layer, so ep_size divides the data-parallel size; the experts' own tensor-parall
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from recipes.engines import contract as c
@@ -150,7 +149,7 @@ def context_parallel_problems(megatron, *, cuda: bool | None, te_missing=te_miss
             "rows with train.engine: deepspeed and deepspeed.sp_size"]
 
 
-class MegatronContract:
+class MegatronContract(c.EngineContract):
     """`EngineContract` for `train.engine: megatron` (see the module docstring)."""
 
     name = "megatron"
@@ -160,9 +159,11 @@ class MegatronContract:
     runtime_class = "recipes.engines.megatron.runtime.engine:MegatronEngine"
     # HF safetensors -> a megatron-core distributed checkpoint, loaded at any layout (megatron.load_converted)
     converter = "recipes.engines.megatron.runtime.converted:convert_backbone"
-
-    def __init__(self, registry):
-        self._registry = registry  # every engine's contract (recipes.engines.ENGINES), for adopt_settings
+    plan = staticmethod(engine_plan.plan)
+    layout_candidates = staticmethod(engine_plan.layout_candidates)
+    resume_rules = RESUME_RULES  # its distributed checkpoints reshard onto any TP / PP / DP / EP layout
+    adoptions = ADOPTIONS
+    adopted_defaults = {"loss.head": "logits"}
 
     # ---- the recipe ----
 
@@ -204,23 +205,13 @@ class MegatronContract:
         return [c.Intent(what, value, f"megatron.{name}", value, getattr(default, name), self.name)
                 for name, what, value in table if value != getattr(default, name)]
 
-    def adopt_settings(self, recipe) -> tuple[list[str], list[str]]:
-        intents = [i for name, other in self._registry.items() if name != self.name
-                   for i in other.stated_intents(recipe)]
-        defaults = {f"megatron.{f.name}": getattr(MegatronSection(), f.name) for f in dataclasses.fields(MegatronSection)}
-        defaults["loss.head"] = "logits"
-        errors, notes = c.adopt(self.name, ADOPTIONS, defaults, intents, recipe)
-        if not errors and any(i.what == c.LOGITS_HEAD for i in intents):
-            notes += split_for_logits(recipe)
-        return errors + (self.recipe_problems(recipe) if not errors else []), notes
+    def after_adoption(self, recipe, intents: list[c.Intent]) -> list[str]:
+        return split_for_logits(recipe) if any(i.what == c.LOGITS_HEAD for i in intents) else []
 
     # ---- the layout ----
 
     def parallel_dims(self, recipe, world_size: int) -> ParallelDims:
         return parallel_dims(recipe.megatron, world_size)
-
-    def cluster_world(self, recipe) -> int:
-        return recipe.cluster.nodes * recipe.cluster.ranks_per_node()
 
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         mg, errors = recipe.megatron, []
@@ -273,14 +264,6 @@ class MegatronContract:
             problems += converted_problems(recipe)
         return problems
 
-    # ---- the plan ----
-
-    def plan(self, recipe, model_cfg, *, hardware, rows, **options):
-        return engine_plan.plan(recipe, model_cfg, hardware=hardware, rows=rows, **options)
-
-    def layout_candidates(self, recipe, model_cfg, **options):
-        return engine_plan.layout_candidates(recipe, model_cfg, **options)
-
     # ---- checkpoints ----
 
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
@@ -288,12 +271,3 @@ class MegatronContract:
 
     def saved_by(self, saved_layout: dict) -> bool:
         return "pipeline_parallel" in saved_layout
-
-    def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
-        return None  # megatron's distributed checkpoints reshard onto any TP / PP / DP / EP layout
-
-    def resume_rules(self) -> dict[str, c.ResumeRule]:
-        return RESUME_RULES
-
-    def resume_view(self, section: dict) -> dict:
-        return section  # every setting is its own key
