@@ -70,7 +70,7 @@ class Recipe:
             if value not in allowed:
                 raise ValueError(f"{key}: {value!r} is not one of {list(allowed)}")
         engine = engine_contract(self)  # ValueError naming train.engine and the known engines
-        for contract in ENGINES.values():  # every engine's section, whichever engine trains
+        for contract in (c for c in ENGINES.values() if c.section):  # every engine's section, whichever trains
             problems = contract.section_problems(getattr(self, contract.section))
             if problems:
                 raise ValueError(problems[0])

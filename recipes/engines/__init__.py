@@ -21,8 +21,20 @@ from .deepspeed.pure.contract import DeepSpeedContract
 from .megatron.pure.contract import MegatronContract
 
 ENGINES: dict[str, EngineContract] = {}
-for _contract in (DeepSpeedContract(ENGINES), MegatronContract(ENGINES)):
-    ENGINES[_contract.name] = _contract
+
+
+def register(contract_class: type[EngineContract]) -> EngineContract:
+    """Add an engine to `ENGINES`, the one registry: the shipped engines below; another package's engine by
+    one call at its import, before a recipe naming it loads. A name already registered is refused."""
+    contract = contract_class(ENGINES)
+    if contract.name in ENGINES:
+        raise ValueError(f"engine {contract.name!r} is registered already")
+    ENGINES[contract.name] = contract
+    return contract
+
+
+for _contract in (DeepSpeedContract, MegatronContract):
+    register(_contract)
 
 
 def engine_contract(recipe_or_name) -> EngineContract:

@@ -153,8 +153,8 @@ class EngineContract:
     AutoConfig: never the weights)."""
 
     name: str  # the value of train.engine
-    section: str  # the recipe section it reads (`recipe.<section>`)
-    Section: type  # that section's dataclass (its settings and their defaults)
+    section: str | None = None  # the recipe section it reads (`recipe.<section>`); None: it has none
+    Section: type | None = None  # that section's dataclass (its settings and their defaults)
     # `python -m recipes.validate`'s lines of its plan: a module with `add_plan(rep, recipe, cfg, total,
     # largest, *, hw, rows, adapter, moe_imbalance) -> Plan | None` and `layout_line(rep, recipe, cfg) ->
     # (data-parallel size, text)`
@@ -166,10 +166,6 @@ class EngineContract:
     # `plan(recipe, model_cfg, *, hardware, rows, **options)`: the memory and time plan of the recipe's layout,
     # a `recipes.planning.plan.Plan` (its `pure/plan.py`, over its cost model)
     plan: Callable
-    # `layout_candidates(recipe, model_cfg, *, hardware, rows, global_batch, params, moe_imbalance)`: every
-    # layout of `global_batch` rows per step it could run on the recipe's cluster that fits `hardware.mem_gib`,
-    # each a `recipes.planning.plan.Candidate` (recipes.validation.recommend)
-    layout_candidates: Callable
     # what a resume may change in its section: {dotted key under `section`: (kind, what it is)}, kind one of
     # TRAINING, RUN, REFUSED; the longest matching key decides (the resume policy merges these with its
     # engine-neutral rows; a key of the section in neither is refused)
@@ -202,8 +198,9 @@ class EngineContract:
         error naming the key: exit 2), then `after_adoption`'s notes. Call once, before anything reads the
         recipe's layout."""
         intents = [i for name, other in self._registry.items() if name != self.name for i in other.stated_intents(recipe)]
-        default = self.Section()
-        defaults = {f"{self.section}.{f.name}": getattr(default, f.name) for f in dataclasses.fields(default)}
+        default = self.Section() if self.Section is not None else None
+        own = dataclasses.fields(default) if default is not None else ()
+        defaults = {f"{self.section}.{f.name}": getattr(default, f.name) for f in own}
         errors, notes = adopt(self.name, self.adoption_table(intents), {**defaults, **self.adopted_defaults}, intents,
                               recipe)
         if errors:
@@ -226,6 +223,13 @@ class EngineContract:
     def cluster_world(self, recipe) -> int:
         """The ranks the recipe's cluster section describes (nodes x ranks per node)."""
         return recipe.cluster.nodes * recipe.cluster.ranks_per_node()
+
+    def layout_candidates(self, recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
+                          moe_imbalance: float = 1.0) -> list:
+        """Every layout of `global_batch` rows per step it could run on the recipe's cluster that fits
+        `hardware.mem_gib`, each a `recipes.planning.plan.Candidate` (recipes.validation.recommend); by
+        default none: the recommender does not weigh the engine."""
+        return []
 
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         """The layouts the model (or, given `world_size`, the world) cannot take, each naming its keys:

@@ -30,7 +30,9 @@ def line(c: Candidate) -> str:
 
 
 def _resets(recipe, contract) -> list[str]:
-    """Overrides that put `contract`'s recipe section back to its defaults."""
+    """Overrides that put `contract`'s recipe section back to its defaults (none: it has no section)."""
+    if contract.Section is None:
+        return []
     default, now = contract.Section(), getattr(recipe, contract.section)
     return [override(f"{contract.section}.{f.name}", getattr(default, f.name)) for f in fields(default)
             if getattr(now, f.name) != getattr(default, f.name)]

@@ -15,7 +15,7 @@ import pytest
 from recipes.checks import model_checks
 from recipes.checks.engine_settings import engine_setting_problems
 from recipes.config import load_recipe
-from recipes.engines import ENGINES, EngineContract, engine_contract
+from recipes.engines import ENGINES, EngineContract, engine_contract, register
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "recipes" / "configs"
@@ -193,6 +193,9 @@ def test_the_registry_names_train_engine_and_the_known_engines():
     assert engine_contract("megatron") is ENGINES["megatron"]
     with pytest.raises(ValueError, match=r"train.engine: 'fsdp' is not one of \['deepspeed', 'megatron'\]"):
         engine_contract("fsdp")
+    with pytest.raises(ValueError, match="engine 'megatron' is registered already"):
+        register(type(ENGINES["megatron"]))
+    assert list(ENGINES) == ["deepspeed", "megatron"]
     with pytest.raises(ValueError, match=r"train.engine: 'fsdp' is not one of \['deepspeed', 'megatron'\]"):
         load_recipe(CONFIGS / "demo.yaml", ["train.engine=fsdp"])
 
