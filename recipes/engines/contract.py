@@ -163,9 +163,7 @@ class EngineContract:
     # "module:name" of `convert(recipe, out, tp, pp) -> dict`, which `python -m recipes.convert` runs to make
     # its own weight format once; None: it trains the Hugging Face weights as they are
     converter: str | None = None
-    # `plan(recipe, model_cfg, *, hardware, rows, **options)`: the memory and time plan of the recipe's layout,
-    # a `recipes.planning.plan.Plan` (its `pure/plan.py`, over its cost model)
-    plan: Callable
+    plan: Callable  # (recipe, model_cfg, *, hardware, rows, **options) -> the layout's `recipes.planning.Plan`
     # what a resume may change in its section: {dotted key under `section`: (kind, what it is)}, kind one of
     # TRAINING, RUN, REFUSED; the longest matching key decides (the resume policy merges these with its
     # engine-neutral rows; a key of the section in neither is refused)

@@ -31,10 +31,8 @@ class Engine(Protocol):
 
     @staticmethod
     def join_process_group(timeout_minutes: float) -> Any:
-        """Called on the class, before it is built: this rank's process group, as the engine needs it
-        (`recipes.training.runtime.setup_distributed`, with its own `init_group` where it has one), and
-        the rank's `Runtime`."""
-        ...
+        """On the class, before it is built: this rank's `Runtime`, its process group made as the engine needs
+        (`recipes.training.runtime.setup_distributed`, with the engine's `init_group` where it has one)."""
 
     def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         """Forward, backward and optimizer step over this rank's micro-batches `window` (model inputs on

@@ -1,9 +1,6 @@
-"""recipes.engines.deepspeed.runtime.distributed: how a DeepSpeed rank starts.
-
-- DeepSpeed is imported without the mlflow import its autotuner makes and ZeRO asks a stand-in for its Muon
-  module (whose import compiles kernels): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up.
-- The process group made through deepspeed.comm gets the recipe's timeout, and deepspeed.comm knows it.
-"""
+"""recipes.engines.deepspeed.runtime.distributed: a DeepSpeed rank's start. The group made through deepspeed.comm
+has the recipe's timeout; DeepSpeed is imported without mlflow and ZeRO asks a stand-in for its Muon module
+(which compiles kernels at import): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up."""
 
 from __future__ import annotations
 
