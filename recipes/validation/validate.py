@@ -22,7 +22,7 @@ What is checked, in order:
    its cost model), printed by that engine's report lines (the contract's `report`: recipes.engines.
    <engine>.report). DeepSpeed: its own estimate of model-state memory per GPU
    (`estimate_zero3_model_states_mem_needs` / `estimate_zero2_...`, with the recipe's offload settings;
-   with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states), then memory by
+   with `model.lora`, its cost model's LoRA estimate: a frozen base and the adapter's states), then memory by
    part (model states, hpZ copy, buffers, activations, head), host RAM per node at load and at export (an
    error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the bytes each GPU moves per
    step by collective over the network and NVLink, step time with the terms that make it, MFU, the

@@ -103,6 +103,31 @@ def zero_model_states(params: int, largest: int, zero_stage: int, dp: int, tp: i
     return (2 * e + 16) * p
 
 
+def lora_memory_estimate(base_params: int, largest_params: int, adapter: int, *, zero_stage: int,
+                         dp: int, ranks_per_node: int, weight_bytes: int, offload_optimizer: bool = False,
+                         offload_params: bool = False) -> dict:
+    """LoRA's model-state bytes per GPU and offloaded bytes per node, in the form of DeepSpeed's estimator
+    (P base parameters, A adapter parameters, e bytes per weight, d data-parallel ranks): the frozen base
+    P x e, partitioned over d under ZeRO-3 (plus the largest module gathered whole during its forward and
+    backward), no gradient, no optimizer state; the adapter's weights A x e (ZeRO-3: / d), fp32 gradients
+    A x 4 (ZeRO 2-3: / d), optimizer states A x (8 Adam moments + 4 fp32 master weights under bf16) (ZeRO
+    1-3: / d). `offload_optimizer` moves the adapter's optimizer states to host RAM, `offload_params`
+    (ZeRO-3) the base's partition."""
+    dp = max(dp, 1)
+    base = base_params * weight_bytes / (dp if zero_stage == 3 else 1)
+    gathered = largest_params * weight_bytes if zero_stage == 3 else 0
+    weights = adapter * weight_bytes / (dp if zero_stage == 3 else 1)
+    grads = adapter * 4 / (dp if zero_stage >= 2 else 1)
+    optimizer = adapter * (8 + (4 if weight_bytes == 2 else 0)) / (dp if zero_stage >= 1 else 1)
+    cpu = 0.0
+    if offload_optimizer:
+        cpu, optimizer = cpu + optimizer, 0.0
+    if offload_params and zero_stage == 3:
+        cpu, base = cpu + base, 0.0
+    return {"gpu_bytes": int(base + gathered + weights + grads + optimizer), "cpu_bytes": int(cpu * ranks_per_node),
+            "function": f"recipes.engines.deepspeed.pure.costs (frozen base, {adapter:,} adapter parameters)"}
+
+
 def checkpoint_bytes(params: int, act_bytes: int, zero_stage: int = 3) -> float:
     return params * (12 + (0 if zero_stage == 3 else act_bytes))
 

@@ -59,7 +59,7 @@ def plan(recipe, model_cfg, *, hardware, rows, world_size: int | None = None, mo
     """The plan of the recipe's layout on `world_size` ranks (default: its cluster's) at `rows` on
     `hardware` (recipes.planning.step_model). `params`: (total, largest module) when already counted
     (else counted from `model_cfg` on the meta device); `model_states`, `trainable`: a LoRA run's
-    (recipes.planning.lora). `moe_imbalance` and `gpus` change nothing here: the engine keeps every
+    (costs.lora_memory_estimate). `moe_imbalance` and `gpus` change nothing here: the engine keeps every
     expert on every rank and pads its batches alike on any device. AttributeError when the config has no
     layer shapes."""
     shape = Shape.of(model_cfg)

@@ -4,7 +4,7 @@ moves per step inside and across nodes, step time, MFU, what limits it, and the 
 it (recipes.engines.deepspeed.pure.plan; its costs: recipes.engines.deepspeed.pure.costs).
 
 Two memory lines: `memory / GPU` is DeepSpeed's own estimator (`estimate_zero3_model_states_mem_needs` /
-`..._zero2_...`, or recipes.planning.lora's for a LoRA run) of the model states alone, and its host-memory
+`..._zero2_...`, or costs.lora_memory_estimate for a LoRA run) of the model states alone, and its host-memory
 figure, which is what an offloading run keeps per node; `memory / GPU (all)` is the plan, which adds what
 the estimator leaves out (hpZ's copy, activations, the head, buffers) and is what must fit. The plan's
 model-state part is its own formula, equal to DeepSpeed's (tests check it at every shipped recipe and
@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from recipes.planning import step_model
-from recipes.planning.lora import lora_memory_estimate
 from recipes.planning.plan import Plan
 from recipes.planning.save_time import STORAGE_GBPS
 from recipes.planning.shape import Shape
@@ -43,7 +42,7 @@ def add_plan(rep, recipe, cfg, total: int, largest: int, *, hw: step_model.Hardw
     if adapter is None:
         est = deepspeed_plan.estimator_memory(recipe, total, largest)
     else:
-        est = lora_memory_estimate(total, largest, adapter, zero_stage=ds.zero_stage,
+        est = deepspeed_costs.lora_memory_estimate(total, largest, adapter, zero_stage=ds.zero_stage,
                                    dp=cl.nodes * cl.gpus_per_node // ds.tp_size, ranks_per_node=cl.gpus_per_node,
                                    weight_bytes=2 if m.dtype == "bfloat16" else 4,
                                    offload_optimizer=ds.offload_optimizer, offload_params=ds.offload_params)

@@ -153,7 +153,7 @@ def test_lora_recipe_refusals(workspace, override, message):
 def test_validate_counts_lora_memory_for_70b_on_one_node():
     """Llama-3-70B on one node of 8 GPUs under ZeRO-3: a full fine-tune does not fit 80 GiB (~16 bytes per
     parameter / 8); LoRA r 16 on q, k, v, o does: the frozen bf16 base / 8 + its largest module gathered
-    + the adapter's weights, fp32 gradients and optimizer states / 8 (recipes.planning.lora)."""
+    + the adapter's weights, fp32 gradients and optimizer states / 8 (recipes.engines.deepspeed.pure.costs.lora_memory_estimate)."""
     from pathlib import Path
 
     from recipes.validation import validate as V
