@@ -21,7 +21,7 @@ class Engine(Protocol):
     tell it, before it builds anything, what layout a resume comes from). Every method is a collective:
     every rank calls it."""
 
-    name: str  # "deepspeed" | "megatron"
+    name: str  # its contract's name (train.engine)
     dp: DataParallel  # this rank's data-parallel replica: the reader shards rows by it
     tokenizer: Any
     processor: Any  # vision recipes: the processor (else None)
