@@ -101,7 +101,7 @@ print('numloss', numloss.__file__, 'deepspeed', deepspeed.__version__, 'ray', ra
  && python -c "import launch.ray, launch.slurm, launch.sweep, ray.dashboard.modules.job.sdk" \
  && ray --version
 
-# The Megatron engine's GPU path (recipes/engines/megatron/kernels.py) needs two things from the base image:
+# The Megatron engine's GPU path (recipes/engines/megatron/pure/kernels.py) needs two things from the base image:
 # Transformer Engine (its layer spec, fused attention with THD packing, fused RoPE) and apex's CUDA
 # extension fused_weight_gradient_mlp_cuda (gradient_accumulation_fusion: each micro-batch's weight
 # gradients accumulated into fp32 by the GEMM). Without either the engine still runs (megatron's local spec

@@ -76,7 +76,7 @@ found["cuda"] = cuda
 te = {"ok": False, "error": "megatron.core does not import"}
 if found.get("megatron.core", {}).get("ok"):
     try:  # the project's own probe: TE itself and megatron-core's HAVE_TE (what the engine decides by)
-        from recipes.engines.megatron.kernels import te_missing
+        from recipes.engines.megatron.pure.kernels import te_missing
         why = te_missing()
         te = {"ok": True, "version": "buildable"} if why is None else {"ok": False, "error": why[:240]}
     except BaseException as err:

@@ -9,7 +9,7 @@ is left of its section) and is not started when less than `Sizes.min_run_s` is l
 Every wait on another process has a timeout and kills the process group it started when it passes.
 
 Nothing is compiled on the clock: the DeepSpeed engine steps with torch's fused AdamW on CUDA unless
-DeepSpeed's own fused_adam is prebuilt (recipes.engines.deepspeed.optimizer), and the Triton kernels of the
+DeepSpeed's own fused_adam is prebuilt (recipes.engines.deepspeed.runtime.optimizer), and the Triton kernels of the
 loss pass are built by each section's warm-up, before its timed repeats.
 """
 

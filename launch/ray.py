@@ -62,7 +62,6 @@ from pathlib import Path
 import ray
 
 from recipes.config import load_recipe, recipe_from_dict
-from recipes.engines import engine_contract
 from recipes.plugins import import_roots
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,7 +223,7 @@ def train_loop(config: dict) -> None:
     import torch.distributed as dist
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
-    from recipes.training.runtime import setup_distributed
+    from recipes.engines.runtime import engine_class
     from recipes.train import Hooks, train
 
     # the driver's plugin directories first, so that loading the recipe imports loss.plugins here as there
@@ -235,7 +234,7 @@ def train_loop(config: dict) -> None:
         os.environ["NUMLOSS_RUN_ID"] = config["run_id"]
     _stable_ranks(out_dir, datetime.timedelta(minutes=recipe.train.dist_timeout_minutes))
     # adopts Ray's process group (recipes.training.runtime), set up as the recipe's engine needs it
-    setup_distributed(**engine_contract(recipe).distributed_setup())
+    engine_class(recipe).join_process_group(recipe.train.dist_timeout_minutes)
     _check_shared_storage(out_dir)
     rank = dist.get_rank()
     state: dict = {"row": {}}

@@ -82,7 +82,7 @@ def part_names(objective) -> list[str]:
 
 def sum_keys(objective) -> list[str]:
     """The keys of `gradient_sums`'s result for `objective`, sorted: known on every rank and pipeline
-    stage before any logit is (`recipes.engines.megatron.step` broadcasts the values in this order)."""
+    stage before any logit is (`recipes.engines.megatron.runtime.step` broadcasts the values in this order)."""
     keys = [f"{PREFIX}{name}/{kind}" for name in part_names(objective) for kind in ("sq", "off_sq_max")]
     keys += [f"{PREFIX}{name}/dot_ce" for name in part_names(objective) if name != REFERENCE]
     return sorted(keys + [f"{PREFIX}{REFERENCE}/ref_sq"])

@@ -37,8 +37,8 @@ from numloss import ObjectiveConfig
 from numloss.losses.options import float32_problem
 
 from .engines import ENGINES, engine_contract
-from .engines.deepspeed.contract import DeepSpeedSection
-from .engines.megatron.contract import MegatronSection
+from .engines.deepspeed.pure.contract import DeepSpeedSection
+from .engines.megatron.pure.contract import MegatronSection
 from .recipe_yaml import load_yaml
 from .sections import ClusterSection, DataConfig, EvalSection, LossConfig, ModelConfig, OptimConfig, TrainSection
 
@@ -70,7 +70,7 @@ class Recipe:
             if value not in allowed:
                 raise ValueError(f"{key}: {value!r} is not one of {list(allowed)}")
         engine = engine_contract(self)  # ValueError naming train.engine and the known engines
-        for contract in ENGINES.values():  # every engine's section, whichever engine trains
+        for contract in (c for c in ENGINES.values() if c.section):  # every engine's section, whichever trains
             problems = contract.section_problems(getattr(self, contract.section))
             if problems:
                 raise ValueError(problems[0])

@@ -1,6 +1,6 @@
 """Convert a recipe's Hugging Face backbone once into a megatron-core distributed checkpoint, which training
 then starts from at any TP / PP layout with `megatron.load_converted: DIR`
-(`recipes.engines.megatron.converted`), instead of every rank converting the safetensors at every start.
+(`recipes.engines.megatron.runtime.converted`), instead of every rank converting the safetensors at every start.
 
     python -m recipes.convert RECIPE.yaml --out DIR [key=value ...]
     torchrun --nproc_per_node 8 -m recipes.convert RECIPE.yaml --out DIR --tp 8 [key=value ...]
@@ -19,7 +19,6 @@ the next attempt removes DIR.partial).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from recipes.config import load_recipe
 from recipes.engines import ENGINES, engine_contract
+from recipes.engines.runtime import runtime_object
 
 EXIT_REFUSED = 2
 
@@ -34,9 +34,9 @@ EXIT_REFUSED = 2
 def refusals(recipe, out: Path, tp: int, pp: int, world: int) -> list[str]:
     """Why this conversion cannot start (every rank checks the same; nothing read but the file system)."""
     problems = []
-    if not engine_contract(recipe).converts():
-        converting = " or ".join(name for name, engine in ENGINES.items() if engine.converts())
-        problems.append(f"train.engine: {recipe.train.engine!r}; recipes.convert makes Megatron checkpoints "
+    if engine_contract(recipe).converter is None:
+        converting = " or ".join(name for name, engine in ENGINES.items() if engine.converter is not None)
+        problems.append(f"train.engine: {recipe.train.engine!r} has no weight format of its own to convert into "
                         f"(train.engine: {converting})")
     if recipe.model.name_or_path is None:
         problems.append("model.name_or_path: none (the model is built from model.config, random weights): nothing "
@@ -46,36 +46,6 @@ def refusals(recipe, out: Path, tp: int, pp: int, world: int) -> list[str]:
     if tp < 1 or pp < 1 or world != tp * pp:
         problems.append(f"--tp {tp} x --pp {pp} must equal the world size {world} (launch tp x pp processes)")
     return problems
-
-
-def convert(recipe, out: Path, tp: int, pp: int) -> dict:
-    """Build this rank's share of the backbone at TP `tp` x PP `pp` from the HF checkpoint and save it
-    (`converted.save_converted`). Collective over the world; returns what rank 0 prints."""
-    import torch.distributed as dist
-
-    from recipes.engines.megatron.convert import SafetensorsReader
-    from recipes.engines.megatron.converted import save_converted
-    from recipes.engines.megatron.model import build_model_chunks, initialize_model_parallel, release_model_parallel
-    from recipes.training.runtime import setup_distributed, teardown
-
-    # the layout of the conversion alone; the weights are the same under both layer specs (megatron saves
-    # the local spec's norms under the TE spec's names), so the local spec converts for either
-    layout = dataclasses.replace(recipe.megatron, tp_size=tp, pp_size=pp, virtual_pp_size=None,
-                                 sequence_parallel=False, transformer_impl="local", load_converted=None)
-    recipe = dataclasses.replace(recipe, megatron=layout)
-    setup_distributed(recipe.train.dist_timeout_minutes, deepspeed=False)
-    chunks = []
-    try:
-        initialize_model_parallel(recipe)
-        chunks = build_model_chunks(recipe)
-        info = save_converted(out, chunks, recipe, chunks[0].hf_config)
-        read = [0] * dist.get_world_size()
-        dist.all_gather_object(read, SafetensorsReader.bytes_read_in_process)
-        return {"out": str(out), **info, "hf_bytes_read": sum(read)}
-    finally:
-        if chunks:
-            release_model_parallel(chunks)
-        teardown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         print("[numloss] recipes.convert refused:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr,
               flush=True)
         sys.exit(EXIT_REFUSED)
-    summary = convert(recipe, args.out, args.tp, args.pp)
+    summary = runtime_object(engine_contract(recipe).converter)(recipe, args.out, args.tp, args.pp)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(summary), flush=True)
 

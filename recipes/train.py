@@ -60,8 +60,7 @@ import torch
 from data_prep.reader import DataError, ShardDataset
 
 from .config import Recipe, load_recipe
-from .engines import engine_contract
-from .engines.runtime import build_engine
+from .engines.runtime import build_engine, engine_class
 from .inputs.batches import model_inputs
 from .checks.preflight import RecipeCheckError, preflight
 from .reliability.checkpoints import CheckpointCorrupt, CheckpointDirs, CheckpointSaveFailed, step_tag
@@ -77,7 +76,7 @@ from .reliability.recipe_history import HISTORY, record_start, saved_recipe_fall
 from .reliability.resume_policy import ResumePlan, ResumeRefused, plan_resume
 from .reliability.run_lock import RunLock, RunLocked
 from .training.run_log import MetricsLog, nonfinite_keys, progress_bar
-from .training.runtime import Runtime, exit_finished, setup_distributed, teardown
+from .training.runtime import Runtime, exit_finished, teardown
 from .training.scale_check import first_step_scale, scale_advice
 from .training.throughput import StepMeter
 from .reliability.watchdog import mark_phase, start_watchdog
@@ -125,7 +124,7 @@ class Hooks:
 
 def train(recipe: Recipe, hooks: Hooks | None = None) -> dict:
     """Run (or resume) a recipe; returns the last logged metrics row on rank 0 ({} elsewhere)."""
-    runtime = setup_distributed(recipe.train.dist_timeout_minutes, **engine_contract(recipe).distributed_setup())
+    runtime = engine_class(recipe).join_process_group(recipe.train.dist_timeout_minutes)
     engine = None
     lock = RunLock(recipe.train.out_dir, runtime.is_main)
     # from here a SIGTERM/SIGUSR1 asks to save and stop (recipes.reliability.preemption), and a rank that stops

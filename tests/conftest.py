@@ -40,11 +40,11 @@ from tests.expected_skips import SkipLedger
 LONGEST_FIRST = (
     "tests/launch",
     "tests/recipes/test_train_layouts.py",
-    "tests/recipes/engines/megatron/test_engine_moe.py",
+    "tests/recipes/engines/megatron/runtime/test_engine_moe.py",
     "tests/test_gpu_check.py",
     "tests/recipes/test_train_final.py",
     "tests/recipes/test_train.py",
-    "tests/recipes/engines/deepspeed/test_moe.py",
+    "tests/recipes/engines/deepspeed/runtime/test_moe.py",
     "tests/recipes/reliability/test_resume_policy.py",
 )
 

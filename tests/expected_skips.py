@@ -53,7 +53,7 @@ EXPECTED: tuple[ExpectedSkip, ...] = (
                  "this checks the answer on a machine without a GPU",
                  "the GPU check's refusal on a CPU-only machine cannot be seen where a GPU exists", when=_cuda),
     # ---- a layout the model cannot take ----
-    ExpectedSkip("tests/recipes/engines/megatron/test_convert.py::test_round_trip_bit_exact[[]1-2-2-qwen2[]]",
+    ExpectedSkip("tests/recipes/engines/megatron/runtime/test_convert.py::test_round_trip_bit_exact[[]1-2-2-qwen2[]]",
                  "the Qwen2 has 2 layers: no PP 2 x VP 2",
                  "PP 2 x VP 2 needs 4 layers; the Llama case of the same test runs that layout"),
     # ---- privileges: tests that need root (a tmpfs mount) and skip without it go here, `when=_not_root` ----

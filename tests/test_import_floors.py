@@ -3,8 +3,7 @@ recipes and launch, those inside functions included (`if TYPE_CHECKING:` blocks 
 and held to the floors:
 
 - an import points down or sideways inside its own floor, never up;
-- no cycle between sub-packages (or between the floor groups of an engine's package: its pure modules
-  and its runtime);
+- no cycle between sub-packages (an engine's `pure` and `runtime` folders are one each);
 - an import inside a function is of a heavy optional package (HEAVY), of a project module whose top
   level imports one (directly or through project modules), or of the standard library; nothing else
   hides inside a function;
@@ -46,8 +45,8 @@ RUNTIME_PACKAGES = {"torch", "deepspeed", "megatron", "transformer_engine"}
 MODULE_LEVEL_ALLOWED = {"numloss": {"torch", "numpy"}, "data_prep": {"torch", "numpy", "pyarrow"},
                         "pure": {"numpy"}}
 
-# an engine package's pure modules (floor 4); its other modules are its runtime (floor 7)
-PURE_ENGINE_MODULES = {"__init__", "contract", "plan", "layout", "support", "kernels", "config"}
+# an engine's folder, recipes/engines/<engine>/, holds its pure part in pure/ and its runtime in runtime/
+ENGINE_FOLDERS = {"pure": 4, "runtime": 7}
 
 # module prefix -> floor (bottom 1 .. top 11); sub-floors order sideways imports inside floor 6
 FLOORS = [
@@ -74,7 +73,8 @@ def floor_of(module: str) -> float | None:
             return 4
         if parts[2] == "runtime":
             return 7
-        return 4 if len(parts) == 3 or parts[3] in PURE_ENGINE_MODULES else 7
+        # an engine's package (floor 4: it imports nothing), then its pure/ or runtime/ folder; nothing else
+        return 4 if len(parts) == 3 else ENGINE_FOLDERS.get(parts[3])
     for prefix, floor in FLOORS:
         if module == prefix or module.startswith(prefix + "."):
             return floor
@@ -83,12 +83,12 @@ def floor_of(module: str) -> float | None:
 
 def group_of(module: str) -> str:
     """The unit cycles are judged between: a sub-package (recipes.checks), a top-level module
-    (recipes.config), an engine's pure modules or its runtime (recipes.engines.megatron[pure])."""
+    (recipes.config), an engine's pure or runtime folder (recipes.engines.megatron.pure)."""
     parts = module.split(".")
     if parts[:2] == ["recipes", "engines"]:
-        if len(parts) == 2 or parts[2] in ("contract", "runtime"):
-            return module  # the registry, the contract protocol, build_engine: one group each
-        return f"recipes.engines.{parts[2]}[{'pure' if floor_of(module) == 4 else 'runtime'}]"
+        if len(parts) <= 3 or parts[2] in ("contract", "runtime"):
+            return module  # the registry, the contract protocol, build_engine, an engine's package: one each
+        return ".".join(parts[:4])
     return ".".join(parts[:2]) if len(parts) >= 3 or _is_package(module) else module
 
 
@@ -356,15 +356,17 @@ def test_the_floors_are_read_as_documented():
     """The reader itself, on known imports: a relative import inside a function, a project module
     reached through `from package import module`, and the floors of an engine's modules."""
     by_where = {(imp.source, imp.target): imp for imp in IMPORTS}
-    assert ("recipes.engines.runtime", "recipes.engines.megatron.engine") in by_where
-    assert by_where[("recipes.engines.runtime", "recipes.engines.megatron.engine")].in_function
-    assert floor_of("recipes.engines.megatron.contract") == 4 and floor_of("recipes.engines.megatron.step") == 7
-    assert floor_of("recipes.engines.deepspeed.config") == 4 and floor_of("recipes.engines") == 4
+    engine, export = "recipes.engines.megatron.runtime.engine", "recipes.engines.megatron.runtime.export"
+    assert (engine, export) in by_where and by_where[(engine, export)].in_function
+    assert floor_of("recipes.engines.megatron.pure.contract") == 4 and floor_of(f"{export}") == 7
+    assert floor_of("recipes.engines.deepspeed.pure.config") == 4 and floor_of("recipes.engines") == 4
+    # a module of an engine's folder outside pure/ and runtime/ has no floor (test_every_module_has_a_floor)
+    assert floor_of("recipes.engines.megatron.step") is None and floor_of("recipes.engines.megatron") == 4
     assert group_of("recipes.checks.preflight") == "recipes.checks" and group_of("recipes.config") == "recipes.config"
-    assert group_of("recipes.engines.megatron.step") == "recipes.engines.megatron[runtime]"
-    assert "recipes.engines.megatron.engine" in _heavy_modules() and "recipes.config" not in _heavy_modules()
+    assert group_of("recipes.engines.megatron.runtime.step") == "recipes.engines.megatron.runtime"
+    assert engine in _heavy_modules() and "recipes.config" not in _heavy_modules()
     # the TE probe's import of megatron-core, named by a module constant, is read as an import inside a function
-    assert any(imp.source == "recipes.engines.megatron.kernels" and imp.target == "megatron" and imp.in_function
+    assert any(imp.source == "recipes.engines.megatron.pure.kernels" and imp.target == "megatron" and imp.in_function
                for imp in IMPORTS)
 
 

@@ -4,25 +4,37 @@
 deepspeed (Hugging Face models under DeepSpeed ZeRO and AutoTP) and megatron (Megatron-core GPTModel:
 TP, PP, SP, EP, the distributed optimizer). `engine_contract(recipe_or_name)` looks one up.
 
-Each engine's package holds two kinds of module (docs/architecture.md):
-- its pure modules: `contract.py` (its recipe section and rules), `plan.py` (its memory and time plan over
-  recipes.planning), and the other rules that need no torch (DeepSpeed's config dict; Megatron's model
-  support and kernel plan). They may import numloss, data_prep, recipes.planning and
+Each engine's folder holds all of that engine, in two sub-folders whose names are their floors
+(docs/architecture.md):
+- `pure/`: its contract (section, rules, the names of its runtime objects), plan, cost model, report lines
+  and the other rules that need no torch. They may import numloss, data_prep, recipes.planning and
   recipes.parallel_dims, never recipes.config (the recipe is passed in).
-- its runtime modules (engine, model, step, checkpoints, export, ...), which import torch and the
-  engine's library and may import everything up to recipes.reliability; `recipes.engines.runtime.
-  build_engine` builds one. This package's own import stays light: it imports the contracts only.
+- `runtime/`: the engine, model, step, checkpoints, export, ..., which import torch and the engine's
+  library and may import everything up to recipes.reliability; `recipes.engines.runtime.build_engine`
+  builds one. This package's own import stays light: it imports the contracts only.
 """
 
 from __future__ import annotations
 
 from .contract import EngineContract
-from .deepspeed.contract import DeepSpeedContract
-from .megatron.contract import MegatronContract
+from .deepspeed.pure.contract import DeepSpeedContract
+from .megatron.pure.contract import MegatronContract
 
 ENGINES: dict[str, EngineContract] = {}
-for _contract in (DeepSpeedContract(ENGINES), MegatronContract(ENGINES)):
-    ENGINES[_contract.name] = _contract
+
+
+def register(contract_class: type[EngineContract]) -> EngineContract:
+    """Add an engine to `ENGINES`, the one registry: the shipped engines below; another package's engine by
+    one call at its import, before a recipe naming it loads. A name already registered is refused."""
+    contract = contract_class(ENGINES)
+    if contract.name in ENGINES:
+        raise ValueError(f"engine {contract.name!r} is registered already")
+    ENGINES[contract.name] = contract
+    return contract
+
+
+for _contract in (DeepSpeedContract, MegatronContract):
+    register(_contract)
 
 
 def engine_contract(recipe_or_name) -> EngineContract:

@@ -17,9 +17,10 @@ Neither engine reads the other's keys: the intents are the only thing that cross
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from recipes.parallel_dims import ParallelDims
 
@@ -144,87 +145,120 @@ ResumeRule = tuple[str, str]  # (kind, what the key is: said in a refusal)
 # ---- the contract --------------------------------------------------------------------------------------
 
 
-@runtime_checkable
-class EngineContract(Protocol):
+class EngineContract:
     """Everything the project asks of one training engine, answered without torch or the engine's
-    library. Methods take the recipe (a `recipes.config.Recipe`, duck-typed) and, where a rule needs the
-    model's shape, its transformers config (`model_cfg`, AutoConfig: never the weights)."""
+    library; each engine's contract subclasses it, sets the class attributes and overrides what its
+    engine does otherwise than these defaults. Methods take the recipe (a `recipes.config.Recipe`,
+    duck-typed) and, where a rule needs the model's shape, its transformers config (`model_cfg`,
+    AutoConfig: never the weights)."""
 
     name: str  # the value of train.engine
-    section: str  # the recipe section it reads (`recipe.<section>`)
-    Section: type  # that section's dataclass (its settings and their defaults)
+    section: str | None = None  # the recipe section it reads (`recipe.<section>`); None: it has none
+    Section: type | None = None  # that section's dataclass (its settings and their defaults)
+    # `python -m recipes.validate`'s lines of its plan: a module with `add_plan(rep, recipe, cfg, total,
+    # largest, *, hw, rows, adapter, moe_imbalance) -> Plan | None` and `layout_line(rep, recipe, cfg) ->
+    # (data-parallel size, text)`
+    report: Any
+    runtime_class: str  # "module:name" of its `recipes.training.engine.Engine` class (recipes.engines.runtime)
+    # "module:name" of `convert(recipe, out, tp, pp) -> dict`, which `python -m recipes.convert` runs to make
+    # its own weight format once; None: it trains the Hugging Face weights as they are
+    converter: str | None = None
+    plan: Callable  # (recipe, model_cfg, *, hardware, rows, **options) -> the layout's `recipes.planning.Plan`
+    # what a resume may change in its section: {dotted key under `section`: (kind, what it is)}, kind one of
+    # TRAINING, RUN, REFUSED; the longest matching key decides (the resume policy merges these with its
+    # engine-neutral rows; a key of the section in neither is refused)
+    resume_rules: Mapping[str, ResumeRule] = {}
+    adoptions: Mapping[str, Adoption] = {}  # how it adopts another engine's intents (intent name -> Adoption)
+    adopted_defaults: Mapping[str, Any] = {}  # the defaults of keys outside its section that `adoptions` set
+
+    def __init__(self, registry: Mapping[str, EngineContract]):
+        self._registry = registry  # every engine's contract (recipes.engines.ENGINES), for adopt_settings
 
     def recipe_problems(self, recipe) -> list[str]:
         """Refusals when the recipe loads (`Recipe.validate`; again after `adopt_settings`), each naming its
         key: what this engine cannot train at all (a model kind, a head, LoRA), and settings that contradict
         a key it reads (DeepSpeed's raw overrides)."""
+        return []
 
     def section_problems(self, section) -> list[str]:
         """Errors of this engine's own section, checked for every recipe whichever engine it trains on
         (choices, positive sizes, settings that need another of the section's settings)."""
+        return []
 
     def stated_intents(self, recipe) -> list[Intent]:
         """What this engine's settings ask for, one `Intent` per setting differing from its default
         (its section's keys, and the keys of other sections that only this engine reads)."""
+        return []
 
     def adopt_settings(self, recipe) -> tuple[list[str], list[str]]:
         """(errors, notes): the other engines' `stated_intents` mapped onto this engine's equivalents
-        (written into the recipe; each note said once in the log) or refused (an error naming the key:
-        exit 2). Call once, before anything reads the recipe's layout."""
+        through `adoption_table` (written into the recipe; each note said once in the log) or refused (an
+        error naming the key: exit 2), then `after_adoption`'s notes. Call once, before anything reads the
+        recipe's layout."""
+        intents = [i for name, other in self._registry.items() if name != self.name for i in other.stated_intents(recipe)]
+        default = self.Section() if self.Section is not None else None
+        own = dataclasses.fields(default) if default is not None else ()
+        defaults = {f"{self.section}.{f.name}": getattr(default, f.name) for f in own}
+        errors, notes = adopt(self.name, self.adoption_table(intents), {**defaults, **self.adopted_defaults}, intents,
+                              recipe)
+        if errors:
+            return errors, notes
+        notes += self.after_adoption(recipe, intents)
+        return self.recipe_problems(recipe), notes
+
+    def adoption_table(self, intents: list[Intent]) -> Mapping[str, Adoption]:
+        """The adoptions for these intents (`adoptions`, unless one depends on what is asked)."""
+        return self.adoptions
+
+    def after_adoption(self, recipe, intents: list[Intent]) -> list[str]:
+        """What the adopted intents change beyond their keys, written into the recipe; its notes."""
+        return []
 
     def parallel_dims(self, recipe, world_size: int) -> ParallelDims:
-        """The run's layout on `world_size` ranks (its data-parallel size is `.dp`)."""
+        """The run's layout on `world_size` ranks (its data-parallel size is `.dp`): here data parallel only."""
+        return ParallelDims.of(world_size)
 
     def cluster_world(self, recipe) -> int:
         """The ranks the recipe's cluster section describes (nodes x ranks per node)."""
+        return recipe.cluster.nodes * recipe.cluster.ranks_per_node()
+
+    def layout_candidates(self, recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
+                          moe_imbalance: float = 1.0) -> list:
+        """Every layout of `global_batch` rows per step it could run on the recipe's cluster that fits
+        `hardware.mem_gib`, each a `recipes.planning.plan.Candidate` (recipes.validation.recommend); by
+        default none: the recommender does not weigh the engine."""
+        return []
 
     def layout_problems(self, recipe, model_cfg, world_size: int | None = None) -> list[str]:
         """The layouts the model (or, given `world_size`, the world) cannot take, each naming its keys:
         `recipes.validate` exits 2 on these, `recipes.train` refuses them before building anything."""
+        return []
 
     def model_problems(self, recipe, model_cfg) -> list[str]:
         """Models the engine cannot train at all (a family its conversion does not support)."""
+        return []
 
     def start_problems(self, recipe, *, cuda: bool | None, resuming: bool) -> list[str]:
         """What stops the engine from starting this recipe that the recipe alone cannot tell: kernels
         that must import where the run starts (`cuda`: whether its devices are GPUs; None: the run starts
         elsewhere, not judged), files a fresh start reads (not asked when `resuming`)."""
-
-    def plan(self, recipe, model_cfg, *, hardware, rows, **options):
-        """The memory and time plan of the recipe's layout: a `recipes.planning.plan.Plan`, made by the
-        engine's `plan.py` over recipes.planning's cost models (`options`: that module's)."""
-
-    def layout_candidates(self, recipe, model_cfg, *, hardware, rows, global_batch: int, params: tuple[int, int],
-                          moe_imbalance: float = 1.0) -> list:
-        """Every layout of `global_batch` rows per step this engine could run on the recipe's cluster that
-        fits `hardware.mem_gib`, each a `recipes.planning.plan.Candidate` (recipes.validation.recommend)."""
-
-    def layout_changes(self, recipe, model_cfg, *, hardware, rows, params: tuple[int, int], now) -> list:
-        """Changes of the recipe's own layout (`now`, its plan) that shorten its step or cost fewer
-        GPU-seconds and fit, each a `recipes.planning.plan.Candidate` (validate's advice)."""
+        return []
 
     def checkpoint_layout(self, recipe, data_parallel: int) -> dict:
-        """What a checkpoint records of the layout that saved it (`layout.json`)."""
+        """What a checkpoint records of the layout that saved it (`layout.json`), with the engine's name."""
+        return {"engine": self.name, "data_parallel": data_parallel}
 
     def saved_by(self, saved_layout: dict) -> bool:
         """Whether a checkpoint's `layout.json` was written by this engine."""
+        return saved_layout.get("engine") == self.name
 
     def resume_problem(self, saved: dict, recipe, data_parallel: int, where) -> str | None:
         """Why the checkpoint saved at layout `saved` (in `where`) cannot resume this recipe on
         `data_parallel` data-parallel ranks (None: it can)."""
-
-    def resume_rules(self) -> dict[str, ResumeRule]:
-        """What a resume may change in this engine's section: {dotted key under `section`: (kind, what it
-        is)}, kind one of TRAINING, RUN, REFUSED; the longest matching key decides (the resume policy
-        merges these with its engine-neutral rows; a key of the section in neither is refused)."""
+        return None
 
     def resume_view(self, section: dict) -> dict:
         """This engine's section of a recipe (a plain dict, as `Recipe.to_dict()` gives it, saved or
         running) in the form a resume compares: the settings the engine runs, where a raw setting of the
-        engine's library overrides one of the section's keys."""
-
-    def distributed_setup(self) -> dict:
-        """What `recipes.training.runtime.setup_distributed` needs for this engine (keyword arguments)."""
-
-    def converts(self) -> bool:
-        """Whether the engine has its own weight format, made once by `python -m recipes.convert`."""
+        engine's library overrides one of the section's keys (here each setting is its own key)."""
+        return section

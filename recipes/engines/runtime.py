@@ -1,31 +1,23 @@
 """Building the engine a recipe names, for this rank: the one place the engines' runtime modules (which
 import torch and deepspeed or megatron) are reached from outside their packages, each imported only when
-its engine is asked for."""
+its engine is asked for. A contract names its runtime objects as "module:name" strings (it stays pure)."""
 
 from __future__ import annotations
+
+import importlib
 
 from . import engine_contract
 
 
-def _deepspeed():
-    from .deepspeed.engine import DeepSpeedEngine
-
-    return DeepSpeedEngine
-
-
-def _megatron():
-    from .megatron.engine import MegatronEngine
-
-    return MegatronEngine
-
-
-# train.engine -> its `recipes.training.engine.Engine` class
-ENGINE_CLASSES = {"deepspeed": _deepspeed, "megatron": _megatron}
+def runtime_object(path: str):
+    """The object a contract names as "package.module:name" (its module imported now)."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def engine_class(recipe):
-    """The `Engine` class of the recipe's `train.engine` (its runtime module imported now)."""
-    return ENGINE_CLASSES[engine_contract(recipe).name]()
+    """The `recipes.training.engine.Engine` class of the recipe's `train.engine` (its `runtime_class`)."""
+    return runtime_object(engine_contract(recipe).runtime_class)
 
 
 def build_engine(recipe, runtime, dirs):

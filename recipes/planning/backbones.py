@@ -1,6 +1,6 @@
 """The backbones the planner knows: the model config a recipe resolves to (local, cached, hub, or the
 offline fallback table of the papers' backbones) and its parameter count from an empty-weight model.
-DeepSpeed's own estimate of model-state memory is the DeepSpeed engine's (recipes.engines.deepspeed.plan)."""
+DeepSpeed's own estimate of model-state memory is the DeepSpeed engine's (recipes.engines.deepspeed.pure.plan)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,8 @@ measured. Another GPU: the H200 table x its bf16 peak / 989. fp32 runs on TF32 t
 
 Per kernel: a launch and the gap before the next dependent kernel, KERNEL_OVERHEAD_S each (CUDA's launch
 latency is a few microseconds; a guess, not measured here), x the kernels a layer runs per micro-batch,
-forward and backward: KERNELS_PER_LAYER by engine (Megatron-core with Transformer Engine fuses norm into
-the linears and SwiGLU into one kernel; the Hugging Face layer under DeepSpeed runs eager norms, RoPE and
-SwiGLU as several element-wise kernels each). Counted from the layers' code, not from a profile.
+forward and backward, which each engine's cost model states for its own layer (`KERNELS_PER_LAYER` in
+recipes.engines.<engine>.costs).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ PEAK_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # data sheets, dense
 MEM_GIB = {"H200": 141.0, "H100": 80.0, "A100": 80.0}
 
 KERNEL_OVERHEAD_S = 5e-6
-KERNELS_PER_LAYER = {"megatron": 42, "deepspeed": 120}  # forward + backward, per micro-batch
 
 
 def gemm_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, tp: int

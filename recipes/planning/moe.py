@@ -1,7 +1,7 @@
 """The arithmetic of a mixture-of-experts model that the planners need: its expert shape from the HF
 config, total and active parameters, and, per GPU of a Megatron layout with expert parallelism, the
 expert weights it holds, the activations its MoE layers keep, the all-to-all bytes its token dispatcher
-moves and the GEMM time of its experts. recipes.planning.megatron_costs builds its plan on these;
+moves and the GEMM time of its experts. recipes.engines.megatron.pure.costs builds its plan on these;
 recipes.planning.shape.Shape.of gives an MoE model the MLP width a token runs through (top-k experts +
 the shared expert), so the dense arithmetic (FLOPs, SwiGLU activations) counts the active experts.
 

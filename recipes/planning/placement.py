@@ -1,7 +1,7 @@
 """Where the ranks of a parallel layout sit: `Placement`, a `recipes.parallel_dims.ParallelDims` on nodes of
 `gpus_per_node` ranks in a rank order, which global rank holds which (tp, dp, pp) coordinate, the groups
-that follow and how many nodes a group spans. The cost models (recipes.planning.deepspeed_costs,
-megatron_costs) price a placement: a group inside a node talks over NVLink, one across nodes over the NICs.
+that follow and how many nodes a group spans. The engines' cost models
+(recipes.engines.<engine>.costs) price a placement: a group inside a node talks over NVLink, one across nodes over the NICs.
 
 Notation: t = tp, p = pp, D = world / (t p) data-parallel ranks, G ranks a node.
 

@@ -32,7 +32,7 @@ from recipes.planning.placement import Placement
 @dataclass
 class Stage:
     """One GPU of a pipeline stage: its parameters and memory by part, the bytes it moves per step and the
-    seconds of a typical micro-batch on it (recipes.planning.megatron_costs)."""
+    seconds of a typical micro-batch on it (recipes.engines.megatron.pure.costs)."""
 
     index: int
     params: float

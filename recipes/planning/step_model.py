@@ -1,7 +1,7 @@
-"""The step-time arithmetic both engines share: the hardware a recipe assumes, where a collective's bytes
+"""The step-time arithmetic every engine shares: the hardware a recipe assumes, where a collective's bytes
 go (NVLink inside the node, NICs across nodes) and how long a collective takes, a micro-batch's compute
-time on one GPU, MFU, the GPU peak table, and the rows a plan counts. recipes.planning.deepspeed_costs
-(DeepSpeed), recipes.planning.megatron_costs and the run log (recipes.training.throughput) build on it.
+time on one GPU, MFU, the GPU peak table, and the rows a plan counts. The engines' cost
+models (recipes.engines.<engine>.costs) and the run log (recipes.training.throughput) build on it.
 Its terms, their sources and what it cannot know: docs/benchmarks.md ("The step model").
 
 Where a ring collective's bytes go. A ring all-gather or reduce-scatter over n ranks sends (n - 1)/n of
@@ -39,6 +39,10 @@ from recipes.planning import gemm_rates
 from recipes.planning.padding import Deal, deal, shard_row_lengths
 
 GiB = 2**30
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / GiB:.1f} GiB"
 FIXED_BUFFER_GIB = 2.0  # CUDA context, NCCL communicators, cuBLAS workspaces, allocator slack (a guess)
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from NVIDIA's data sheets; matched as
@@ -284,12 +288,12 @@ class Compute:
         return self.flops / work / 1e12 if work else 0.0
 
 
-def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw: Hardware, engine: str,
+def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw: Hardware, kernels_per_layer: int,
                         dtype: str = "bfloat16", recompute: str | None = None, head: bool = False,
                         head_gemms: float = 3.0, weight_grads: bool = True, mlp: bool = True) -> Compute:
     """One micro-batch of `rows` rows padded to `length` tokens through `layers` decoder layers (and the
-    output layer when `head`) on one GPU of a TP group of `tp` (module docstring). `engine`
-    ("megatron", "deepspeed") sets the kernels a layer runs; `recompute` None, "selective" (the
+    output layer when `head`) on one GPU of a TP group of `tp` (module docstring). `kernels_per_layer`
+    the kernels a layer runs (forward and backward: the engine's cost model says); `recompute` None, "selective" (the
     attention again) or "full" (the layer's forward again); `head_gemms` the output layer's GEMMs (3:
     forward and both gradients; the chunked head recomputes the logits: 4; a frozen head: 2);
     `weight_grads` False: a frozen base (LoRA), no weight-gradient GEMMs; `mlp` False: the layers' MLP GEMMs
@@ -303,7 +307,7 @@ def micro_batch_compute(s, *, rows: int, length: int, tp: int, layers: float, hw
         gemm_s, gemm_f = 2 * forward_s, 2 * forward_f
     attn_f = 6.0 * length * s.heads * s.head_dim * tokens / tp
     attn_s = attn_f * gemm_s / gemm_f  # at the layer's GEMM rate
-    kernels_s = gemm_rates.KERNELS_PER_LAYER[engine] * gemm_rates.KERNEL_OVERHEAD_S
+    kernels_s = kernels_per_layer * gemm_rates.KERNEL_OVERHEAD_S
     if recompute == "full":
         gemm_s, gemm_f = gemm_s + forward_s, gemm_f + forward_f
         attn_s, attn_f, kernels_s = attn_s * 4 / 3, attn_f * 4 / 3, kernels_s * 4 / 3

@@ -122,7 +122,7 @@ def _engine_rules() -> dict[str, ResumeRule]:
     """Every engine's resume rules (`EngineContract.resume_rules`), each key inside its own section."""
     rules: dict[str, ResumeRule] = {}
     for contract in ENGINES.values():
-        for key, rule in contract.resume_rules().items():
+        for key, rule in contract.resume_rules.items():
             if key.split(".")[0] != contract.section:
                 raise ValueError(f"{contract.name}'s resume_rules: {key} is not a key of its own section "
                                  f"{contract.section!r}")

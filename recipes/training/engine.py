@@ -21,13 +21,18 @@ class Engine(Protocol):
     tell it, before it builds anything, what layout a resume comes from). Every method is a collective:
     every rank calls it."""
 
-    name: str  # "deepspeed" | "megatron"
+    name: str  # its contract's name (train.engine)
     dp: DataParallel  # this rank's data-parallel replica: the reader shards rows by it
     tokenizer: Any
     processor: Any  # vision recipes: the processor (else None)
     batch_options: dict  # keyword arguments of `recipes.inputs.batches.model_inputs` for this model
     layout: dict  # written to each checkpoint's layout.json; compared at resume
     optimizer_name: str  # which optimizer implementation runs the step (for the run log)
+
+    @staticmethod
+    def join_process_group(timeout_minutes: float) -> Any:
+        """On the class, before it is built: this rank's `Runtime`, its process group made as the engine needs
+        (`recipes.training.runtime.setup_distributed`, with the engine's `init_group` where it has one)."""
 
     def train_step(self, window: list[dict], diagnostics: bool = False) -> dict[str, float]:
         """Forward, backward and optimizer step over this rank's micro-batches `window` (model inputs on

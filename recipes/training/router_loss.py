@@ -24,7 +24,7 @@ with no real token contributes 0.
 Over a step the logged router/aux is the mean of the per-micro-batch values over the micro-batches and the
 data-parallel ranks; its gradient is the gradient of that mean (Megatron: MoEAuxLossAutoScaler's scale
 1 / num_microbatches and the data-parallel gradient average; DeepSpeed: the engine's scaling,
-`recipes.engines.deepspeed.engine`). Routing choices do not depend on the coefficient, so `coeff = 0`
+`recipes.engines.deepspeed.runtime.engine`). Routing choices do not depend on the coefficient, so `coeff = 0`
 (off) leaves the objective exactly what it is for a dense model.
 """
 

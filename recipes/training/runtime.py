@@ -1,4 +1,4 @@
-"""Process-level set-up for training: the distributed environment, devices, DeepSpeed on the CPU.
+"""Process-level set-up for training: the distributed environment, devices, teardown.
 
 Launched by torchrun, Ray or srun, the rank variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) are already set; run as a plain `python -m recipes.train`, this becomes a world of one.
@@ -80,17 +80,6 @@ def die_with_parent(parent_pid: int, ignore: Iterable[int] = ()) -> None:
         os._exit(0)
 
 
-def _skip_cpu_shm_op() -> None:
-    """DeepSpeed's CPU accelerator compiles a shared-memory comm op at every first start (35-65 s, up to
-    5 GB; it serves inference only). `deepspeed.comm.torch` looks it up as `build_shm_op`: return None."""
-    import deepspeed.comm.torch  # noqa: F401  (binds the torch package name; the module is in sys.modules)
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-
-
-MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
-
-
 def import_without(module: str, *unused: str):
     """`import module` while each of `unused` (installed, optional, imported by `module` at load time only
     to offer a feature the recipes never use) reads as absent, so `module` takes its ImportError branch;
@@ -107,35 +96,6 @@ def import_without(module: str, *unused: str):
             del sys.modules[name]
 
 
-def import_deepspeed():
-    """`import deepspeed` without its autotuner's `import mlflow`: DeepSpeed imports mlflow at module load
-    wherever it is installed (the `mlflow` extra; ~2 CPU s, a sixth of a rank's start-up) only to log
-    autotuning experiments, which the recipes never run."""
-    deepspeed = import_without("deepspeed", "mlflow")
-    # ZeRO imports DeepSpeed's Muon in its optimizer check and its optimizers' constructors only to ask
-    # `isinstance(optimizer, MuonWithAuxAdam)`; the module compiles its kernels at import (torch.compile
-    # pulls in torch._inductor: ~4 of a DeepSpeed rank's ~12 CPU s of start-up, measured on a 1-rank tiny
-    # run). The recipes build AdamW or DeepSpeed's Adam, never Muon, so a stand-in class answers instead.
-    if MUON_MODULE not in sys.modules:
-        sys.modules[MUON_MODULE] = _muon_stand_in()
-    return deepspeed
-
-
-def _muon_stand_in():
-    import types
-
-    module = types.ModuleType(MUON_MODULE, "numloss's stand-in: the recipes never build DeepSpeed's Muon")
-
-    class MuonWithAuxAdam:  # no optimizer the recipes build is one
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("DeepSpeed's Muon is not available in a numloss recipe (recipes.training.runtime "
-                               "stands in for its module to skip compiling its kernels); the recipes train with "
-                               "AdamW or DeepSpeed's Adam")
-
-    module.MuonWithAuxAdam = MuonWithAuxAdam
-    return module
-
-
 def quiet_deprecated_collectives() -> None:
     """Ignore torch's FutureWarnings for the collectives DeepSpeed's ZeRO calls (`all_gather_into_tensor`,
     `reduce_scatter_tensor`). They are raised on every call, not once: code elsewhere enters
@@ -146,12 +106,13 @@ def quiet_deprecated_collectives() -> None:
                             message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
 
-def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> Runtime:
-    """Initialise torch.distributed (NCCL on GPUs, gloo on the CPU), through DeepSpeed when `deepspeed`
-    (its engine needs `deepspeed.comm` to adopt the group), with a collective timeout of
+def setup_distributed(timeout_minutes: float = 60.0, init_group=None) -> Runtime:
+    """Initialise torch.distributed (NCCL on GPUs, gloo on the CPU) with a collective timeout of
     `timeout_minutes` (the recipe's `train.dist_timeout_minutes`; torch's default, 10 minutes, is
     shorter than a 70B checkpoint save or export). A group an orchestrator already made (Ray Train)
-    keeps its own timeout: launch.ray gives Ray the same value."""
+    keeps its own timeout: launch.ray gives Ray the same value. `init_group(backend, timeout)`: an
+    engine's own way of making or adopting the group (its runtime class's `join_process_group` passes
+    it); by default torch's, where no group exists yet."""
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -163,31 +124,13 @@ def setup_distributed(timeout_minutes: float = 60.0, deepspeed: bool = True) -> 
     import torch.distributed.nn.functional  # noqa: F401
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
-    if not deepspeed:
-        if cuda:
-            torch.cuda.set_device(local_rank)
-        if not torch.distributed.is_initialized():
-            torch.distributed.init_process_group("nccl" if cuda else "gloo",
-                                                 timeout=datetime.timedelta(minutes=timeout_minutes))
-        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-        return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    deepspeed = import_deepspeed()
-
-    if not cuda:
-        _skip_cpu_shm_op()
     if cuda:
         torch.cuda.set_device(local_rank)
-    # Always through DeepSpeed: when an orchestrator (Ray Train) has already initialised torch.distributed,
-    # init_distributed adopts that group; skipping it leaves deepspeed.comm believing in a world of one.
-    if torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), dist_init_required=False)
-    else:
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo",
-                                   timeout=datetime.timedelta(minutes=timeout_minutes))
-    if deepspeed.comm.get_world_size() != torch.distributed.get_world_size():
-        raise RuntimeError("deepspeed.comm did not adopt the torch.distributed process group")
+    backend, timeout = "nccl" if cuda else "gloo", datetime.timedelta(minutes=timeout_minutes)
+    if init_group is not None:
+        init_group(backend, timeout)
+    elif not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend, timeout=timeout)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     return Runtime(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
 

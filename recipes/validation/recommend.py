@@ -1,10 +1,10 @@
 """The one recommender: the fastest layout for a recipe's model, cluster, global batch and rows on any
 engine (`recommend`: what `python -m recipes.validate` prints as its recommendation, with the terms that
-make each step time), and the changes of the recipe's own layout that shorten its step (`improvements`:
-validate's advice lines). Every engine in `recipes.engines.ENGINES` is asked, through its contract, for
-the layouts it could run (`layout_candidates`: each kept only when its peak stage / GPU fits the usable
-memory) and the changes it knows of its own layouts (`layout_changes`); every candidate is a plan of
-that engine's cost model (recipes.planning.step_model's arithmetic), so they compare.
+make each step time). Every engine in `recipes.engines.ENGINES` is asked, through its contract, for the
+layouts it could run (`layout_candidates`: each kept only when its peak stage / GPU fits the usable
+memory); every candidate is a plan of that engine's cost model (recipes.planning.step_model's
+arithmetic), so they compare. (The changes of a recipe's own layout that shorten its step are its
+engine's report lines: validate's advice.)
 
 A candidate on one engine also puts the other engines' recipe sections back to their defaults (a recipe
 switched to one engine is refused while it sets what only another reads: the contract's adopt_settings).
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from recipes.engines import ENGINES, engine_contract
+from recipes.engines import ENGINES
 from recipes.planning import step_model
-from recipes.planning.plan import Candidate, Plan, override
+from recipes.planning.plan import Candidate, override
 from recipes.planning.step_model import GiB
 
 
@@ -30,7 +30,9 @@ def line(c: Candidate) -> str:
 
 
 def _resets(recipe, contract) -> list[str]:
-    """Overrides that put `contract`'s recipe section back to its defaults."""
+    """Overrides that put `contract`'s recipe section back to its defaults (none: it has no section)."""
+    if contract.Section is None:
+        return []
     default, now = contract.Section(), getattr(recipe, contract.section)
     return [override(f"{contract.section}.{f.name}", getattr(default, f.name)) for f in fields(default)
             if getattr(now, f.name) != getattr(default, f.name)]
@@ -79,10 +81,3 @@ def recommend(rep, recipe, cfg, params: int, largest: int, hw: step_model.Hardwa
                             f"{own / best.plan.step_s:.1f}x the recommended one ({best.text}, {best.plan.step_s:.2f} s) "
                             f"at these rows ({rows.note})")
 
-
-def improvements(recipe, cfg, now: Plan, *, hardware: step_model.Hardware, rows: step_model.Rows,
-                 params: tuple[int, int]) -> list[Candidate]:
-    """The changes of the recipe's own layout (`now`, its plan) its engine says shorten the step or cost
-    fewer GPU-seconds, and fit: fewest GPU-seconds per step first."""
-    found = engine_contract(recipe).layout_changes(recipe, cfg, hardware=hardware, rows=rows, params=params, now=now)
-    return sorted(found, key=lambda c: c.plan.step_s * c.plan.world)

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-GiB = 2**30
-
 
 @dataclass
 class Report:
@@ -38,10 +36,6 @@ class Report:
         verdict = "OK" if self.ok else f"FAILED ({len(self.errors)} error{'s' * (len(self.errors) != 1)})"
         lines.append(f"{verdict}, {len(self.warnings)} warning{'s' * (len(self.warnings) != 1)}")
         return "\n".join(lines)
-
-
-def gib(n_bytes: float) -> str:
-    return f"{n_bytes / GiB:.1f} GiB"
 
 
 def params_text(n: int) -> str:

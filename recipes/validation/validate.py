@@ -19,10 +19,10 @@ What is checked, in order:
 3. Parameter count and the largest single module's parameters, from an empty-weight model
    (`torch.device("meta")`, nothing allocated), vision tower included for `model.vision` recipes.
 4. The plan of the recipe's engine (its contract's `plan`: recipes.engines.<engine>.plan over
-   recipes.planning's cost models), printed by that engine's report (recipes.validation.deepspeed_report,
-   megatron_report; `ENGINE_REPORTS`). DeepSpeed: its own estimate of model-state memory per GPU
+   its cost model), printed by that engine's report lines (the contract's `report`: recipes.engines.
+   <engine>.report). DeepSpeed: its own estimate of model-state memory per GPU
    (`estimate_zero3_model_states_mem_needs` / `estimate_zero2_...`, with the recipe's offload settings;
-   with `model.lora`, recipes.planning.lora's: a frozen base and the adapter's states), then memory by
+   with `model.lora`, its cost model's LoRA estimate: a frozen base and the adapter's states), then memory by
    part (model states, hpZ copy, buffers, activations, head), host RAM per node at load and at export (an
    error above `cluster.host_mem_gb`), checkpoints on disk and their cadence, the bytes each GPU moves per
    step by collective over the network and NVLink, step time with the terms that make it, MFU, the
@@ -70,12 +70,8 @@ from recipes.planning.lora import adapter_parameters
 from recipes.planning.moe import imbalance_problem
 from recipes.planning.save_time import STORAGE_GBPS, shutdown_warnings
 from recipes.planning.step_model import hardware as recipe_hardware, row_tokens
-from recipes.validation import deepspeed_report, megatron_report
 from recipes.validation.recommend import recommend as recommend_layout
 from recipes.validation.report import Report, params_text
-
-# each engine's report lines, by the name of its contract (recipes.engines.ENGINES)
-ENGINE_REPORTS = {"deepspeed": deepspeed_report, "megatron": megatron_report}
 
 
 # ---- data ---------------------------------------------------------------------------------------------
@@ -154,7 +150,7 @@ def validate_recipe(path: str | Path, overrides: list[str] | tuple = (), strict:
     m, tr, cl = recipe.model, recipe.train, recipe.cluster
     rep.add("model", m.name_or_path or f"model.config ({(m.config or {}).get('model_type')}, random init)")
     contract = engine_contract(recipe)
-    report = ENGINE_REPORTS[contract.name]
+    report = contract.report
     errors, mapped = contract.adopt_settings(recipe)  # first: it may set megatron.recompute, which the plan reads
     rep.errors.extend(errors)
     rep.errors.extend(checks.start_problems(recipe, cuda=None))  # the job's machine has its own kernels

@@ -169,7 +169,7 @@ def test_diagnostics_change_neither_loss_nor_gradients(head, config):
 
 
 def test_megatron_loss_func_reports_the_broadcast_keys():
-    """The last stage's report holds exactly the keys `recipes.engines.megatron.step.log_keys` makes
+    """The last stage's report holds exactly the keys `recipes.engines.megatron.runtime.step.log_keys` makes
     every stage expect (a mismatch would break the pipeline broadcast)."""
     from numloss.adapters.megatron import numeric_loss_func
 

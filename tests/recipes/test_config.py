@@ -234,7 +234,7 @@ def _load_resume_build(rank, world, assets, out):
     SMMD weight, build the DeepSpeed engine; count every reading of an objective mapping."""
     from numloss import ObjectiveConfig
     from recipes.config import load_recipe
-    from recipes.engines.deepspeed.engine import DeepSpeedEngine
+    from recipes.engines.deepspeed.runtime.engine import DeepSpeedEngine
     from recipes.reliability.checkpoints import CheckpointDirs
     from recipes.reliability.resume_policy import decide
     from tests.recipes.engines.megatron import engine_helpers as H

@@ -34,7 +34,7 @@ gradient diagnostics too), and export the model the DeepSpeed DP-2 layout traine
 That one run ties the two engines together through `recipes.train`. The Megatron engine's other layouts
 (1 rank, DP 2, TP 2, PP 2, interleaved PP, THD packing), its resumes onto another layout and its
 packed rows are compared with one Megatron reference in-process, in
-tests/recipes/engines/megatron/test_engine.py (losses, gradient norm, lr and diagnostics); another
+tests/recipes/engines/megatron/runtime/test_engine.py (losses, gradient norm, lr and diagnostics); another
 launch here for each would repeat those comparisons at the cost of a torchrun job.
 
 Packed rows hold several examples, so the packed layouts (global batch 4 rows) compare with each other.

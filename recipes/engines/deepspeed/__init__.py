@@ -1,7 +1,7 @@
-"""The DeepSpeed engine: Hugging Face models under ZeRO 0-3 and AutoTP.
+"""The DeepSpeed engine: Hugging Face models under ZeRO 0-3, AutoTP and DeepSpeed-Ulysses.
 
-Pure (floor 4: no torch or deepspeed at module level; may import numloss, data_prep, recipes.planning,
-recipes.parallel_dims and recipes.engines.contract): `contract` (its section, refusals, adopted settings,
-layout rules and checkpoint rules), `plan` (its memory and time plan), `config` (the DeepSpeed config
-dict). Runtime (floor 7: torch and deepspeed; may import up to recipes.reliability): `engine`, `model`,
-`moe`, `lora`, `optimizer`, `checkpoints`, `export`."""
+`pure/` (floor 4: no torch or deepspeed at module level): `contract` (its section, refusals, adopted
+settings, layout and checkpoint rules), `plan` (its memory and time plan), `costs` (its cost model),
+`report` (validate's lines of its plan), `config` (the DeepSpeed config dict). `runtime/` (floor 7: torch
+and deepspeed; may import up to recipes.reliability): `engine`, `distributed` (import and process group),
+`model`, `moe`, `lora`, `optimizer`, `checkpoints`, `export`, `ulysses`."""

@@ -15,7 +15,7 @@ import pytest
 from recipes.checks import model_checks
 from recipes.checks.engine_settings import engine_setting_problems
 from recipes.config import load_recipe
-from recipes.engines import ENGINES, EngineContract, engine_contract
+from recipes.engines import ENGINES, EngineContract, engine_contract, register
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "recipes" / "configs"
@@ -193,6 +193,9 @@ def test_the_registry_names_train_engine_and_the_known_engines():
     assert engine_contract("megatron") is ENGINES["megatron"]
     with pytest.raises(ValueError, match=r"train.engine: 'fsdp' is not one of \['deepspeed', 'megatron'\]"):
         engine_contract("fsdp")
+    with pytest.raises(ValueError, match="engine 'megatron' is registered already"):
+        register(type(ENGINES["megatron"]))
+    assert list(ENGINES) == ["deepspeed", "megatron"]
     with pytest.raises(ValueError, match=r"train.engine: 'fsdp' is not one of \['deepspeed', 'megatron'\]"):
         load_recipe(CONFIGS / "demo.yaml", ["train.engine=fsdp"])
 
@@ -211,7 +214,7 @@ def test_each_engine_declares_the_resume_rules_of_its_own_section(monkeypatch):
     from recipes.reliability import resume_policy as policy
 
     for contract in ENGINES.values():
-        rules = contract.resume_rules()
+        rules = contract.resume_rules
         assert rules and all(key.split(".")[0] == contract.section for key in rules)
         assert all(kind in ("training", "run", "refused") and why for kind, why in rules.values())
         assert {k: v for k, v in policy.POLICY.items() if k.split(".")[0] == contract.section} == rules
@@ -220,6 +223,6 @@ def test_each_engine_declares_the_resume_rules_of_its_own_section(monkeypatch):
     for key in ("deepspeed.reduce_dtype", "deepspeed.overrides.zero_optimization.overlap_comm", "megatron.tp_size",
                 "megatron.pp_size", "megatron.ep_size", "megatron.recompute", *refused):
         assert policy.classify(key)[0] == ("refused" if key in refused else "run"), key
-    monkeypatch.setattr(ENGINES["megatron"], "resume_rules", lambda: {"train.steps": ("run", "a loop key")})
+    monkeypatch.setattr(ENGINES["megatron"], "resume_rules", {"train.steps": ("run", "a loop key")})
     with pytest.raises(ValueError, match="megatron's resume_rules: train.steps is not a key of its own section"):
         policy._engine_rules()

@@ -45,11 +45,11 @@ def _ranks(rank, world, assets, out):
     for kind in ENGINES:
         recipe = _recipe(assets, kind)
         if kind == "deepspeed":
-            from recipes.engines.deepspeed.engine import DeepSpeedEngine
+            from recipes.engines.deepspeed.runtime.engine import DeepSpeedEngine
 
             engine = DeepSpeedEngine(recipe, runtime, CheckpointDirs(out / kind, 1, runtime))
         else:
-            from recipes.engines.megatron.engine import MegatronEngine
+            from recipes.engines.megatron.runtime.engine import MegatronEngine
 
             engine = MegatronEngine(recipe, runtime)
         rows[kind] = H.run_steps(engine, assets, 1, 1)[0]

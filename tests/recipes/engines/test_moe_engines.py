@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.engines.megatron.support import MOE_MODEL_TYPES
+from recipes.engines.megatron.pure.support import MOE_MODEL_TYPES
 from tests.distributed import run_ranks
-from tests.recipes.engines.deepspeed.test_moe import FAMILIES as DEEPSPEED_FAMILIES, tiny
+from tests.recipes.engines.deepspeed.runtime.test_moe import FAMILIES as DEEPSPEED_FAMILIES, tiny
 
 # the families both engines train (Qwen2-MoE's shared expert is DeepSpeed's only: the conversion refuses it)
 FAMILIES = {name: config for name, config in DEEPSPEED_FAMILIES.items() if name in MOE_MODEL_TYPES}
@@ -34,8 +34,8 @@ def _ranks(rank, world, assets, out):
 
     from megatron.core import parallel_state
 
-    from recipes.engines.deepspeed.engine import DeepSpeedEngine
-    from recipes.engines.megatron.engine import MegatronEngine
+    from recipes.engines.deepspeed.runtime.engine import DeepSpeedEngine
+    from recipes.engines.megatron.runtime.engine import MegatronEngine
     from recipes.reliability.checkpoints import CheckpointDirs
     from tests.recipes.engines.megatron import engine_helpers as H
 

@@ -124,7 +124,7 @@ def _heads_agree(model, vocab, inputs, terms: dict, chunk_size: int, tower: str,
 def test_the_numeric_objective_on_vision_inputs_matches_hf_and_the_chunked_head(tiny_vl):
     from numloss import NumericVocab
     from recipes.config import Recipe
-    from recipes.engines.deepspeed.model import build_model
+    from recipes.engines.deepspeed.runtime.model import build_model
 
     processor = load_processor(tiny_vl["model"])
     recipe = Recipe()

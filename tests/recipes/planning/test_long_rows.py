@@ -1,4 +1,4 @@
-"""Long rows on the planner: DeepSpeed-Ulysses (`deepspeed.sp_size`) in recipes.planning.deepspeed_costs, and
+"""Long rows on the planner: DeepSpeed-Ulysses (`deepspeed.sp_size`) in recipes.engines.deepspeed.pure.costs, and
 `python -m recipes.validate` naming the sp size at which a row that does not fit one GPU fits. Activation
 memory at 32k and 128k rows for Llama-3 8B and 70B against hand figures: under Ulysses every layer keeps its
 activations for 1/sp of the row's positions (the attention's heads are split, its rows whole), so the
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.engines.deepspeed import plan as deepspeed_plan
-from recipes.planning import deepspeed_costs as costs
+from recipes.engines.deepspeed.pure import plan as deepspeed_plan
+from recipes.engines.deepspeed.pure import costs
 from recipes.planning import step_model
 from recipes.planning.memory import layer_activation_bytes
 from recipes.planning.shape import Shape

@@ -8,9 +8,9 @@ import pytest
 import torch
 import yaml
 
-from recipes.engines.megatron import plan as megatron_plan
-from recipes.engines.megatron.layout import shape_problems
-from recipes.planning import megatron_costs
+from recipes.engines.megatron.pure import plan as megatron_plan
+from recipes.engines.megatron.pure.layout import shape_problems
+from recipes.engines.megatron.pure import costs as megatron_costs
 from recipes.planning import placement
 from recipes.planning import moe as moe_math
 from recipes.planning.shape import Shape
@@ -313,7 +313,7 @@ def test_the_run_logs_prediction_is_validates_plan_with_the_experts(name):
 @pytest.mark.parametrize("kind, dtype, per_param", [("qwen3_moe", "bfloat16", 2 + 8 + 4), ("mixtral", "float32", 4 + 8)])
 def test_a_megatron_checkpoint_holds_each_tensor_once(tmp_path, kind, dtype, per_param):
     """The plan's checkpoint size: every parameter of the HF model once, in the model's dtype, with Adam's two
-    fp32 moments and, for a 16-bit model, its fp32 main weight (recipes/engines/megatron/checkpoints.py)."""
+    fp32 moments and, for a 16-bit model, its fp32 main weight (recipes/engines/megatron/runtime/checkpoints.py)."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 

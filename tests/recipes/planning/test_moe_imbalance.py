@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from recipes.planning import megatron_costs
+from recipes.engines.megatron.pure import costs as megatron_costs
 from recipes.planning import placement
 from recipes.planning import moe as moe_math
 from recipes.planning.shape import Shape

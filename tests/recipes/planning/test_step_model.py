@@ -216,7 +216,7 @@ def test_expected_padding_by_hand():
 def test_mfu_is_derived_from_the_predicted_time():
     """MFU = model FLOPs of the real tokens / (predicted step x GPUs x peak), padding not counted; with a
     faster GEMM table it passes the 40.4 % the old fixed rate capped it at."""
-    from recipes.planning import deepspeed_costs as costs
+    from recipes.engines.deepspeed.pure import costs
     from recipes.planning.shape import Shape
 
     s = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, head_dim=128, vocab=VOCAB)

@@ -1,4 +1,4 @@
-"""The DeepSpeed plan's traffic (recipes.planning.deepspeed_costs.zero_collectives) against the bytes a real ZeRO-3
+"""The DeepSpeed plan's traffic (recipes.engines.deepspeed.pure.costs.zero_collectives) against the bytes a real ZeRO-3
 run moves: DeepSpeed 0.19.8 on gloo ranks, a tiny Llama, the torch.distributed collectives wrapped to
 count each call's payload by collective and group size over the second optimizer step.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.planning import deepspeed_costs as costs
+from recipes.engines.deepspeed.pure import costs
 from tests.distributed import run_ranks
 
 OPS = {"all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather",
@@ -36,9 +36,9 @@ def _count(rank: int, world: int, out: str, hpz: int, accum: int, bf16: bool) ->
     os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank))
     import deepspeed
 
-    from recipes.training.runtime import _skip_cpu_shm_op
+    from recipes.engines.deepspeed.runtime.distributed import skip_cpu_shm_op
 
-    _skip_cpu_shm_op()
+    skip_cpu_shm_op()
     counts: collections.Counter = collections.Counter()
     on = [False]
 

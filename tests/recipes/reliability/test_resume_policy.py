@@ -18,7 +18,7 @@ Refusals, on one real run (DeepSpeed ZeRO-3, one process, 2 steps), then each st
 batch the checkpoint cannot take (unchecked, the engine would be built and the reader raise a plain
 ValueError, exit 1); a ZeRO stage changed in `deepspeed.zero_stage` (DeepSpeed's AssertionError, with a
 hint to fall back to an older checkpoint; a stage `deepspeed.overrides` sets against the key is refused
-when the recipe loads: recipes/engines/deepspeed/config.py); a truncated shard, and with `data.verify:
+when the recipe loads: recipes/engines/deepspeed/pure/config.py); a truncated shard, and with `data.verify:
 full` a shard of the same size changed (recipes/checks/preflight.py: otherwise named only after the model
 loaded, or after recipe.yaml and the history were rewritten).
 

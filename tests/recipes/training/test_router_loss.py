@@ -1,7 +1,7 @@
 """recipes.training.router_loss: the router load-balancing loss (router/aux) of mixture-of-experts models, on
 hand-computed cases (padding left out) and equal to a NumPy computation of the definition on random logits
 (float32 and bf16 router logits); bad inputs refused. The engines' use of it:
-tests/recipes/engines/deepspeed/test_moe.py and tests/recipes/engines/megatron/test_moe.py."""
+tests/recipes/engines/deepspeed/runtime/test_moe.py and tests/recipes/engines/megatron/runtime/test_moe.py."""
 
 from __future__ import annotations
 

@@ -7,9 +7,8 @@
 - setup_distributed silences torch's per-call deprecation warnings for the collectives DeepSpeed's ZeRO
   uses, and nothing else (a 60-step run wrote ~30,000 of them into its log).
 - clear_method_caches frees the instances a method's `lru_cache` keeps.
-- DeepSpeed is imported without the mlflow import its autotuner makes and ZeRO asks a stand-in for its Muon
-  module (whose import compiles kernels): together ~4-6 of a DeepSpeed rank's ~12-16 CPU s of start-up;
-  megatron-core without its wandb import (~0.8 s).
+- megatron-core is imported without its wandb import (~0.8 s of a rank's start-up; DeepSpeed's start:
+  tests/recipes/engines/deepspeed/runtime/test_distributed.py).
 """
 
 from __future__ import annotations
@@ -127,34 +126,6 @@ def test_clear_method_caches_frees_what_a_method_cache_keeps():
     clear_method_caches([Child])
     gc.collect()
     assert child_ref() is None and other_ref() is not None
-
-
-def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
-    """DeepSpeed's autotuner imports mlflow at module load when it is installed (~2 CPU s a rank); the
-    runtime's import hides it for that import only."""
-    pytest.importorskip("deepspeed")
-    pytest.importorskip("mlflow")
-    code = ("import sys; from recipes.training.runtime import import_deepspeed; import_deepspeed(); "
-            "loaded = 'mlflow' in sys.modules; import deepspeed.autotuning.autotuner as a; import mlflow; "
-            "print(loaded, a.has_mlflow, mlflow.__name__)")
-    out = _python(code)
-    assert out.stdout.split()[-3:] == ["False", "False", "mlflow"], out.stdout
-
-
-def test_zero_asks_a_muon_stand_in_and_compiles_no_kernels():
-    """ZeRO's optimizer check and its optimizers import DeepSpeed's Muon for an isinstance test; the real
-    module compiles kernels at import (torch._inductor). After the runtime's import, ZeRO's check takes
-    AdamW without loading torch._inductor.compile_fx (what torch.compile imports), and building the stand-in Muon says why it is absent."""
-    pytest.importorskip("deepspeed")
-    code = ("import sys, torch; from recipes.training.runtime import import_deepspeed, setup_distributed; "
-            "setup_distributed(); from deepspeed.runtime.zero.utils import is_zero_supported_optimizer; "
-            "from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam; "
-            "adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]); "
-            "print('SUPPORTED', is_zero_supported_optimizer(adamw), 'torch._inductor.compile_fx' in sys.modules); "
-            "MuonWithAuxAdam()")
-    out = _python(code, ok=False)
-    assert "SUPPORTED True False" in out.stdout, out.stdout + out.stderr[-3000:]
-    assert "DeepSpeed's Muon is not available in a numloss recipe" in out.stderr, out.stderr[-3000:]
 
 
 def test_megatron_core_is_imported_without_wandb_and_wandb_stays_importable():

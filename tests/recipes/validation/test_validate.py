@@ -173,10 +173,14 @@ def test_memory_is_planned_against_the_usable_part_of_the_device():
     assert validate.validate_recipe(meg8, two_rows, offline=True, seq_len=seq, gpu_mem_gb=141).ok
 
 
-def test_every_engine_has_a_report():
-    """validate prints each engine's plan through that engine's report module: one per contract."""
+def test_every_engine_has_a_report_and_a_runtime():
+    """validate prints each engine's plan through its contract's report lines, and the names of its runtime
+    objects resolve: the engine class of that name, the converter where it has one."""
     from recipes.engines import ENGINES
+    from recipes.engines.runtime import runtime_object
 
-    assert set(validate.ENGINE_REPORTS) == set(ENGINES)
-    for report in validate.ENGINE_REPORTS.values():
-        assert callable(report.add_plan) and callable(report.layout_line)
+    for name, contract in ENGINES.items():
+        assert callable(contract.report.add_plan) and callable(contract.report.layout_line)
+        assert contract.report.__name__.startswith(f"recipes.engines.{name}.")
+        assert runtime_object(contract.runtime_class).name == name
+        assert contract.converter is None or callable(runtime_object(contract.converter))

@@ -34,9 +34,10 @@ def gloo_rank_runtime(rank: int, world: int):
 
     os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    from recipes.training.runtime import Runtime, _skip_cpu_shm_op
+    from recipes.engines.deepspeed.runtime.distributed import skip_cpu_shm_op
+    from recipes.training.runtime import Runtime
 
-    _skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only (35-65 s)
+    skip_cpu_shm_op()  # DeepSpeed's CPU accelerator would compile an op for inference only (35-65 s)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)

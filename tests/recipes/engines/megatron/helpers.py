@@ -49,7 +49,7 @@ def save_tiny(kind: str, out: str | Path, seed: int = 0, **overrides) -> Path:
 
 def recipe_for(model_dir: str | Path, tp: int = 1, pp: int = 1, vp: int | None = None, sp: bool = False):
     from recipes.config import Recipe
-    from recipes.engines.megatron.contract import MegatronSection
+    from recipes.engines.megatron.pure.contract import MegatronSection
     from recipes.sections import ModelConfig
 
     return Recipe(model=ModelConfig(name_or_path=str(model_dir), dtype="float32"),

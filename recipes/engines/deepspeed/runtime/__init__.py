@@ -1,0 +1,1 @@
+"""The DeepSpeed engine at run time (floor 7): torch and DeepSpeed."""
